@@ -1,0 +1,1 @@
+"""Runnable recipes: one Python file per experiment exposing ``get_config()``."""

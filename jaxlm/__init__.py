@@ -1,0 +1,40 @@
+"""jaxlm: a JAX/Flax NNX research framework for large language models.
+
+Core API: `ModelConfig` (+ presets), `build_model`, `load_hf` / `save_hf`, `generate`,
+`save_checkpoint` / `load_checkpoint` / `load_model` (orbax), `sharding.make_mesh`.
+"""
+
+import importlib
+
+from jaxlm.data.tokenizers import ByteTokenizer, HFTokenizer
+from jaxlm.inference.cache import KVCache
+from jaxlm.inference.sampler import GenerateResult, generate
+from jaxlm.models.config import ModelConfig, RopeScaling, preset
+from jaxlm.models.hf import CheckpointError, load_hf, save_hf
+from jaxlm.models.transformer import ModelOutput, Transformer, abstract_model, build_model
+
+__version__ = "0.1.0"
+
+# Imported on first use (orbax is slow to import and not needed to run a model).
+_LAZY = {
+    "checkpoint": ("jaxlm.checkpoint", None),
+    "sharding": ("jaxlm.sharding", None),
+    "save_checkpoint": ("jaxlm.checkpoint", "save_checkpoint"),
+    "load_checkpoint": ("jaxlm.checkpoint", "load_checkpoint"),
+    "load_model": ("jaxlm.checkpoint", "load_model"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        mod = importlib.import_module(module)
+        return mod if attr is None else getattr(mod, attr)
+    raise AttributeError(f"module 'jaxlm' has no attribute {name!r}")
+
+
+__all__ = [
+    "ByteTokenizer", "HFTokenizer", "KVCache", "GenerateResult", "generate", "ModelConfig",
+    "RopeScaling", "preset", "CheckpointError", "load_hf", "save_hf", "ModelOutput",
+    "Transformer", "abstract_model", "build_model", *_LAZY,
+]

@@ -1,0 +1,119 @@
+"""Orbax save/restore of a model with its `ModelConfig` stored beside the arrays.
+
+Layout of a checkpoint directory (one orbax composite)::
+
+    path/params/   the parameters (orbax standard format, tensorstore)
+    path/config/   the ModelConfig as JSON
+    path/tokenizer*.json   the model's tokenizer, when it has one
+
+`load_checkpoint` reads the config first, builds the model's abstract shapes
+with `nnx.eval_shape` (no random weights are materialised) and restores straight
+into them, sharded by the parameters' logical axes when a mesh is given.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxlm.models.config import ModelConfig
+from jaxlm.models.hf.io import CheckpointError
+from jaxlm.models.transformer import Transformer, abstract_model
+
+
+def save_checkpoint(model: Transformer, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write ``model``'s parameters and config to ``path`` (a new directory)."""
+    path = Path(path).absolute()
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        ckptr.save(
+            path,
+            ocp.args.Composite(
+                params=ocp.args.StandardSave(params),
+                config=ocp.args.JsonSave(model.config.to_dict()),
+            ),
+            force=overwrite,
+        )
+    if model.tokenizer is not None:
+        from jaxlm.data.tokenizers import save_tokenizer
+
+        save_tokenizer(model.tokenizer, path)
+    return path
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The `ModelConfig` stored in a checkpoint directory."""
+    path = Path(path).absolute()
+    if not (path / "config").exists() or not (path / "params").exists():
+        raise CheckpointError(f"{path} is not a jaxlm checkpoint (expected config/ and params/)")
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        stored = ckptr.restore(path, ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    try:
+        return ModelConfig.from_dict(stored)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}/config holds an invalid ModelConfig: {e}") from None
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    config: ModelConfig | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> Transformer:
+    """Restore a model saved by `save_checkpoint`.
+
+    config: when given, must equal the stored config (else `CheckpointError`
+    listing the fields that differ). mesh: place each parameter on its shards.
+    """
+    path = Path(path).absolute()
+    stored = read_config(path)
+    if config is not None and config != stored:
+        diff = stored.diff(config)
+        lines = ", ".join(f"{k}: stored {a!r} vs requested {b!r}" for k, (a, b) in diff.items())
+        raise CheckpointError(f"config mismatch restoring {path}: {lines}")
+    model = abstract_model(stored)
+    graphdef, abstract_state = nnx.split(model)
+    if mesh is not None:
+        from jaxlm.sharding import model_shardings
+
+        shardings = model_shardings(model, mesh)
+    else:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, abstract_state)
+    targets = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+    )
+    target_dict = nnx.to_pure_dict(targets)
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+            restored = ckptr.restore(
+                path, ocp.args.Composite(params=ocp.args.StandardRestore(target_dict))
+            )["params"]
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise CheckpointError(f"{path}: stored parameters do not match the stored config: {e}") from None
+    nnx.replace_by_pure_dict(abstract_state, restored)
+    model = nnx.merge(graphdef, abstract_state)
+    from jaxlm.data.tokenizers import load_tokenizer
+
+    model.tokenizer = load_tokenizer(path)
+    return model
+
+
+def load_model(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, **hf_kwargs) -> Transformer:
+    """Load either a jaxlm (orbax) checkpoint or a HuggingFace directory, by what ``path`` holds."""
+    path = Path(path)
+    if (path / "config").is_dir() and (path / "params").is_dir():
+        return load_checkpoint(path, mesh=mesh)
+    if (path / "config.json").exists():
+        from jaxlm.models.hf.io import load_hf
+
+        return load_hf(path, mesh=mesh, **hf_kwargs)
+    raise CheckpointError(
+        f"{path} is neither a jaxlm checkpoint (config/ + params/) nor a HF directory (config.json)"
+    )

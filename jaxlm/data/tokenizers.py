@@ -1,0 +1,156 @@
+"""Tokenizers: `ByteTokenizer` (no files, the embedded default) and `HFTokenizer`
+(a thin wrapper over the `tokenizers` library for a local ``tokenizer.json``).
+
+Both expose ``encode(text, add_bos=...) -> list[int]``, ``decode(ids) -> str``,
+``bos_id``, ``eos_id``, ``pad_id`` and ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Iterable, Sequence
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past three specials: PAD=0, BOS=1, EOS=2, byte b -> b + 3.
+
+    Vocabulary size 259 (`ModelConfig.tiny` uses it). Decoding drops the specials
+    and replaces invalid UTF-8 with U+FFFD, so ``decode(encode(s)) == s`` for every str.
+    """
+
+    pad_id, bos_id, eos_id = 0, 1, 2
+    offset = 3
+    vocab_size = 256 + offset
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"ByteTokenizer.encode expects str, got {type(text).__name__}")
+        ids = [b + self.offset for b in text.encode("utf-8")]
+        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+    def decode(self, ids: Iterable[int]) -> str:
+        data = bytes(int(i) - self.offset for i in ids if self.offset <= int(i) < self.vocab_size)
+        return data.decode("utf-8", errors="replace")
+
+    def batch_encode(self, texts: Sequence[str], **kw) -> list[list[int]]:
+        return [self.encode(t, **kw) for t in texts]
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+def _token_id(tok, special) -> int | None:
+    if special is None:
+        return None
+    if isinstance(special, dict):  # {"content": "<s>", ...}
+        special = special.get("content")
+    if isinstance(special, int):
+        return special
+    return tok.token_to_id(special)
+
+
+class HFTokenizer:
+    """A local ``tokenizer.json`` (HF `tokenizers`), with specials from ``tokenizer_config.json``
+    or ``config.json`` when present."""
+
+    def __init__(self, tokenizer, *, bos_id=None, eos_id=None, pad_id=None, source: Path | None = None):
+        self._tok = tokenizer
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+        self._source = source
+
+    @classmethod
+    def from_file(cls, file: str | os.PathLike, *, bos=None, eos=None, pad=None) -> "HFTokenizer":
+        """Load ``file``; ``bos``/``eos``/``pad`` are token strings or ids (optional)."""
+        from tokenizers import Tokenizer
+
+        file = Path(file)
+        if not file.exists():
+            raise FileNotFoundError(f"{file} does not exist")
+        try:
+            tok = Tokenizer.from_file(str(file))
+        except Exception as e:  # the library raises a bare Exception on bad JSON
+            raise ValueError(f"{file} is not a valid tokenizer.json: {e}") from None
+        return cls(
+            tok, bos_id=_token_id(tok, bos), eos_id=_token_id(tok, eos), pad_id=_token_id(tok, pad),
+            source=file,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "HFTokenizer":
+        """``path/tokenizer.json`` with specials from ``config.json`` / ``tokenizer_config.json``."""
+        path = Path(path)
+        specials: dict[str, object] = {}
+        for name in ("config.json", "tokenizer_config.json"):  # later files win
+            if (path / name).exists():
+                data = json.loads((path / name).read_text())
+                for key in ("bos", "eos", "pad"):
+                    for field in (f"{key}_token_id", f"{key}_token"):
+                        if data.get(field) is not None:
+                            specials[key] = data[field]
+        return cls.from_file(path / "tokenizer.json", **specials)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        if add_eos and self.eos_id is not None:
+            ids = ids + [self.eos_id]
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def batch_encode(self, texts: Sequence[str], **kw) -> list[list[int]]:
+        return [self.encode(t, **kw) for t in texts]
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``tokenizer.json`` into directory ``path``."""
+        target = Path(path) / "tokenizer.json"
+        if self._source is not None and self._source.exists():
+            if self._source.resolve() != target.resolve():
+                shutil.copyfile(self._source, target)
+        else:
+            self._tok.save(str(target))
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"
+
+
+_CONFIG = "tokenizer_config.json"
+
+
+def save_tokenizer(tokenizer, path: str | os.PathLike) -> None:
+    """Write ``tokenizer`` into directory ``path`` so `load_tokenizer` finds it again.
+
+    HF: ``tokenizer.json`` (+ special-token ids in ``tokenizer_config.json`` unless one
+    exists); byte-level: a ``tokenizer_config.json`` naming ``ByteTokenizer``.
+    """
+    path = Path(path)
+    if isinstance(tokenizer, ByteTokenizer):
+        (path / _CONFIG).write_text(json.dumps({"tokenizer_class": "ByteTokenizer"}))
+    elif isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(path)
+        if not (path / _CONFIG).exists():
+            ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_id") for k in ("bos", "eos", "pad")}
+            (path / _CONFIG).write_text(json.dumps(ids))
+    else:
+        raise TypeError(f"cannot save a tokenizer of type {type(tokenizer).__name__}")
+
+
+def load_tokenizer(path: str | os.PathLike) -> ByteTokenizer | HFTokenizer | None:
+    """The tokenizer stored in directory ``path``, or None if it holds none."""
+    path = Path(path)
+    if (path / _CONFIG).exists():
+        if json.loads((path / _CONFIG).read_text()).get("tokenizer_class") == "ByteTokenizer":
+            return ByteTokenizer()
+    if (path / "tokenizer.json").exists():
+        return HFTokenizer.from_dir(path)
+    return None

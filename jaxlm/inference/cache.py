@@ -1,0 +1,72 @@
+"""The KV cache: an explicit pytree returned by every forward pass that takes one.
+
+Layout: keys and values stacked over layers, ``[L, B, K, S, H]`` (a scanned model
+scans over the leading axis; heads before slots keeps each head's keys contiguous
+for the decode-time attention matmuls), plus per-slot validity ``[B, S]``, the next
+write slot ``end_index`` (shared by the batch: prompts are left-padded) and the
+per-sequence count of real tokens ``lengths [B]`` (the next RoPE position).
+Writes are `lax.dynamic_update_slice` at ``end_index``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, K, S, H]
+    v: jax.Array  # [L, B, K, S, H]
+    valid: jax.Array  # [B, S] bool: slot holds a real token
+    end_index: jax.Array  # [] int32: next slot to write
+    lengths: jax.Array  # [B] int32: real tokens so far per sequence
+
+    @classmethod
+    def init(cls, config, batch_size: int, max_len: int, dtype=None) -> "KVCache":
+        """An empty cache for ``batch_size`` sequences of up to ``max_len`` slots."""
+        if max_len > config.max_seq_len:
+            raise ValueError(
+                f"cache max_len={max_len} exceeds ModelConfig.max_seq_len={config.max_seq_len}"
+            )
+        dtype = jnp.dtype(dtype or config.dtype)
+        shape = (config.n_layers, batch_size, config.n_kv_heads, max_len, config.head_dim)
+        return cls(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            valid=jnp.zeros((batch_size, max_len), bool),
+            end_index=jnp.zeros((), jnp.int32),
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+
+@struct.dataclass
+class LayerKV:
+    """Write access to layer ``layer`` of the stacked cache, handed to an attention layer.
+
+    `write` updates the stacked arrays in place (one `dynamic_update_slice` of the new
+    tokens) *before* the layer's keys/values are read back, so XLA never has to copy
+    the cache to keep an old version alive.
+    """
+
+    k: jax.Array  # [L, B, K, S, H]
+    v: jax.Array
+    layer: jax.Array  # [] int32
+    index: jax.Array  # [] int32: first slot to write
+
+    def write(self, k_new: jax.Array, v_new: jax.Array) -> tuple["LayerKV", jax.Array, jax.Array]:
+        """Store ``[B, K, T, H]`` keys/values; return the updated cache and this layer's
+        full ``[B, K, S, H]`` keys and values."""
+        start = (self.layer, 0, 0, self.index, 0)
+        k = jax.lax.dynamic_update_slice(self.k, k_new[None].astype(self.k.dtype), start)
+        v = jax.lax.dynamic_update_slice(self.v, v_new[None].astype(self.v.dtype), start)
+        return self.replace(k=k, v=v), k[self.layer], v[self.layer]

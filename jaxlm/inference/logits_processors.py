@@ -1,0 +1,108 @@
+"""Logits processors: pure functions ``(logits [B, V], state) -> logits [B, V]`` that compose.
+
+Each built-in is a frozen dataclass, so equal settings hash equal and a jitted
+sampler is compiled once per setting. Any callable with the same signature
+(a grammar mask, a repetition penalty, a steering bias) composes the same way;
+`compose` applies them left to right. ``state`` is the sampler's `SamplingState`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+LogitsProcessor = Callable[[jax.Array, object], jax.Array]
+NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class Temperature:
+    """``logits / t`` (t > 0)."""
+
+    t: float
+
+    def __post_init__(self):
+        if not self.t > 0:
+            raise ValueError(f"temperature={self.t!r} is invalid: must be > 0 (use greedy for 0)")
+
+    def __call__(self, logits, state=None):
+        return logits / jnp.asarray(self.t, logits.dtype)
+
+
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """float32 -> int32 with the same order (the IEEE total-order trick): a sortable key."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def keep_top(values: jax.Array, enough) -> jax.Array:
+    """Mask of ``values >= t`` per row for the largest ``t`` at which ``enough(mask)`` holds.
+
+    ``enough`` must be monotone (true when everything is kept). 32 bisection steps
+    over order-preserving int32 keys find the exact threshold without sorting the
+    vocabulary; on CPU a sort of ``[16, 32000]`` costs ~100 ms, this ~1 ms. Values
+    tied at the threshold are all kept.
+    """
+    keys = _ordered_bits(values)
+    lo = jnp.min(keys, axis=-1, keepdims=True)  # enough(all kept) holds
+    hi = jnp.max(keys, axis=-1, keepdims=True)  # search (lo, hi]; hi + 1 keeps nothing
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1) + ((lo ^ hi) & 1)  # ceil((lo+hi)/2), no overflow
+        ok = enough(keys >= mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    return keys >= lo
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+    """Keep the ``k`` largest logits (ties at the k-th value are kept), mask the rest.
+    Found by bisection (`keep_top`); `jax.lax.top_k` inside the decode loop is ~100x slower on CPU."""
+
+    k: int
+
+    def __post_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k <= 0:
+            raise ValueError(f"top_k={self.k!r} is invalid: must be a positive int")
+
+    def __call__(self, logits, state=None):
+        keep = keep_top(logits, lambda kept: jnp.sum(kept, -1, keepdims=True) >= self.k)
+        return jnp.where(keep, logits, NEG_INF)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopP:
+    """Nucleus sampling (Holtzman et al. 2020): keep the smallest set of most likely
+    tokens whose probability mass reaches ``p`` (tokens tied at the boundary are all
+    kept; the most likely token always is). Found by bisection, not a vocabulary sort."""
+
+    p: float
+
+    def __post_init__(self):
+        if not 0 < self.p <= 1:
+            raise ValueError(f"top_p={self.p!r} is invalid: must be in (0, 1]")
+
+    def __call__(self, logits, state=None):
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        keep = keep_top(
+            probs, lambda kept: jnp.sum(jnp.where(kept, probs, 0.0), -1, keepdims=True) >= self.p
+        )
+        return jnp.where(keep, logits, NEG_INF)
+
+
+def compose(processors: Sequence[LogitsProcessor]) -> LogitsProcessor:
+    """Apply ``processors`` left to right."""
+    processors = tuple(processors)
+
+    def apply(logits, state=None):
+        for p in processors:
+            logits = p(logits, state)
+        return logits
+
+    return apply

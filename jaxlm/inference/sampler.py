@@ -1,0 +1,280 @@
+"""`generate`: batched sampling with a KV cache, prefill then a `lax.while_loop` inside `jit`.
+
+Prompts of different lengths are left-padded into one ``[B, P]`` block and
+prefilled in one pass; decoding then writes one token per step into the cache
+(`jaxlm.inference.cache.KVCache`) until every sequence has hit a stop token or
+``max_new_tokens``. The whole loop is one compiled program over
+``(graphdef, params)`` (split once, merged inside `jit`), compiled once per
+(shapes, settings) and reused.
+
+Two log-probabilities are returned per generated token:
+``logprobs`` under the model's own distribution (raw logits, what a fresh forward
+pass gives and what RL ratios need) and ``sampling_logprobs`` under the processed
+distribution the token was actually drawn from (temperature/top-k/top-p/masks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from jaxlm.inference.cache import KVCache
+from jaxlm.inference.logits_processors import LogitsProcessor, Temperature, TopK, TopP, compose
+
+
+@struct.dataclass
+class SamplingState:
+    """The decode loop's carry; logits processors receive it as ``state``."""
+
+    step: jax.Array  # [] int32: index of the token being chosen
+    tokens: jax.Array  # [B, N] generated so far (pad after stop)
+    logprobs: jax.Array  # [B, N] float32
+    sampling_logprobs: jax.Array  # [B, N] float32
+    lengths: jax.Array  # [B] int32 generated tokens so far (stop token included)
+    done: jax.Array  # [B] bool
+    prompt_lengths: jax.Array  # [B] int32
+    logits: jax.Array  # [B, V] float32 next-token logits
+    cache: KVCache
+    rng: jax.Array
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: jax.Array  # [B, N] generated ids, pad_id after each sequence's end
+    logprobs: jax.Array  # [B, N] log p_model(token | prefix), 0 after the end
+    sampling_logprobs: jax.Array  # [B, N] log-prob under the processed sampling distribution
+    lengths: jax.Array  # [B] generated tokens per sequence (stop token included)
+    prompt_tokens: jax.Array  # [B, P] left-padded prompts
+    prompt_lengths: jax.Array  # [B]
+    texts: list[str] | None = None  # decoded completions when a tokenizer is known
+
+    def completions(self) -> list[list[int]]:
+        tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
+        return [tokens[b, : lengths[b]].tolist() for b in range(tokens.shape[0])]
+
+    def sequences(self) -> list[list[int]]:
+        """Prompt + completion per row, without padding."""
+        prompts, plens = np.asarray(self.prompt_tokens), np.asarray(self.prompt_lengths)
+        P = prompts.shape[1]
+        return [prompts[b, P - plens[b]:].tolist() + c for b, c in enumerate(self.completions())]
+
+
+def sample_categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """One draw per row from ``softmax(logits)`` by inverting the CDF with a single uniform.
+
+    Exact like the Gumbel-max trick, but needs ``B`` random numbers instead of ``B x V``
+    (the threefry bits for a 32k vocabulary cost more than the model's decode step on CPU).
+    Masked (-inf) entries have zero mass and are never drawn.
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    cdf = jnp.cumsum(probs, axis=-1)
+    u = jax.random.uniform(key, logits.shape[:-1] + (1,), jnp.float32) * cdf[..., -1:]
+    return jnp.minimum(jnp.sum(cdf <= u, axis=-1), logits.shape[-1] - 1)
+
+
+def _select(logits, processed, key, greedy: bool, same: bool = False):
+    """Choose a token per row; its log-prob under the raw and the processed distribution."""
+    token = jnp.argmax(processed, axis=-1) if greedy else sample_categorical(key, processed)
+    token = token.astype(jnp.int32)
+    pick = lambda x: jnp.take_along_axis(x, token[:, None], axis=-1)[:, 0]
+    raw = pick(logits) - jax.nn.logsumexp(logits, axis=-1)
+    proc = raw if same else pick(processed) - jax.nn.logsumexp(processed, axis=-1)
+    return token, raw, proc
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "max_new_tokens", "processors", "greedy", "pad_id", "stop_tokens", "cache_dtype"),
+)
+def generate_tokens(
+    graphdef,
+    params,
+    prompt_tokens: jax.Array,
+    prompt_mask: jax.Array,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    processors: tuple[LogitsProcessor, ...] = (),
+    greedy: bool = False,
+    pad_id: int = 0,
+    stop_tokens: tuple[int, ...] = (),
+    cache_dtype: str | None = None,
+) -> SamplingState:
+    """The jittable core: left-padded ``prompt_tokens [B, P]`` with ``prompt_mask`` -> final state."""
+    model = nnx.merge(graphdef, params)
+    B, P = prompt_tokens.shape
+    N = max_new_tokens
+    chex.assert_shape(prompt_mask, (B, P))
+    process = compose(processors)
+    stop = jnp.asarray(stop_tokens, jnp.int32) if stop_tokens else None
+
+    cache = KVCache.init(model.config, B, P + N, cache_dtype)
+    out = model.backbone(prompt_tokens, cache=cache, mask=prompt_mask)
+    state = SamplingState(
+        step=jnp.zeros((), jnp.int32),
+        tokens=jnp.full((B, N), pad_id, jnp.int32),
+        logprobs=jnp.zeros((B, N), jnp.float32),
+        sampling_logprobs=jnp.zeros((B, N), jnp.float32),
+        lengths=jnp.zeros((B,), jnp.int32),
+        done=jnp.zeros((B,), bool),
+        prompt_lengths=prompt_mask.sum(axis=1, dtype=jnp.int32),
+        logits=model.unembed(out.hidden[:, -1]),
+        cache=out.cache,
+        rng=rng,
+    )
+
+    def choose(s: SamplingState) -> SamplingState:
+        rng, key = jax.random.split(s.rng)
+        token, lp, slp = _select(s.logits, process(s.logits, s), key, greedy, same=not processors)
+        token = jnp.where(s.done, pad_id, token)
+        lp, slp = jnp.where(s.done, 0.0, lp), jnp.where(s.done, 0.0, slp)
+        col = (0, s.step)
+        done = s.done if stop is None else s.done | jnp.isin(token, stop)
+        return s.replace(
+            tokens=jax.lax.dynamic_update_slice(s.tokens, token[:, None], col),
+            logprobs=jax.lax.dynamic_update_slice(s.logprobs, lp[:, None], col),
+            sampling_logprobs=jax.lax.dynamic_update_slice(s.sampling_logprobs, slp[:, None], col),
+            lengths=s.lengths + (~s.done).astype(jnp.int32),
+            done=done,
+            step=s.step + 1,
+            rng=rng,
+        )
+
+    def cond(s: SamplingState):
+        return (s.step < N) & ~jnp.all(s.done)
+
+    def body(s: SamplingState) -> SamplingState:
+        last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
+        out = model.backbone(last, cache=s.cache)
+        return choose(s.replace(logits=model.unembed(out.hidden[:, 0]), cache=out.cache))
+
+    return jax.lax.while_loop(cond, body, choose(state))
+
+
+def _as_token_lists(prompts, tokenizer, add_bos: bool) -> list[list[int]]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if isinstance(prompts, np.ndarray) or isinstance(prompts, jax.Array):
+        if prompts.ndim != 2:
+            raise ValueError(f"prompts array must be [B, P], got shape {prompts.shape}")
+        return [list(map(int, row)) for row in np.asarray(prompts)]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError(
+                    f"prompt {i} is text but no tokenizer is known: pass tokenizer= or token ids"
+                )
+            p = tokenizer.encode(p, add_bos=add_bos)
+        out.append([int(t) for t in p])
+    return out
+
+
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]] | Sequence[str] | str,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    rng: jax.Array | int | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    logits_processors: Sequence[LogitsProcessor] = (),
+    tokenizer: Any = None,
+    add_bos: bool = True,
+    pad_id: int | None = None,
+    cache_dtype: str | None = None,
+    bucket: int = 8,
+) -> GenerateResult:
+    """Sample up to ``max_new_tokens`` for each prompt.
+
+    prompts: token-id lists of any lengths, or text (encoded with ``tokenizer``,
+      else ``model.tokenizer``; BOS prepended when ``add_bos`` and the tokenizer has one).
+    temperature: 0 means greedy (argmax of the processed logits).
+    stop_tokens: ids that end a sequence (default: the tokenizer's EOS if known).
+    logits_processors: applied first, in order, before temperature, top-k, top-p.
+    bucket: prompt blocks are left-padded to a multiple of this to reuse compilations.
+    """
+    config = model.config
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    token_lists = _as_token_lists(prompts, tokenizer, add_bos)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive int")
+    for i, p in enumerate(token_lists):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        bad = [t for t in p if not 0 <= t < config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {i} has token ids {bad[:5]} outside [0, vocab_size={config.vocab_size})"
+            )
+    longest = max(map(len, token_lists))
+    if longest + max_new_tokens > config.max_seq_len:
+        raise ValueError(
+            f"prompt length {longest} + max_new_tokens {max_new_tokens} = "
+            f"{longest + max_new_tokens} exceeds ModelConfig.max_seq_len={config.max_seq_len}"
+        )
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} is invalid: must be >= 0 (0 = greedy)")
+
+    if stop_tokens is None:
+        eos = getattr(tokenizer, "eos_id", None)
+        stop_tokens = () if eos is None else (eos,)
+    stop_tokens = tuple(int(t) for t in stop_tokens)
+    bad = [t for t in stop_tokens if not 0 <= t < config.vocab_size]
+    if bad:
+        raise ValueError(f"stop_tokens {bad} are outside [0, vocab_size={config.vocab_size})")
+    if pad_id is None:
+        pad_id = getattr(tokenizer, "pad_id", None)
+        pad_id = 0 if pad_id is None else int(pad_id)
+
+    processors = list(logits_processors)
+    greedy = temperature == 0
+    if not greedy and temperature != 1:
+        processors.append(Temperature(float(temperature)))
+    if top_k is not None:
+        processors.append(TopK(top_k))
+    if top_p is not None and top_p != 1:
+        processors.append(TopP(float(top_p)))
+
+    P = -(-longest // bucket) * bucket
+    P = max(longest, min(P, config.max_seq_len - max_new_tokens))
+    B = len(token_lists)
+    block = np.full((B, P), pad_id, np.int32)
+    mask = np.zeros((B, P), bool)
+    for b, p in enumerate(token_lists):
+        block[b, P - len(p):] = p
+        mask[b, P - len(p):] = True
+
+    if rng is None:
+        rng = 0
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    graphdef, params = nnx.split(model)
+    final = generate_tokens(
+        graphdef, params, jnp.asarray(block), jnp.asarray(mask), rng,
+        max_new_tokens=max_new_tokens, processors=tuple(processors), greedy=greedy,
+        pad_id=pad_id, stop_tokens=stop_tokens, cache_dtype=cache_dtype,
+    )
+    result = GenerateResult(
+        tokens=final.tokens,
+        logprobs=final.logprobs,
+        sampling_logprobs=final.sampling_logprobs,
+        lengths=final.lengths,
+        prompt_tokens=jnp.asarray(block),
+        prompt_lengths=final.prompt_lengths,
+    )
+    if tokenizer is not None:
+        result.texts = [tokenizer.decode(c) for c in result.completions()]
+    return result

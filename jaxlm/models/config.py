@@ -1,0 +1,320 @@
+"""`ModelConfig`: the one frozen, validated description of a decoder-only transformer.
+
+Variants are config fields, not subclasses: ``attention``, ``mlp`` and ``rope`` are
+string keys into the layer registries (`jaxlm.models.layers`), RoPE frequency
+scaling is a nested `RopeScaling`, and the HF family a model came from (or is
+exported to) is a plain string. Every field is checked on construction and a bad
+value raises ``ValueError`` naming the field, the value and what is allowed.
+
+Presets give the published shapes of common checkpoints (nothing downloads):
+``ModelConfig.llama3_8b()``, ``ModelConfig.qwen3_0_6b()`` ... and ``tiny()`` for tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_ROPE_SCALINGS = ("none", "linear", "llama3")
+_REMAT = ("none", "full", "dots")
+
+
+def _err(field: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"ModelConfig.{field}={value!r} is invalid: {allowed}")
+
+
+def _check_positive_int(owner: str, field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}.{field}={value!r} is invalid: must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as in HF ``rope_parameters`` / ``rope_scaling``.
+
+    kind: ``"none"``; ``"linear"`` (position interpolation, Chen et al. 2023: every
+      inverse frequency divided by ``factor``); ``"llama3"`` (Llama 3.1: wavelengths
+      longer than ``original_max_len / low_freq_factor`` are divided by ``factor``,
+      those shorter than ``original_max_len / high_freq_factor`` are kept, and the
+      band between is interpolated smoothly).
+    """
+
+    kind: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in _ROPE_SCALINGS:
+            raise ValueError(
+                f"RopeScaling.kind={self.kind!r} is invalid: must be one of {_ROPE_SCALINGS}"
+            )
+        if not isinstance(self.factor, (int, float)) or self.factor <= 0:
+            raise ValueError(f"RopeScaling.factor={self.factor!r} is invalid: must be > 0")
+        if self.kind == "llama3":
+            if not self.high_freq_factor > self.low_freq_factor > 0:
+                raise ValueError(
+                    "RopeScaling.high_freq_factor="
+                    f"{self.high_freq_factor!r} must be > low_freq_factor={self.low_freq_factor!r}"
+                    " > 0 for kind='llama3'"
+                )
+            _check_positive_int("RopeScaling", "original_max_len", self.original_max_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama/Qwen/Mistral-family decoder.
+
+    Field names follow the paper-level quantities: ``d_model`` (hidden size),
+    ``n_heads`` query heads, ``n_kv_heads`` key/value heads (GQA when smaller,
+    MQA when 1), ``head_dim`` (defaults to ``d_model // n_heads``), ``ffn_dim``
+    (SwiGLU inner width).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None -> n_heads (plain multi-head attention)
+    head_dim: int | None = None  # None -> d_model // n_heads
+    ffn_dim: int = 128
+    norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    sliding_window: int | None = None
+    max_seq_len: int = 2048
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    attention: str = "softmax"
+    mlp: str = "swiglu"
+    rope: str = "default"
+    scan_layers: bool = False
+    remat: str = "none"
+    family: str = "llama"  # HF family this model maps to: llama | qwen2 | qwen3 | mistral
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        # Resolve the derived defaults first so every later check sees concrete values.
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.head_dim is None:
+            if isinstance(self.d_model, int) and isinstance(self.n_heads, int) and self.n_heads > 0:
+                if self.d_model % self.n_heads:
+                    raise ValueError(
+                        f"ModelConfig.d_model={self.d_model} is not divisible by "
+                        f"n_heads={self.n_heads}; set head_dim explicitly"
+                    )
+                object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        self.validate()
+
+    def validate(self) -> None:
+        for name in (
+            "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+            "ffn_dim", "max_seq_len",
+        ):
+            _check_positive_int("ModelConfig", name, getattr(self, name))
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_heads={self.n_heads} is not divisible by "
+                f"n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise _err("head_dim", self.head_dim, "must be even (RoPE rotates pairs)")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise _err(name, value, "must be a number > 0")
+        if not isinstance(self.rope_scaling, RopeScaling):
+            raise _err("rope_scaling", self.rope_scaling, "must be a RopeScaling")
+        if self.sliding_window is not None:
+            _check_positive_int("ModelConfig", "sliding_window", self.sliding_window)
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise _err(name, getattr(self, name), f"must be one of {_DTYPES}")
+        if self.remat not in _REMAT:
+            raise _err("remat", self.remat, f"must be one of {_REMAT}")
+        for name in ("qkv_bias", "qk_norm", "tie_embeddings", "scan_layers"):
+            if not isinstance(getattr(self, name), bool):
+                raise _err(name, getattr(self, name), "must be a bool")
+        # Registry keys are checked lazily to keep this module import-light.
+        from jaxlm.models.layers import ATTENTION, MLP, ROPE
+
+        for name, registry in (("attention", ATTENTION), ("mlp", MLP), ("rope", ROPE)):
+            if getattr(self, name) not in registry:
+                raise _err(name, getattr(self, name), f"must be one of {sorted(registry)}")
+        from jaxlm.models.hf.families import FAMILIES
+
+        if self.family not in FAMILIES:
+            raise _err("family", self.family, f"must be one of {sorted(FAMILIES)}")
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with ``changes`` applied (and validated).
+
+        Derived defaults follow their sources: when ``head_dim`` was ``d_model // n_heads``
+        and either changes, it is re-derived; likewise ``n_kv_heads == n_heads``.
+        Pass them explicitly to pin them.
+        """
+        if "head_dim" not in changes and ({"d_model", "n_heads"} & changes.keys()):
+            if self.head_dim == self.d_model // self.n_heads:
+                changes["head_dim"] = None
+        if "n_kv_heads" not in changes and "n_heads" in changes and self.n_kv_heads == self.n_heads:
+            changes["n_kv_heads"] = None
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Parameter count implied by the shapes (embeddings counted once when tied)."""
+        d, l = self.d_model, self.n_layers
+        attn = d * self.q_dim + 2 * d * self.kv_dim + self.q_dim * d
+        if self.qkv_bias:
+            attn += self.q_dim + 2 * self.kv_dim
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        mlp = 3 * d * self.ffn_dim
+        per_layer = attn + mlp + 2 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + l * per_layer + d + head
+
+    # ---------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}"
+            )
+        data = dict(data)
+        if isinstance(data.get("rope_scaling"), dict):
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        return cls.from_dict(json.loads(text))
+
+    def diff(self, other: "ModelConfig") -> dict[str, tuple[Any, Any]]:
+        """Fields that differ: ``{name: (self_value, other_value)}``."""
+        a, b = self.to_dict(), other.to_dict()
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+    # ---------------------------------------------------------------- presets
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "ModelConfig":
+        """A few-hundred-kB model for tests: GQA, untied, 2 layers."""
+        base = dict(
+            vocab_size=259, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+            max_seq_len=256,
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def llama2_7b(cls, **overrides: Any) -> "ModelConfig":
+        base = dict(
+            vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+            ffn_dim=11008, norm_eps=1e-5, rope_theta=10_000.0, max_seq_len=4096, family="llama",
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def llama3_8b(cls, **overrides: Any) -> "ModelConfig":
+        base = dict(
+            vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+            ffn_dim=14336, norm_eps=1e-5, rope_theta=500_000.0, max_seq_len=8192, family="llama",
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def llama3_1_8b(cls, **overrides: Any) -> "ModelConfig":
+        scaling = RopeScaling(
+            kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_len=8192,
+        )
+        return cls.llama3_8b(**{"rope_scaling": scaling, "max_seq_len": 131072, **overrides})
+
+    @classmethod
+    def qwen2_5_7b(cls, **overrides: Any) -> "ModelConfig":
+        base = dict(
+            vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4,
+            ffn_dim=18944, norm_eps=1e-6, rope_theta=1_000_000.0, qkv_bias=True,
+            max_seq_len=32768, family="qwen2",
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def qwen3_0_6b(cls, **overrides: Any) -> "ModelConfig":
+        base = dict(
+            vocab_size=151936, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+            ffn_dim=3072, norm_eps=1e-6, rope_theta=1_000_000.0, qk_norm=True,
+            tie_embeddings=True, max_seq_len=40960, family="qwen3",
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def qwen3_8b(cls, **overrides: Any) -> "ModelConfig":
+        base = dict(
+            vocab_size=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+            ffn_dim=12288, norm_eps=1e-6, rope_theta=1_000_000.0, qk_norm=True,
+            max_seq_len=40960, family="qwen3",
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def mistral_7b(cls, **overrides: Any) -> "ModelConfig":
+        base = dict(
+            vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+            ffn_dim=14336, norm_eps=1e-5, rope_theta=10_000.0, sliding_window=4096,
+            max_seq_len=32768, family="mistral",
+        )
+        return cls(**{**base, **overrides})
+
+
+PRESETS: dict[str, Callable[..., ModelConfig]] = {
+    "tiny": ModelConfig.tiny,
+    "llama2_7b": ModelConfig.llama2_7b,
+    "llama3_8b": ModelConfig.llama3_8b,
+    "llama3_1_8b": ModelConfig.llama3_1_8b,
+    "qwen2_5_7b": ModelConfig.qwen2_5_7b,
+    "qwen3_0_6b": ModelConfig.qwen3_0_6b,
+    "qwen3_8b": ModelConfig.qwen3_8b,
+    "mistral_7b": ModelConfig.mistral_7b,
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """``preset("qwen3_0_6b", n_layers=2)``: a named preset with overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+    return PRESETS[name](**overrides)

@@ -1,0 +1,212 @@
+"""`load_hf` / `save_hf`: local HuggingFace directories <-> jaxlm models, through safetensors.
+
+Reads ``config.json`` and one or many ``*.safetensors`` files (with
+``model.safetensors.index.json`` when sharded); never unpickles ``*.bin``. Every
+tensor goes through its family's table (`jaxlm.models.hf.families`); a missing,
+unexpected or mis-shaped tensor and a truncated or corrupt file raise
+`CheckpointError` naming the key or file. Weights are read one tensor at a time
+into the target dtype and, with a mesh, placed straight onto their shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxlm.models.hf.families import FAMILIES, config_from_hf, config_to_hf
+from jaxlm.models.params import flat_params, model_from_flat, param_shapes
+from jaxlm.models.transformer import Transformer
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is missing pieces, has the wrong shapes or is corrupt."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map' object")
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).exists()]
+        if missing:
+            raise CheckpointError(f"{index} lists shard files that do not exist: {missing}")
+        return [path / f for f in files]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in path.glob("*.bin"))
+        hint = f" (found {pickles}: jaxlm never unpickles; convert to safetensors)" if pickles else ""
+        raise CheckpointError(f"no *.safetensors files in {path}{hint}")
+    return files
+
+
+def _iter_tensors(file: Path):
+    """Yield (name, numpy array) from one safetensors file, with clear errors."""
+    from safetensors import SafetensorError, safe_open
+
+    size = file.stat().st_size
+    if size < 8:
+        raise CheckpointError(f"{file} is truncated ({size} bytes): not a safetensors file")
+    try:
+        handle = safe_open(str(file), framework="numpy")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
+    with handle as f:
+        for name in f.keys():
+            try:
+                yield name, f.get_tensor(name)
+            except (SafetensorError, OSError, ValueError, TypeError) as e:
+                raise CheckpointError(f"{file}: tensor {name!r} could not be read: {e}") from None
+
+
+def load_hf(
+    path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    param_dtype: str | None = None,
+    scan_layers: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    tokenizer: bool = True,
+    **config_overrides: Any,
+) -> Transformer:
+    """Load a local HF ``*ForCausalLM`` directory (Llama, Qwen2, Qwen3, Mistral).
+
+    dtype: compute dtype (default: the checkpoint's dtype if float32/bfloat16/float16,
+    else float32); param_dtype defaults to ``dtype``. With ``mesh`` every tensor is
+    placed on its shards as it is read. A tokenizer beside the weights
+    (``tokenizer.json``) is loaded into ``model.tokenizer`` (None otherwise).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory")
+    hf_config = _read_json(path / "config.json")
+    ckpt_dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    if dtype is None:
+        dtype = ckpt_dtype if ckpt_dtype in ("float32", "bfloat16", "float16") else "float32"
+    config = config_from_hf(
+        hf_config, dtype=dtype, param_dtype=param_dtype or dtype, scan_layers=scan_layers,
+        **config_overrides,
+    )
+    family = FAMILIES[config.family]
+    expected = param_shapes(config)
+
+    flat: dict[str, np.ndarray] = {}
+    for file in _safetensors_files(path):
+        for hf_name, tensor in _iter_tensors(file):
+            if family.ignored(hf_name):
+                continue
+            mapped = family.to_jaxlm(hf_name)
+            if mapped is None or mapped[0] not in expected:
+                if hf_name == "lm_head.weight" and config.tie_embeddings:
+                    continue  # tied checkpoints sometimes store the shared matrix twice
+                raise CheckpointError(
+                    f"{file.name}: unexpected tensor {hf_name!r} {tuple(tensor.shape)} for "
+                    f"{family.architecture} with this config.json"
+                )
+            name, transpose = mapped
+            if transpose:
+                tensor = tensor.T
+            want = tuple(expected[name].shape)
+            if tuple(tensor.shape) != want:
+                got = tuple(tensor.T.shape) if transpose else tuple(tensor.shape)
+                hf_want = tuple(reversed(want)) if transpose else want
+                raise CheckpointError(
+                    f"{file.name}: tensor {hf_name!r} has shape {got}, expected {hf_want} "
+                    f"from config.json"
+                )
+            if name in flat:
+                raise CheckpointError(f"tensor {hf_name!r} appears in more than one file")
+            flat[name] = np.ascontiguousarray(tensor.astype(config.weight_dtype))
+    missing = sorted(set(expected) - set(flat))
+    if missing:
+        hf_missing = [family.to_hf(m)[0] for m in missing]
+        raise CheckpointError(
+            f"{path}: missing tensors {hf_missing[:8]}{' ...' if len(missing) > 8 else ''} "
+            f"(expected shapes {[tuple(reversed(expected[m].shape)) if family.to_hf(m)[1] else tuple(expected[m].shape) for m in missing[:8]]})"
+        )
+
+    place = None
+    if mesh is not None:
+        from jaxlm.sharding import param_sharding
+
+        def place(name, axes, value):
+            return jax.device_put(value, param_sharding(value.shape, axes, mesh))
+
+    model = model_from_flat(config, flat, place=place)
+    if tokenizer:
+        from jaxlm.data.tokenizers import load_tokenizer
+
+        model.tokenizer = load_tokenizer(path)
+    return model
+
+
+def save_hf(
+    model: Transformer,
+    path: str | os.PathLike,
+    *,
+    family: str | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> Path:
+    """Write ``model`` as a HF directory that `transformers.AutoModelForCausalLM` loads.
+
+    family: ``llama | qwen2 | qwen3 | mistral`` (default: ``model.config.family``).
+    Tensors are written in ``config.param_dtype``; above ``max_shard_bytes`` the
+    weights are split into numbered shards with an index file.
+    """
+    from safetensors.numpy import save_file
+
+    config = model.config
+    fam = FAMILIES[family or config.family]
+    hf_config = config_to_hf(config, fam)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    tensors: dict[str, np.ndarray] = {}
+    for name, value in flat_params(model).items():
+        hf_name, transpose = fam.to_hf(name)
+        array = np.asarray(jax.device_get(value))
+        tensors[hf_name] = np.ascontiguousarray(array.T if transpose else array)
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    sizes = [0]
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensors[name]
+        sizes[-1] += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata=metadata)
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards, 1):
+            fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / fname), metadata=metadata)
+            weight_map.update({name: fname for name in shard})
+        index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+    if model.tokenizer is not None:
+        from jaxlm.data.tokenizers import save_tokenizer
+
+        save_tokenizer(model.tokenizer, path)
+    return path

@@ -1,0 +1,113 @@
+"""Grouped-query attention (Ainslie et al. 2023) with RoPE, optional qk-norm and a KV cache.
+
+``ATTENTION`` maps ``ModelConfig.attention`` to a module class. A variant changes
+how scores become weights by overriding `Attention.attend` (the projections,
+RoPE, qk-norm and cache handling are shared); `dot_product_attention` is the
+plain-softmax reference every variant is compared against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlm.inference.cache import LayerKV
+from jaxlm.models.layers.linear import Linear
+from jaxlm.models.layers.norms import RMSNorm
+from jaxlm.models.layers.rope import ROPE
+from jaxlm.models.taps import Taps
+from jaxlm.registry import Registry
+
+ATTENTION: Registry = Registry("attention")
+
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def attention_scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
+    """``scale * q k^T`` grouped by KV head: q ``[B,T,N,H]``, k ``[B,K,S,H]`` -> ``[B,K,G,T,S]`` fp32."""
+    B, T, N, H = q.shape
+    K = k.shape[1]
+    qg = q.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+    return jnp.einsum("bkgth,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+
+
+def grouped_mask(mask: jax.Array, n_kv_heads: int) -> jax.Array:
+    """``[B, 1|N, T, S]`` -> broadcastable to ``[B, K, G, T, S]``."""
+    B, M, T, S = mask.shape
+    if M == 1:
+        return mask[:, :, None]
+    return mask.reshape(B, n_kv_heads, M // n_kv_heads, T, S)
+
+
+def weighted_values(probs: jax.Array, v: jax.Array) -> jax.Array:
+    """``[B,K,G,T,S]`` weights x ``[B,K,S,H]`` values -> context ``[B,T,N,H]``."""
+    B, K, G, T, S = probs.shape
+    ctx = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v.dtype), v)
+    return ctx.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, v.shape[-1])
+
+
+def dot_product_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float
+) -> tuple[jax.Array, jax.Array]:
+    """softmax(scale q k^T + mask) v (Vaswani et al. 2017, eq. 1), GQA by head groups.
+
+    q ``[B, T, N, H]``; k, v ``[B, K, S, H]`` (the cache layout: heads before slots, so
+    each head's keys are contiguous); mask ``[B, 1|N, T, S]`` bool. Returns the context
+    ``[B, T, N, H]`` in ``q.dtype`` and the probabilities ``[B, N, T, S]`` in float32.
+    Rows with no visible key get uniform weights (finite mask value) instead of NaN.
+    """
+    B, T, N, H = q.shape
+    K = k.shape[1]
+    logits = attention_scores(q, k, scale)
+    logits = jnp.where(grouped_mask(mask, K), logits, _MASKED)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return weighted_values(probs, v).astype(q.dtype), probs.reshape(B, N, T, -1)
+
+
+@ATTENTION.register("softmax")
+class Attention(nnx.Module):
+    def __init__(self, config, *, rngs: nnx.Rngs):
+        c = self.config = config
+        kw = dict(std=c.init_std, param_dtype=c.weight_dtype, rngs=rngs)
+        self.q_proj = Linear(c.d_model, c.q_dim, axes=("embed", "q_heads"), use_bias=c.qkv_bias, **kw)
+        self.k_proj = Linear(c.d_model, c.kv_dim, axes=("embed", "kv_heads"), use_bias=c.qkv_bias, **kw)
+        self.v_proj = Linear(c.d_model, c.kv_dim, axes=("embed", "kv_heads"), use_bias=c.qkv_bias, **kw)
+        self.o_proj = Linear(c.q_dim, c.d_model, axes=("q_heads", "embed"), **kw)
+        if c.qk_norm:  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+            self.q_norm = RMSNorm(c.head_dim, eps=c.norm_eps, axis_name="head_dim", param_dtype=c.weight_dtype)
+            self.k_norm = RMSNorm(c.head_dim, eps=c.norm_eps, axis_name="head_dim", param_dtype=c.weight_dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def attend(self, q, k, v, mask) -> tuple[jax.Array, jax.Array]:
+        """Scores -> weights -> context. Variants override this."""
+        return dot_product_attention(q, k, v, mask, scale=self.config.head_dim**-0.5)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        kv: LayerKV | None,
+        taps: Taps,
+    ) -> tuple[jax.Array, LayerKV | None]:
+        """Returns the output ``[B,T,D]`` and the cache with this step's keys/values written."""
+        c = self.config
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, c.n_heads, c.head_dim)
+        k = self.k_proj(x).reshape(B, T, c.n_kv_heads, c.head_dim)
+        v = self.v_proj(x).reshape(B, T, c.n_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = taps.put("q", q), taps.put("k", k), taps.put("v", v)
+        rope = ROPE[c.rope]
+        q, k = rope(q, positions, c), rope(k, positions, c)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
+        if kv is not None:
+            kv, k, v = kv.write(k, v)
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        ctx, probs = self.attend(q, k, v, mask)
+        taps.put("attn_probs", probs)
+        ctx = taps.put("attn_ctx", ctx.reshape(B, T, c.q_dim))
+        return self.o_proj(ctx), kv

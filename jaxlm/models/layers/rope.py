@@ -1,0 +1,75 @@
+"""Rotary position embeddings (Su et al. 2021, RoFormer eq. 34) and their frequency scalings.
+
+Two registries:
+- ``ROPE_SCALING`` maps ``RopeScaling.kind`` to ``fn(inv_freq, scaling) -> inv_freq``
+  (``none``, ``linear`` position interpolation, ``llama3``).
+- ``ROPE`` maps ``ModelConfig.rope`` to ``fn(x, positions, config) -> x`` applied to
+  per-head queries/keys ``[B, T, N, H]`` (``default``: rotate-half layout as in HF
+  Llama/Qwen/Mistral checkpoints; ``none``: no positional rotation, NoPE).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlm.registry import Registry
+
+ROPE_SCALING: Registry = Registry("rope scaling")
+ROPE: Registry = Registry("rope")
+
+
+@ROPE_SCALING.register("none")
+def _no_scaling(inv_freq: np.ndarray, scaling) -> np.ndarray:
+    return inv_freq
+
+
+@ROPE_SCALING.register("linear")
+def _linear_scaling(inv_freq: np.ndarray, scaling) -> np.ndarray:
+    """Position interpolation (Chen et al. 2023): positions / factor == inv_freq / factor."""
+    return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+
+
+@ROPE_SCALING.register("llama3")
+def _llama3_scaling(inv_freq: np.ndarray, scaling) -> np.ndarray:
+    """Llama 3.1 frequency-dependent scaling (Grattafiori et al. 2024, sec. 3.2)."""
+    low_wavelen = scaling.original_max_len / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def inv_frequencies(config) -> np.ndarray:
+    """``theta^(-2i/d)`` for ``i < head_dim/2``, float32, then the configured scaling."""
+    exponents = np.arange(0, config.head_dim, 2, dtype=np.int64).astype(np.float32) / config.head_dim
+    inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
+    return ROPE_SCALING[config.rope_scaling.kind](inv_freq, config.rope_scaling)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+@ROPE.register("default")
+def apply_rope(x: jax.Array, positions: jax.Array, config) -> jax.Array:
+    """Rotate ``x [B, T, N, H]`` by angles ``positions [B, T] * inv_freq`` (rotate-half layout)."""
+    inv_freq = jnp.asarray(inv_frequencies(config))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+@ROPE.register("none")
+def no_rope(x: jax.Array, positions: jax.Array, config) -> jax.Array:
+    return x

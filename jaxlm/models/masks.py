@@ -1,0 +1,40 @@
+"""Attention masks as booleans ``[B, 1 | N, T, S]`` (True = may attend).
+
+The forward's ``mask`` argument is either a padding mask ``[B, T]`` (which new
+tokens are real; causality is added) or a full mask ``[B, T, S]`` / ``[B, 1|N, T, S]``
+that is used as given (bidirectional, prefix-LM, packed or graph masks).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def build_attention_mask(
+    *,
+    kv_valid: jax.Array,
+    q_start: jax.Array | int,
+    num_queries: int,
+    full_mask: jax.Array | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Combine slot validity with causality (and a sliding window) or with a given full mask.
+
+    kv_valid: ``[B, S]`` which key slots hold real tokens.
+    q_start: slot of the first query (the cache's write index; 0 without a cache).
+    Sliding window (Mistral; Beltagy et al. 2020): query slot ``i`` sees key slot
+    ``j`` only if ``i - j < sliding_window``.
+    """
+    B, S = kv_valid.shape
+    allowed = kv_valid[:, None, None, :]
+    if full_mask is None:
+        q_idx = q_start + jnp.arange(num_queries)[:, None]
+        kv_idx = jnp.arange(S)[None, :]
+        rel = kv_idx <= q_idx
+        if sliding_window is not None:
+            rel = rel & (q_idx - kv_idx < sliding_window)
+        return allowed & rel[None, None]
+    if full_mask.ndim == 3:
+        full_mask = full_mask[:, None]
+    return allowed & full_mask.astype(bool)

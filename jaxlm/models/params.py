@@ -1,0 +1,97 @@
+"""Flat views of a model's parameters, the same for stacked (scanned) and unrolled layers.
+
+Names are the parameter paths joined by dots with the layer index spelled out:
+``embed``, ``layers.0.attn.q_proj.kernel``, ``final_norm.scale``. HF import/export
+and per-layer methods (editing, quantization) work on this view, so they do not
+care whether ``config.scan_layers`` is on.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxlm.models.transformer import Transformer, abstract_model
+
+
+def _path_name(path) -> str:
+    return ".".join(str(getattr(p, "key", p)) for p in path)
+
+
+def _walk(model: Transformer):
+    """Yield (name, layer index or None, variable) over the model's Params."""
+    state = nnx.state(model, nnx.Param)
+    for path, var in nnx.to_flat_state(state):
+        yield _path_name(path), var
+
+
+def flat_params(model: Transformer) -> dict[str, jax.Array]:
+    """``{name: array}`` with one entry per layer even when layers are stacked."""
+    config = model.config
+    out: dict[str, jax.Array] = {}
+    for name, var in _walk(model):
+        value = var.get_value()
+        if config.scan_layers and name.startswith("layers."):
+            rest = name[len("layers."):]
+            for i in range(config.n_layers):
+                out[f"layers.{i}.{rest}"] = value[i]
+        else:
+            out[name] = value
+    return out
+
+
+def param_shapes(config) -> dict[str, jax.ShapeDtypeStruct]:
+    """Expected ``{name: ShapeDtypeStruct}`` of the flat view, without allocating."""
+    out = {}
+    for name, var in _walk(abstract_model(config)):
+        v = var.get_value()
+        if config.scan_layers and name.startswith("layers."):
+            for i in range(config.n_layers):
+                out[f"layers.{i}.{name[len('layers.'):]}"] = jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+        else:
+            out[name] = jax.ShapeDtypeStruct(v.shape, v.dtype)
+    return out
+
+
+def model_from_flat(
+    config,
+    flat: Mapping[str, jax.Array | np.ndarray],
+    *,
+    place: Callable[[str, tuple[str | None, ...], np.ndarray], jax.Array] | None = None,
+) -> Transformer:
+    """Build a `Transformer` from a flat ``{name: array}`` without random initialisation.
+
+    Every expected name must be present with the expected shape (else ``KeyError`` /
+    ``ValueError`` naming it); values are cast to ``config.param_dtype``. ``place``
+    (name, logical axes, array) -> device array lets the caller shard on load.
+    """
+    model = abstract_model(config)
+    graphdef, state = nnx.split(model)
+    flat_state = nnx.to_flat_state(state)
+    dtype = config.weight_dtype
+    for path, var in flat_state:
+        name = _path_name(path)
+        if config.scan_layers and name.startswith("layers."):
+            rest = name[len("layers."):]
+            parts = [_fetch(flat, f"layers.{i}.{rest}", var.shape[1:]) for i in range(config.n_layers)]
+            value = np.stack([np.asarray(p) for p in parts]) if isinstance(parts[0], np.ndarray) else jax.numpy.stack(parts)
+        else:
+            value = _fetch(flat, name, var.shape)
+        value = value.astype(dtype)
+        axes = var.get_metadata().get("out_sharding")
+        var.set_value(place(name, axes, value) if place is not None else jax.numpy.asarray(value))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat_state))
+
+
+def _fetch(flat, name, shape):
+    if name not in flat:
+        raise KeyError(f"missing parameter {name!r} (expected shape {tuple(shape)})")
+    value = flat[name]
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"parameter {name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}"
+        )
+    return value

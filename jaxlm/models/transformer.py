@@ -1,0 +1,255 @@
+"""The decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral family) in Flax NNX.
+
+``Transformer(config, rngs=...)`` builds embeddings, ``n_layers`` pre-norm blocks
+(RMSNorm -> attention -> residual, RMSNorm -> MLP -> residual), a final norm and
+the LM head (or the tied embedding). One forward signature::
+
+    out = model(tokens, positions, cache=None, mask=None, collect=())
+    out.logits  # [B, T, V] float32
+    out.cache   # the updated KVCache (None when none was passed)
+    out.hidden  # final-normed hidden states [B, T, D]
+    out.collected["hidden"]  # [L, B, T, D] for each name in `collect`
+
+With ``config.scan_layers`` the blocks' parameters are stacked ``[L, ...]`` and the
+forward is a `lax.scan`, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxlm.inference.cache import KVCache, LayerKV
+from jaxlm.models.config import ModelConfig
+from jaxlm.models.layers.attention import ATTENTION
+from jaxlm.models.layers.linear import Linear, linear, param
+from jaxlm.models.layers.mlp import MLP
+from jaxlm.models.layers.norms import RMSNorm
+from jaxlm.models.masks import build_attention_mask
+from jaxlm.models.taps import Taps, check_collect
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@struct.dataclass
+class ModelOutput:
+    logits: jax.Array | None  # [B, T, V] float32
+    cache: KVCache | None
+    hidden: jax.Array  # [B, T, D] after the final norm
+    collected: dict[str, jax.Array]  # name -> [L, ...]
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        pd = c.weight_dtype
+        self.attn_norm = RMSNorm(c.d_model, eps=c.norm_eps, param_dtype=pd)
+        self.attn = ATTENTION[c.attention](c, rngs=rngs)
+        self.mlp_norm = RMSNorm(c.d_model, eps=c.norm_eps, param_dtype=pd)
+        self.mlp = MLP[c.mlp](c, rngs=rngs)
+
+    def __call__(self, x, positions, mask, kv: LayerKV | None, taps: Taps):
+        h = taps.put("attn_in", self.attn_norm(x))
+        a, new_kv = self.attn(h, positions, mask, kv, taps)
+        x = x + taps.put("attn_out", a)
+        h = taps.put("mlp_in", self.mlp_norm(x))
+        x = x + taps.put("mlp_out", self.mlp(h, taps))
+        return taps.put("hidden", x), new_kv
+
+
+def _apply_block(graphdef, layer_state, x, positions, mask, kv, names):
+    """Pure block application (merge -> call), the unit that is scanned and rematerialised."""
+    block = nnx.merge(graphdef, layer_state)
+    taps = Taps(names)
+    x, new_kv = block(x, positions, mask, kv, taps)
+    return x, new_kv, taps.values
+
+
+class Transformer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, tokenizer=None):
+        c = self.config = config
+        self.tokenizer = tokenizer  # static: used by generate() for text prompts, saved with the model
+        pd = c.weight_dtype
+        self.embed = param(
+            c.init_std * jax.random.normal(rngs.params(), (c.vocab_size, c.d_model), pd),
+            ("vocab", "embed"),
+        )
+        if c.scan_layers:
+
+            @nnx.split_rngs(splits=c.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stacked(rngs):
+                return Block(c, rngs=rngs)
+
+            self.layers = stacked(rngs)
+        else:
+            self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.n_layers)])
+        self.final_norm = RMSNorm(c.d_model, eps=c.norm_eps, param_dtype=pd)
+        if c.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(
+                c.d_model, c.vocab_size, axes=("embed", "vocab"), std=c.init_std, param_dtype=pd,
+                rngs=rngs,
+            )
+
+    # ---------------------------------------------------------------- pieces
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
+        return KVCache.init(self.config, batch_size, max_len, dtype)
+
+    def unembed(self, h: jax.Array) -> jax.Array:
+        """Final hidden ``[..., D]`` -> logits ``[..., V]`` in float32."""
+        if self.lm_head is None:
+            emb = self.embed[...].astype(h.dtype)
+            return jnp.einsum("...d,vd->...v", h, emb, preferred_element_type=jnp.float32)
+        return linear(h, self.lm_head.kernel.get_value()).astype(jnp.float32)
+
+    def backbone(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        cache: KVCache | None = None,
+        mask: jax.Array | None = None,
+        collect: Iterable[str] = (),
+    ) -> ModelOutput:
+        """Everything but the LM head (``logits`` is None): for chunked log-prob code."""
+        c = self.config
+        names = check_collect(collect)
+        chex.assert_rank(tokens, 2)
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+        B, T = tokens.shape
+
+        token_mask, full_mask = None, None
+        if mask is not None:
+            if mask.ndim == 2:
+                chex.assert_shape(mask, (B, T))
+                token_mask = mask.astype(bool)
+            elif mask.ndim in (3, 4):
+                full_mask = mask.astype(bool)
+            else:
+                raise ValueError(
+                    f"mask must be [B, T] (padding) or [B, T, S] / [B, 1|N, T, S] (full), "
+                    f"got shape {mask.shape}"
+                )
+        if token_mask is None:
+            token_mask = jnp.ones((B, T), bool)
+
+        if positions is None:
+            offset = 0 if cache is None else cache.lengths[:, None]
+            positions = jnp.maximum(jnp.cumsum(token_mask, axis=1) - 1, 0) + offset
+        chex.assert_shape(positions, (B, T))
+
+        if cache is None:
+            write_index = None
+            kv_valid = token_mask
+            q_start = 0
+        else:
+            chex.assert_equal(cache.batch_size, B)
+            if not isinstance(cache.end_index, jax.core.Tracer) and int(cache.end_index) + T > cache.max_len:
+                raise ValueError(
+                    f"cache overflow: writing {T} tokens at slot {int(cache.end_index)} "
+                    f"exceeds the cache length {cache.max_len}"
+                )
+            write_index = cache.end_index
+            kv_valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, write_index))
+            q_start = write_index
+        if full_mask is not None:
+            chex.assert_axis_dimension(full_mask, -1, kv_valid.shape[1])
+            chex.assert_axis_dimension(full_mask, -2, T)
+        attn_mask = build_attention_mask(
+            kv_valid=kv_valid, q_start=q_start, num_queries=T, full_mask=full_mask,
+            sliding_window=c.sliding_window,
+        )
+
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(c.compute_dtype)
+        k_all = v_all = None
+        if cache is not None:
+            k_all, v_all = cache.k, cache.v
+        x, k_all, v_all, collected = self._run_layers(
+            x, positions, attn_mask, k_all, v_all, write_index, names
+        )
+        h = self.final_norm(x)
+        chex.assert_shape(h, (B, T, c.d_model))
+
+        new_cache = None
+        if cache is not None:
+            new_cache = cache.replace(
+                k=k_all, v=v_all, valid=kv_valid, end_index=cache.end_index + T,
+                lengths=cache.lengths + token_mask.sum(axis=1, dtype=jnp.int32),
+            )
+        return ModelOutput(logits=None, cache=new_cache, hidden=h, collected=collected)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        cache: KVCache | None = None,
+        mask: jax.Array | None = None,
+        collect: Iterable[str] = (),
+    ) -> ModelOutput:
+        """Logits for ``tokens [B, T]`` at ``positions [B, T]`` (default: 0.. per sequence,
+        continuing from the cache). ``mask``: padding ``[B, T]`` or full ``[B, (N,) T, S]``."""
+        out = self.backbone(tokens, positions, cache=cache, mask=mask, collect=collect)
+        logits = self.unembed(out.hidden)
+        chex.assert_shape(logits, (*tokens.shape, self.config.vocab_size))
+        return out.replace(logits=logits)
+
+    # --------------------------------------------------------------- layers
+    def _run_layers(self, x, positions, mask, k_all, v_all, write_index, names):
+        c = self.config
+        apply = _apply_block
+        if c.remat != "none":
+            apply = jax.checkpoint(_apply_block, policy=_REMAT_POLICIES[c.remat], static_argnums=(0, 6))
+
+        def layer_kv(k_all, v_all, i):
+            if k_all is None:
+                return None
+            return LayerKV(k=k_all, v=v_all, layer=i, index=write_index)
+
+        if c.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(carry, xs):
+                x, k_all, v_all = carry
+                layer_state, i = xs
+                x, kv, taps = apply(graphdef, layer_state, x, positions, mask, layer_kv(k_all, v_all, i), names)
+                if kv is not None:
+                    k_all, v_all = kv.k, kv.v
+                return (x, k_all, v_all), taps
+
+            (x, k_all, v_all), collected = jax.lax.scan(
+                body, (x, k_all, v_all), (state, jnp.arange(c.n_layers))
+            )
+            return x, k_all, v_all, collected
+
+        per_layer = []
+        for i, block in enumerate(self.layers):
+            graphdef, state = nnx.split(block)
+            x, kv, taps = apply(graphdef, state, x, positions, mask, layer_kv(k_all, v_all, i), names)
+            if kv is not None:
+                k_all, v_all = kv.k, kv.v
+            per_layer.append(taps)
+        collected = {n: jnp.stack([t[n] for t in per_layer]) for n in names}
+        return x, k_all, v_all, collected
+
+
+def build_model(config: ModelConfig, *, seed: int = 0, tokenizer=None) -> Transformer:
+    """A randomly initialised model (weights ~ N(0, init_std), norms = 1)."""
+    return Transformer(config, rngs=nnx.Rngs(params=seed), tokenizer=tokenizer)
+
+
+def abstract_model(config: ModelConfig) -> Transformer:
+    """The model with `jax.ShapeDtypeStruct` leaves: shapes without allocating weights."""
+    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(params=0)))

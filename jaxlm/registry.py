@@ -1,0 +1,50 @@
+"""String-keyed registries: how variants plug in without touching their callers.
+
+Layers (attention, MLP, RoPE) and, later, RL pieces (advantage estimators, policy
+losses, aggregators, KL estimators, rewards) are chosen by a config string. A
+registry is a mapping with a ``register`` decorator and an error that lists the
+known keys when a lookup fails.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Generic, Iterator, Mapping, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Mapping[str, T], Generic[T]):
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator: ``@ATTENTION.register("softmax")``. Names are unique."""
+
+        def add(obj: T) -> T:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._entries[name] = obj
+            return obj
+
+        return add
+
+    def __getitem__(self, name: str) -> T:
+        try:
+            return self._entries[name]
+        except KeyError:
+            close = difflib.get_close_matches(name, self._entries, n=3)
+            hint = f" (did you mean {close}?)" if close else ""
+            raise KeyError(
+                f"unknown {self.kind} {name!r}{hint}; registered: {sorted(self._entries)}"
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {sorted(self._entries)})"

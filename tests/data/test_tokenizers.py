@@ -1,0 +1,81 @@
+"""Tokenizers: byte-level round trip for every string; a local tokenizer.json through the
+`tokenizers` library, picked up by load_hf."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxlm
+from jaxlm.data import ByteTokenizer, HFTokenizer
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_byte_tokenizer_round_trip(text):
+    tok = ByteTokenizer()
+    ids = tok.encode(text, add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids) == text
+    assert len(ids) == len(text.encode("utf-8")) + 2
+
+
+def test_byte_tokenizer_rejects_non_text():
+    with pytest.raises(TypeError, match="expects str"):
+        ByteTokenizer().encode(b"bytes")
+
+
+def _train_tokenizer(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    from tokenizers import decoders
+
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["the cat sat on the mat", "a dog and a cat", "12 + 30 = 42"] * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    return tok
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40))
+def test_hf_tokenizer_round_trip(tmp_path_factory, text):
+    path = tmp_path_factory.getbasetemp() / "tok_rt"
+    if not (path / "tokenizer.json").exists():
+        path.mkdir(exist_ok=True)
+        _train_tokenizer(path)
+    tok = HFTokenizer.from_file(path / "tokenizer.json", bos="<s>", eos="</s>")
+    assert tok.decode(tok.encode(text, add_bos=True, add_eos=True)) == text
+
+
+def test_load_hf_picks_up_tokenizer_json(tmp_path):
+    _train_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(vocab_size=300))
+    jaxlm.save_hf(model, tmp_path)
+    loaded = jaxlm.load_hf(tmp_path, dtype="float32")
+    tok = loaded.tokenizer
+    assert isinstance(tok, HFTokenizer)
+    assert (tok.bos_id, tok.eos_id) == (1, 2)
+    assert tok.decode(tok.encode("the cat")) == "the cat"
+    # generate() uses it for text prompts and stops at its EOS by default
+    out = jaxlm.generate(loaded, ["the cat"], max_new_tokens=3, temperature=0)
+    assert isinstance(out.texts[0], str)
+    # save_hf writes it back out
+    jaxlm.save_hf(loaded, tmp_path / "again")
+    assert (tmp_path / "again" / "tokenizer.json").exists()
+
+
+def test_bad_tokenizer_file(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{broken")
+    with pytest.raises(ValueError, match="not a valid tokenizer.json"):
+        HFTokenizer.from_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        HFTokenizer.from_file(tmp_path / "nope.json")

@@ -1,0 +1,159 @@
+"""`generate`: cache decoding equals recomputation, log-probs equal a fresh forward pass,
+per-sequence stopping, logits processors against numpy references, bad inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxlm
+from jaxlm.inference import Temperature, TopK, TopP, compose
+
+# init_std 0.5 gives peaked, prompt-dependent distributions (a 0.02 model is near uniform).
+CFG = jaxlm.ModelConfig.tiny(init_std=0.5, max_seq_len=64)
+PROMPTS = [[5, 9, 200, 17], [3], [44, 45, 46, 47, 48, 49, 50, 51, 52, 53], [100, 7]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxlm.build_model(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def full_forward(model):
+    graphdef, params = nnx.split(model)
+    return jax.jit(lambda tokens, mask: nnx.merge(graphdef, params)(tokens, mask=mask).logits)
+
+
+def _left_pad(seqs, pad=0, width=None):
+    T = width or max(map(len, seqs))
+    tokens = np.full((len(seqs), T), pad, np.int32)
+    mask = np.zeros((len(seqs), T), bool)
+    for b, s in enumerate(seqs):
+        tokens[b, T - len(s):] = s
+        mask[b, T - len(s):] = True
+    return jnp.asarray(tokens), jnp.asarray(mask)
+
+
+def test_greedy_with_cache_equals_recomputation(model, full_forward):
+    n = 12
+    result = jaxlm.generate(model, PROMPTS, max_new_tokens=n, temperature=0)
+    seqs = [list(p) for p in PROMPTS]
+    for _ in range(n):  # greedy by full recomputation of every prefix, no cache
+        tokens, mask = _left_pad(seqs, width=24)  # one shape: compiled once
+        nxt = np.asarray(jnp.argmax(full_forward(tokens, mask)[:, -1], axis=-1))
+        seqs = [s + [int(t)] for s, t in zip(seqs, nxt)]
+    expected = np.array([s[len(p):] for s, p in zip(seqs, PROMPTS)])
+    np.testing.assert_array_equal(np.asarray(result.tokens), expected)
+    assert len({tuple(r) for r in expected}) == len(PROMPTS)  # prompts matter: a real test
+    np.testing.assert_array_equal(result.lengths, n)
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_logprobs_equal_fresh_forward(model, full_forward, settings):
+    n = 10
+    result = jaxlm.generate(model, PROMPTS, max_new_tokens=n, rng=jax.random.key(3), **settings)
+    seqs = result.sequences()
+    tokens, mask = _left_pad(seqs)
+    logp = jax.nn.log_softmax(full_forward(tokens, mask), axis=-1)
+    T = tokens.shape[1]
+    # generated token j of row b sits at column T - n + j; it is predicted from column - 1
+    cols = np.arange(T - n - 1, T - 1)
+    fresh = jnp.take_along_axis(logp[:, cols], tokens[:, T - n:, None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.asarray(result.logprobs), np.asarray(fresh), atol=1e-4)
+    # sampling log-probs: the processed distribution the token was drawn from
+    processors = [Temperature(settings["temperature"])]
+    if "top_k" in settings:
+        processors += [TopK(settings["top_k"]), TopP(settings["top_p"])]
+    processed = jax.nn.log_softmax(compose(processors)(full_forward(tokens, mask)[:, cols].reshape(-1, CFG.vocab_size)), axis=-1)
+    picked = jnp.take_along_axis(processed, tokens[:, T - n:].reshape(-1, 1), axis=-1).reshape(len(PROMPTS), n)
+    np.testing.assert_allclose(np.asarray(result.sampling_logprobs), np.asarray(picked), atol=1e-4)
+
+
+def test_per_sequence_stopping(model):
+    greedy = jaxlm.generate(model, PROMPTS, max_new_tokens=8, temperature=0)
+    stop = int(greedy.tokens[0, 2])  # row 0 emits this at step 2
+    result = jaxlm.generate(model, PROMPTS, max_new_tokens=8, temperature=0, stop_tokens=[stop], pad_id=0)
+    tokens, lengths = np.asarray(result.tokens), np.asarray(result.lengths)
+    for b in range(len(PROMPTS)):
+        row = np.asarray(greedy.tokens[b])
+        hits = np.flatnonzero(row == stop)
+        expected_len = hits[0] + 1 if len(hits) else 8
+        assert lengths[b] == expected_len
+        np.testing.assert_array_equal(tokens[b, :expected_len], row[:expected_len])
+        assert np.all(tokens[b, expected_len:] == 0)
+        assert np.all(np.asarray(result.logprobs)[b, expected_len:] == 0)
+    assert lengths[0] == 3
+
+
+def test_same_rng_same_samples_and_text_prompts(model):
+    tok = jaxlm.ByteTokenizer()
+    a = jaxlm.generate(model, ["hi", "there"], max_new_tokens=5, rng=7, tokenizer=tok, stop_tokens=[])
+    b = jaxlm.generate(model, ["hi", "there"], max_new_tokens=5, rng=7, tokenizer=tok, stop_tokens=[])
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert a.texts == [tok.decode(c) for c in a.completions()]
+    assert a.sequences()[0][:3] == [tok.bos_id] + tok.encode("hi")
+
+
+def test_sampling_matches_softmax_frequencies():
+    """Sampling at temperature 1 follows softmax(logits): chi-square against the exact law."""
+    from jaxlm.inference.sampler import _select
+
+    logits = jnp.tile(jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]])), (20000, 1))
+    tokens, _, _ = jax.jit(lambda k: _select(logits, logits, k, False))(jax.random.key(0))
+    counts = np.bincount(np.asarray(tokens), minlength=4)
+    expected = 20000 * np.array([0.5, 0.25, 0.15, 0.1])
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 16.27  # p = 0.001 at 3 degrees of freedom
+
+
+def test_processors_against_numpy():
+    rng = np.random.RandomState(0)
+    logits = rng.randn(3, 50).astype(np.float32)
+    # top-k keeps exactly the k largest
+    kept = np.isfinite(np.asarray(TopK(5)(jnp.asarray(logits))))
+    for row, k in zip(logits, kept):
+        assert set(np.flatnonzero(k)) == set(np.argsort(-row)[:5])
+    # top-p keeps the smallest prefix of the sorted distribution whose mass reaches p
+    kept = np.isfinite(np.asarray(TopP(0.8)(jnp.asarray(logits))))
+    for row, k in zip(logits, kept):
+        p = np.exp(row - row.max())
+        p /= p.sum()
+        order = np.argsort(-p)
+        n = int(np.searchsorted(np.cumsum(p[order]), 0.8) + 1)
+        assert set(np.flatnonzero(k)) == set(order[:n])
+    np.testing.assert_allclose(Temperature(2.0)(jnp.asarray(logits)), logits / 2)
+    both = compose([TopK(10), TopP(0.5)])(jnp.asarray(logits))
+    assert np.isfinite(np.asarray(both)).sum(-1).max() <= 10
+
+
+def test_user_processor_composes(model):
+    """A pure (logits, state) -> logits function, e.g. a mask banning all but two tokens."""
+    allowed = jnp.zeros(CFG.vocab_size, bool).at[jnp.array([11, 12])].set(True)
+
+    def only_two(logits, state):
+        return jnp.where(allowed, logits, -jnp.inf)
+
+    result = jaxlm.generate(model, PROMPTS, max_new_tokens=6, logits_processors=[only_two], rng=1)
+    assert set(np.unique(np.asarray(result.tokens))) <= {11, 12}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompts=[[1] * 60], max_new_tokens=10), "prompt length 60 \\+ max_new_tokens 10 = 70 exceeds ModelConfig.max_seq_len=64"),
+        (dict(prompts=[[1, 2], []], max_new_tokens=2), "prompt 1 is empty"),
+        (dict(prompts=[[1, 2, 999]], max_new_tokens=2), "prompt 0 has token ids \\[999\\] outside \\[0, vocab_size=259\\)"),
+        (dict(prompts=["text"], max_new_tokens=2), "prompt 0 is text but no tokenizer is known"),
+        (dict(prompts=[], max_new_tokens=2), "prompts is empty"),
+        (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens=0 is invalid"),
+        (dict(prompts=[[1]], max_new_tokens=2, temperature=-1.0), "temperature=-1.0 is invalid"),
+        (dict(prompts=[[1]], max_new_tokens=2, top_k=0), "top_k=0 is invalid"),
+        (dict(prompts=[[1]], max_new_tokens=2, top_p=1.5), "top_p=1.5 is invalid"),
+        (dict(prompts=[[1]], max_new_tokens=2, stop_tokens=[300]), "stop_tokens \\[300\\] are outside"),
+    ],
+)
+def test_bad_generate_inputs(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jaxlm.generate(model, **kwargs)

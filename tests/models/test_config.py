@@ -1,0 +1,118 @@
+"""ModelConfig: validation names the field and the allowed values; presets have the
+published parameter counts (checked against transformers on the meta device too)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm.models.config import PRESETS, ModelConfig, RopeScaling, preset
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(n_heads=12, n_kv_heads=5, d_model=96), "n_heads=12 is not divisible by n_kv_heads=5"),
+        (dict(vocab_size=0), r"vocab_size=0 is invalid: must be a positive int"),
+        (dict(n_layers=-1), r"n_layers=-1 is invalid"),
+        (dict(d_model=2.5), r"d_model=2.5 is invalid"),
+        (dict(d_model=65), r"d_model=65 is not divisible by n_heads=4"),
+        (dict(head_dim=15), r"head_dim=15 is invalid: must be even"),
+        (dict(norm_eps=0.0), r"norm_eps=0.0 is invalid: must be a number > 0"),
+        (dict(rope_theta=-1.0), r"rope_theta=-1.0 is invalid"),
+        (dict(sliding_window=0), r"sliding_window=0 is invalid"),
+        (dict(dtype="float8"), r"dtype='float8' is invalid: must be one of \('float32', 'bfloat16', 'float16'\)"),
+        (dict(param_dtype="int8"), r"param_dtype='int8' is invalid"),
+        (dict(attention="flashy"), r"attention='flashy' is invalid: must be one of \['softmax'\]"),
+        (dict(mlp="gelu"), r"mlp='gelu' is invalid: must be one of \['swiglu'\]"),
+        (dict(rope="yarn"), r"rope='yarn' is invalid: must be one of \['default', 'none'\]"),
+        (dict(family="gpt2"), r"family='gpt2' is invalid: must be one of \['llama', 'mistral', 'qwen2', 'qwen3'\]"),
+        (dict(remat="some"), r"remat='some' is invalid"),
+        (dict(qk_norm="yes"), r"qk_norm='yes' is invalid: must be a bool"),
+        (dict(max_seq_len=0), r"max_seq_len=0 is invalid"),
+    ],
+)
+def test_bad_values_name_the_field(changes, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.tiny(**changes)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(kind="yarn"), r"RopeScaling.kind='yarn' is invalid: must be one of \('none', 'linear', 'llama3'\)"),
+        (dict(kind="linear", factor=0.0), r"RopeScaling.factor=0.0 is invalid"),
+        (dict(kind="llama3", factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0), r"high_freq_factor=1.0 must be > low_freq_factor=4.0"),
+    ],
+)
+def test_bad_rope_scaling(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RopeScaling(**kwargs)
+
+
+def test_frozen_and_json_round_trip():
+    cfg = ModelConfig.llama3_1_8b()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.d_model = 3
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['hidden_size'\]"):
+        ModelConfig.from_dict({**cfg.to_dict(), "hidden_size": 3})
+
+
+def test_replace_rederives_defaults():
+    cfg = ModelConfig.tiny(n_kv_heads=None)
+    wider = cfg.replace(d_model=128)
+    assert wider.head_dim == 32
+    more_heads = cfg.replace(n_heads=8)
+    assert (more_heads.head_dim, more_heads.n_kv_heads) == (8, 8)
+    pinned = ModelConfig.qwen3_0_6b().replace(d_model=2048)
+    assert pinned.head_dim == 128  # explicit head_dim (not d_model / n_heads) stays
+
+
+# Published parameter counts (model cards / safetensors index totals).
+PUBLISHED = {
+    "llama2_7b": 6_738_415_616,
+    "llama3_8b": 8_030_261_248,
+    "llama3_1_8b": 8_030_261_248,
+    "qwen2_5_7b": 7_615_616_512,
+    "qwen3_0_6b": 596_049_920,
+    "qwen3_8b": 8_190_735_360,
+    "mistral_7b": 7_241_732_096,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_presets_have_published_sizes(name):
+    cfg = preset(name)
+    assert cfg.num_params() == PUBLISHED[name]
+    # the module builds exactly those parameters (abstractly: nothing is allocated)
+    abstract = jaxlm.abstract_model(cfg.replace(scan_layers=True))
+    from flax import nnx
+
+    leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    assert sum(int(np.prod(x.shape)) for x in leaves) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", ["llama3_1_8b", "qwen2_5_7b", "qwen3_0_6b", "mistral_7b"])
+def test_presets_export_to_transformers_configs(name):
+    """config_to_hf(preset) builds the same-size model in transformers (meta device)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from jaxlm.models.hf.families import FAMILIES, config_from_hf, config_to_hf
+
+    cfg = preset(name)
+    hf = config_to_hf(cfg, FAMILIES[cfg.family])
+    hf_cfg = transformers.AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
+    assert config_from_hf(hf) == cfg
+
+
+def test_preset_lookup():
+    assert preset("tiny", n_layers=3).n_layers == 3
+    assert set(PRESETS) >= {"tiny", "llama2_7b", "llama3_8b", "llama3_1_8b", "qwen2_5_7b", "qwen3_0_6b", "qwen3_8b", "mistral_7b"}
+    with pytest.raises(ValueError, match="unknown preset 'llama9'"):
+        preset("llama9")

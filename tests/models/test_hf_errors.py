@@ -1,0 +1,142 @@
+"""Bad HF checkpoints fail with errors that name the key, the shapes or the file."""
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import jaxlm
+from jaxlm.models.hf import UnsupportedConfigError
+
+pytest.importorskip("torch")
+from hf_reference import build_hf_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def good_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("good")
+    build_hf_model("llama_llama3_rope").save_pretrained(path)
+    return path
+
+
+def _copy(good_dir, tmp_path, edit_tensors=None, edit_config=None):
+    tensors = load_file(str(good_dir / "model.safetensors"))
+    config = json.loads((good_dir / "config.json").read_text())
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_config:
+        edit_config(config)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_unknown_architecture_lists_supported(good_dir, tmp_path):
+    path = _copy(good_dir, tmp_path, edit_config=lambda c: c.update(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(UnsupportedConfigError, match="GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+        jaxlm.load_hf(path)
+
+
+def test_missing_tensor_is_named(good_dir, tmp_path):
+    path = _copy(good_dir, tmp_path, edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(jaxlm.CheckpointError, match=r"missing tensors \['model.layers.1.mlp.up_proj.weight'\].*\(96, 64\)"):
+        jaxlm.load_hf(path)
+
+
+def test_extra_tensor_is_named(good_dir, tmp_path):
+    def add(t):
+        t["model.layers.0.self_attn.extra.weight"] = np.zeros((2, 2), np.float32)
+
+    path = _copy(good_dir, tmp_path, edit_tensors=add)
+    with pytest.raises(jaxlm.CheckpointError, match=r"unexpected tensor 'model.layers.0.self_attn.extra.weight' \(2, 2\)"):
+        jaxlm.load_hf(path)
+
+
+def test_layer_beyond_config_is_unexpected(good_dir, tmp_path):
+    def add(t):
+        t["model.layers.5.input_layernorm.weight"] = np.ones((64,), np.float32)
+
+    path = _copy(good_dir, tmp_path, edit_tensors=add)
+    with pytest.raises(jaxlm.CheckpointError, match="unexpected tensor 'model.layers.5.input_layernorm.weight'"):
+        jaxlm.load_hf(path)
+
+
+def test_misshaped_tensor_names_both_shapes(good_dir, tmp_path):
+    def shrink(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:16]
+
+    path = _copy(good_dir, tmp_path, edit_tensors=shrink)
+    with pytest.raises(jaxlm.CheckpointError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \(16, 64\), expected \(32, 64\)"):
+        jaxlm.load_hf(path)
+
+
+def test_truncated_file_is_a_clear_error(good_dir, tmp_path):
+    path = _copy(good_dir, tmp_path)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(jaxlm.CheckpointError, match="model.safetensors"):
+        jaxlm.load_hf(path)
+
+
+def test_corrupt_header_is_a_clear_error(good_dir, tmp_path):
+    path = _copy(good_dir, tmp_path)
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[8:40] = b"\xff" * 32
+    (path / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(jaxlm.CheckpointError, match="model.safetensors"):
+        jaxlm.load_hf(path)
+
+
+def test_tiny_file_is_a_clear_error(good_dir, tmp_path):
+    path = _copy(good_dir, tmp_path)
+    (path / "model.safetensors").write_bytes(b"abc")
+    with pytest.raises(jaxlm.CheckpointError, match="truncated"):
+        jaxlm.load_hf(path)
+
+
+def test_pickles_are_refused(good_dir, tmp_path):
+    (tmp_path / "config.json").write_text((good_dir / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(jaxlm.CheckpointError, match="never unpickles"):
+        jaxlm.load_hf(tmp_path)
+
+
+def test_index_naming_missing_shard(good_dir, tmp_path):
+    path = _copy(good_dir, tmp_path)
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}})
+    )
+    with pytest.raises(jaxlm.CheckpointError, match="model-00002-of-00002.safetensors"):
+        jaxlm.load_hf(path)
+
+
+def test_missing_config_and_bad_json(tmp_path):
+    with pytest.raises(jaxlm.CheckpointError, match="config.json does not exist"):
+        jaxlm.load_hf(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(jaxlm.CheckpointError, match="not valid JSON"):
+        jaxlm.load_hf(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope type 'yarn'"),
+        (dict(attention_bias=True), "attention_bias=True"),
+        (dict(num_key_value_heads=3), "n_heads=4 is not divisible by n_kv_heads=3"),
+    ],
+)
+def test_unsupported_config_values(good_dir, tmp_path, edit, match):
+    path = _copy(good_dir, tmp_path, edit_config=lambda c: c.update(edit))
+    with pytest.raises(ValueError, match=match):
+        jaxlm.load_hf(path)
+
+
+def test_save_hf_refuses_what_the_family_cannot_express(tmp_path):
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(qk_norm=True, family="llama"))
+    with pytest.raises(UnsupportedConfigError, match="LlamaForCausalLM.*qk_norm=True"):
+        jaxlm.save_hf(model, tmp_path)
+    jaxlm.save_hf(model, tmp_path, family="qwen3")  # the family that has qk-norm
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]

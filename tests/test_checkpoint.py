@@ -1,0 +1,44 @@
+"""Orbax round trip with the config beside the arrays."""
+
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm.checkpoint import load_checkpoint, read_config, save_checkpoint
+from jaxlm.models.params import flat_params
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_round_trip_is_exact(tmp_path, scan):
+    cfg = jaxlm.ModelConfig.tiny(scan_layers=scan, qk_norm=True, tie_embeddings=True, family="qwen3")
+    model = jaxlm.build_model(cfg, seed=4)
+    save_checkpoint(model, tmp_path / "ckpt")
+    assert read_config(tmp_path / "ckpt") == cfg
+    restored = load_checkpoint(tmp_path / "ckpt")
+    assert restored.config == cfg
+    a, b = flat_params(model), flat_params(restored)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+        assert a[k].dtype == b[k].dtype
+
+
+def test_bf16_params_round_trip(tmp_path):
+    cfg = jaxlm.ModelConfig.tiny(param_dtype="bfloat16", dtype="bfloat16")
+    model = jaxlm.build_model(cfg)
+    save_checkpoint(model, tmp_path / "ckpt")
+    restored = load_checkpoint(tmp_path / "ckpt")
+    assert str(restored.embed[...].dtype) == "bfloat16"
+    np.testing.assert_array_equal(np.asarray(model.embed[...]), np.asarray(restored.embed[...]))
+
+
+def test_bad_restores(tmp_path):
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny())
+    save_checkpoint(model, tmp_path / "ckpt")
+    with pytest.raises(jaxlm.CheckpointError, match="config mismatch.*n_layers: stored 2 vs requested 3"):
+        load_checkpoint(tmp_path / "ckpt", config=jaxlm.ModelConfig.tiny(n_layers=3))
+    with pytest.raises(jaxlm.CheckpointError, match="not a jaxlm checkpoint"):
+        load_checkpoint(tmp_path)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        save_checkpoint(model, tmp_path / "ckpt")
+    save_checkpoint(model, tmp_path / "ckpt", overwrite=True)
