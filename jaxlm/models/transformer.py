@@ -204,6 +204,7 @@ class Transformer(nnx.Module):
         out = self.backbone(tokens, positions, cache=cache, mask=mask, collect=collect)
         logits = self.unembed(out.hidden)
         chex.assert_shape(logits, (*tokens.shape, self.config.vocab_size))
+        chex.assert_type(logits, jnp.float32)
         return out.replace(logits=logits)
 
     # --------------------------------------------------------------- layers

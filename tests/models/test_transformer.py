@@ -157,3 +157,22 @@ def test_linear_dispatch_accepts_new_weight_types():
     kernel.set_value(Scaled(kernel.get_value() / 2, jnp.asarray(2.0)))
     after = jax.jit(lambda m: m(tokens, mask=mask).logits)(model)
     np.testing.assert_allclose(after, before, atol=1e-6)
+
+
+def test_scan_keeps_program_size_independent_of_depth():
+    """With scan_layers the compiled program holds one block whatever the depth;
+    unrolled, it grows with every layer."""
+
+    def program_size(cfg):
+        model = jaxlm.abstract_model(cfg)
+        graphdef, params = nnx.split(model)
+        tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+        lowered = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t).logits).lower(params, tokens)
+        return len(lowered.as_text())
+
+    small = jaxlm.ModelConfig.tiny(n_layers=2)
+    deep = jaxlm.ModelConfig.tiny(n_layers=12)
+    scanned = program_size(deep.replace(scan_layers=True)) / program_size(small.replace(scan_layers=True))
+    unrolled = program_size(deep) / program_size(small)
+    assert scanned < 1.05
+    assert unrolled > 3
