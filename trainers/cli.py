@@ -1,5 +1,8 @@
 """The ``jaxlm`` command line (arguments parsed and type-checked by `tyro`).
 
+    jaxlm quickstart [--steps N] [--out DIR]
+    jaxlm train CONFIG [key=value ...] [--multihost]   # CONFIG: configs/<name>.py or a .py path
+    jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--max-new-tokens 32] [--temperature 0]
     jaxlm convert SRC DST [--to orbax|hf]
 
@@ -17,6 +20,8 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import tyro
+
+from jaxlm.data.tasks import Arithmetic, Countdown, Sorting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +50,41 @@ class ConvertArgs:
     dst: Annotated[Path, tyro.conf.Positional]
     to: Literal["orbax", "hf"] = "orbax"
     overwrite: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainArgs:
+    """Train an experiment config; re-running the same command resumes it."""
+
+    config: Annotated[str, tyro.conf.Positional]
+    """A config name in configs/ (e.g. quickstart) or a path to a .py file with get_config()."""
+    overrides: Annotated[tuple[str, ...], tyro.conf.Positional] = ()
+    """key=value overrides, e.g. trainer.steps=200 model.n_layers=4."""
+    multihost: bool = False
+    """Multi-host run: calls jax.distributed.initialize() first (same as trainer.multihost=true)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalArgs:
+    """Task accuracy of a model by greedy decoding on held-out synthetic problems."""
+
+    model: Path
+    source: Arithmetic | Countdown | Sorting = Arithmetic()
+    n: int = 200
+    max_new_tokens: int = 16
+    batch_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class QuickstartArgs:
+    """Train, evaluate and summarise a tiny model on 2-digit addition (CPU, minutes)."""
+
+    steps: int | None = None
+    """Training steps (default: the config's 600)."""
+    out: Path = Path("runs/quickstart")
+    overrides: tuple[str, ...] = ()
+    """Extra key=value config overrides."""
+    progress: bool = True
 
 
 def _embedded_default():
@@ -93,17 +133,68 @@ def run_convert(args: ConvertArgs) -> Path:
     return out
 
 
+def run_eval(args: EvalArgs) -> float:
+    from jaxlm.checkpoint import load_model
+    from trainers.evaluate import task_accuracy
+
+    model = load_model(args.model)
+    if model.tokenizer is None:
+        raise SystemExit(f"{args.model} has no tokenizer; cannot encode prompts")
+    examples = [args.source.example(i, "eval") for i in range(args.n)]
+    result = task_accuracy(
+        model, examples, args.source.verify, tokenizer=model.tokenizer,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+    )
+    name = type(args.source).__name__.lower()
+    print(f"{name}: exact-match accuracy {result.accuracy:.1%} on {result.n} held-out problems "
+          f"(chance {args.source.chance_accuracy():.2%})")
+    for s in result.samples[:5]:
+        print(f"  {s['prompt']!r} -> {s['completion']!r} (reference {s['reference']!r})")
+    return result.accuracy
+
+
+def _quiet_logs() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("trainers", "jaxlm"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    except ImportError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     cmd = tyro.cli(
-        Annotated[GenerateArgs, tyro.conf.subcommand("generate")]
+        Annotated[QuickstartArgs, tyro.conf.subcommand("quickstart")]
+        | Annotated[TrainArgs, tyro.conf.subcommand("train")]
+        | Annotated[EvalArgs, tyro.conf.subcommand("eval")]
+        | Annotated[GenerateArgs, tyro.conf.subcommand("generate")]
         | Annotated[ConvertArgs, tyro.conf.subcommand("convert")],
         args=argv,
         prog="jaxlm",
     )
+    _quiet_logs()
     from jaxlm.models.hf.io import CheckpointError
 
     try:
-        if isinstance(cmd, GenerateArgs):
+        if isinstance(cmd, QuickstartArgs):
+            from trainers.quickstart import run_quickstart
+
+            run_quickstart(steps=cmd.steps, out_dir=cmd.out, overrides=cmd.overrides, progress=cmd.progress)
+        elif isinstance(cmd, TrainArgs):
+            from trainers.config import load_config
+            from trainers.loop import train
+
+            overrides = list(cmd.overrides) + (["trainer.multihost=true"] if cmd.multihost else [])
+            result = train(load_config(cmd.config, overrides))
+            print(f"finished at step {result.step}: {result.final_eval} -> {result.out_dir}")
+        elif isinstance(cmd, EvalArgs):
+            run_eval(cmd)
+        elif isinstance(cmd, GenerateArgs):
             run_generate(cmd)
         else:
             run_convert(cmd)

@@ -38,3 +38,17 @@ def build_attention_mask(
     if full_mask.ndim == 3:
         full_mask = full_mask[:, None]
     return allowed & full_mask.astype(bool)
+
+
+def segment_mask(segment_ids: jax.Array, *, sliding_window: int | None = None) -> jax.Array:
+    """Block-diagonal causal mask ``[B, 1, T, T]`` for packed rows: token ``i`` sees token
+    ``j <= i`` only in the same document (segment id > 0; 0 marks padding)."""
+    T = segment_ids.shape[1]
+    i = jnp.arange(T)[:, None]
+    j = jnp.arange(T)[None, :]
+    allowed = (j <= i)[None]
+    if sliding_window is not None:
+        allowed = allowed & (i - j < sliding_window)[None]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real = (segment_ids > 0)[:, None, :]
+    return (allowed & same & real)[:, None]

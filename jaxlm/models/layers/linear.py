@@ -16,7 +16,11 @@ from flax import nnx
 
 
 def _dense(x: jax.Array, w) -> jax.Array:
-    return jnp.dot(x, jnp.asarray(w).astype(x.dtype))
+    # A 2-D matmul over flattened leading axes: the same math, but XLA:CPU runs the
+    # backward of [B, T, D] x [D, F] about 1.8x slower than of [B*T, D] x [D, F].
+    w = jnp.asarray(w).astype(x.dtype)
+    y = jnp.dot(x.reshape(-1, x.shape[-1]), w)
+    return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
 _IMPLS = functools.singledispatch(lambda w: _dense)  # dispatch on the weight's type

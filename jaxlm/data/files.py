@@ -1,0 +1,86 @@
+"""Local training data: ``.jsonl`` or ``.parquet`` rows with ``prompt`` / ``completion``
+columns, or chat ``messages`` (a list of ``{"role", "content"}``; assistant turns are
+trained). Every row is validated on load; a malformed row raises `DataError` naming the
+file and the line (jsonl, 1-based) or row (parquet, 0-based).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+ROLES = ("system", "user", "assistant")
+
+
+class DataError(ValueError):
+    """A data file or row is malformed."""
+
+
+def _check_row(row: Any, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected an object, got {type(row).__name__}")
+    if "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}: 'messages' must be a non-empty list")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise DataError(
+                    f"{where}: messages[{i}] must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}"
+                )
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DataError(f"{where}: 'messages' has no assistant turn (nothing to train on)")
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
+    missing = [k for k in ("prompt", "completion") if k not in row]
+    if missing:
+        raise DataError(
+            f"{where}: missing column(s) {missing}; rows need 'prompt' and 'completion', or 'messages'"
+        )
+    for k in ("prompt", "completion"):
+        if not isinstance(row[k], str):
+            raise DataError(f"{where}: column {k!r} must be a string, got {type(row[k]).__name__}")
+    return {"prompt": row["prompt"], "completion": row["completion"]}
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a ``.jsonl`` or ``.parquet`` file, validated."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path} does not exist")
+    rows: list[dict[str, Any]] = []
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                rows.append(_check_row(row, f"{path}:{lineno}"))
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow raises several types for corrupt files
+            raise DataError(f"{path}: not a readable parquet file ({e})") from None
+        for i, row in enumerate(table.to_pylist()):
+            rows.append(_check_row(row, f"{path} row {i}"))
+    else:
+        raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
+    if not rows:
+        raise DataError(f"{path} holds no rows")
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Files:
+    """A data source from local files. ``eval_path`` (optional) is held out for
+    evaluation; without it, ``eval_fraction`` of ``path``'s rows are (by index hash)."""
+
+    path: str = "data.jsonl"
+    eval_path: str | None = None
+    eval_fraction: float = 0.05

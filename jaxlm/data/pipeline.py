@@ -1,0 +1,202 @@
+"""From a data source to training batches, through `grain`.
+
+Every example becomes ``segments``: ``[(text, trainable), ...]`` (prompt/completion:
+the prompt is not trained, the completion and EOS are; chat: assistant turns are
+trained). Encoded, each is ``tokens`` and ``loss_mask``; batches are
+
+    tokens      int32 [B, T]
+    loss_mask   bool  [B, T]  token t is a training target
+    segment_ids int32 [B, T]  document id within the row, 0 = padding
+    positions   int32 [B, T]  position within the document
+
+with ``pack=True`` several documents share a row (grain's first-fit packing) and the
+model sees a block-diagonal causal mask (`jaxlm.models.masks.segment_mask`). The
+training iterator's state (``get_state()``) is the data position a checkpoint stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from typing import Any, Callable
+
+import grain
+import numpy as np
+
+from jaxlm.data.files import DataError, Files, read_rows
+from jaxlm.data.tasks import Arithmetic, Countdown, Sorting, Task
+
+log = logging.getLogger(__name__)
+
+Source = Arithmetic | Countdown | Sorting | Files
+_ENDLESS = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """What to train on and how it is batched."""
+
+    source: Source = Arithmetic()
+    seq_len: int = 64
+    batch_size: int = 32
+    pack: bool = False
+    shuffle_seed: int = 0
+    eval_examples: int = 200
+
+    def __post_init__(self):
+        for name in ("seq_len", "batch_size", "eval_examples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"DataConfig.{name}={v!r} is invalid: must be a positive int")
+
+
+def to_segments(example: dict[str, Any]) -> list[tuple[str, bool]]:
+    if "messages" in example:
+        out = []
+        for m in example["messages"]:
+            out.append((f"<|{m['role']}|>\n", False))
+            out.append((m["content"] + "\n", m["role"] == "assistant"))
+        return out
+    return [(example["prompt"], False), (example["completion"], True)]
+
+
+def encode(example: dict[str, Any], tokenizer) -> dict[str, np.ndarray]:
+    """BOS + segments + EOS as ``tokens`` and ``loss_mask`` (EOS is trained)."""
+    tokens: list[int] = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    mask: list[bool] = [False] * len(tokens)
+    for text, trainable in to_segments(example):
+        ids = tokenizer.encode(text)
+        tokens += ids
+        mask += [trainable] * len(ids)
+    if tokenizer.eos_id is not None:
+        tokens.append(tokenizer.eos_id)
+        mask.append(True)
+    return {"tokens": np.asarray(tokens, np.int32), "loss_mask": np.asarray(mask, bool)}
+
+
+class ExampleSource:
+    """Random-access examples of one split, and the verifier when the source has one."""
+
+    def __init__(self, source: Source, split: str):
+        self.source, self.split = source, split
+        if isinstance(source, Files):
+            rows = read_rows(source.path)
+            if source.eval_path is not None:
+                rows = read_rows(source.eval_path) if split == "eval" else rows
+            else:
+                def held_out(i):
+                    h = hashlib.blake2b(str(i).encode(), digest_size=8).digest()
+                    return int.from_bytes(h, "little") % 10_000 < source.eval_fraction * 10_000
+
+                rows = [r for i, r in enumerate(rows) if held_out(i) == (split == "eval")]
+            if not rows:
+                raise DataError(f"{source.path}: the {split} split is empty")
+            self._rows = rows
+        else:
+            self._rows = None
+
+    def __len__(self) -> int:
+        return len(self._rows) if self._rows is not None else _ENDLESS
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self._rows is not None:
+            return self._rows[index % len(self._rows)]
+        return self.source.example(int(index), self.split)
+
+    @property
+    def verify(self) -> Callable[[dict, str], float] | None:
+        return self.source.verify if isinstance(self.source, Task) else None
+
+
+def _pad(example: dict[str, np.ndarray], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    n = len(example["tokens"])
+    tokens = np.full(seq_len, pad_id, np.int32)
+    tokens[:n] = example["tokens"]
+    mask = np.zeros(seq_len, bool)
+    mask[:n] = example["loss_mask"]
+    seg = np.zeros(seq_len, np.int32)
+    seg[:n] = 1
+    pos = np.where(seg > 0, np.arange(seq_len), 0).astype(np.int32)
+    return {"tokens": tokens, "loss_mask": mask, "segment_ids": seg, "positions": pos}
+
+
+def _checked_encode(tokenizer, seq_len: int):
+    def fn(example):
+        enc = encode(example, tokenizer)
+        if len(enc["tokens"]) > seq_len:
+            raise DataError(
+                f"an example encodes to {len(enc['tokens'])} tokens > DataConfig.seq_len={seq_len}: "
+                f"raise data.seq_len (example prompt: {example.get('prompt', '')[:60]!r})"
+            )
+        return enc
+
+    return fn
+
+
+def _encoded_split(cfg: DataConfig, tokenizer, split: str) -> grain.MapDataset:
+    """Encoded examples of a split. File rows are encoded up front; rows longer than
+    ``seq_len`` are dropped and counted in the log (an error if none is left)."""
+    examples = ExampleSource(cfg.source, split)
+    if examples._rows is None:
+        return grain.MapDataset.source(examples).map(_checked_encode(tokenizer, cfg.seq_len))
+    encoded = [encode(r, tokenizer) for r in examples._rows]
+    kept = [e for e in encoded if len(e["tokens"]) <= cfg.seq_len and e["loss_mask"].any()]
+    dropped = len(encoded) - len(kept)
+    if dropped:
+        log.warning(
+            "%s (%s split): dropped %d of %d rows longer than seq_len=%d or with nothing to train",
+            cfg.source.path, split, dropped, len(encoded), cfg.seq_len,
+        )
+    if not kept:
+        raise DataError(f"{cfg.source.path}: no {split} row fits seq_len={cfg.seq_len}")
+    return grain.MapDataset.source(kept)
+
+
+def train_dataset(cfg: DataConfig, tokenizer, *, shard_index: int = 0, shard_count: int = 1) -> grain.IterDataset:
+    """Endless shuffled training batches (this process's shard when multi-host)."""
+    ds = _encoded_split(cfg, tokenizer, "train")
+    if isinstance(cfg.source, Files):
+        ds = ds.shuffle(seed=cfg.shuffle_seed).repeat()
+    ds = ds[shard_index::shard_count]
+    pad_id = tokenizer.pad_id
+    if cfg.pack:
+        T = cfg.seq_len
+        packed = grain.experimental.FirstFitPackIterDataset(
+            ds.to_iter_dataset(), length_struct={"tokens": T, "loss_mask": T},
+            num_packing_bins=cfg.batch_size, seed=cfg.shuffle_seed, shuffle_bins=True,
+        )
+
+        def rename(x):
+            return {
+                "tokens": x["tokens"].astype(np.int32),
+                "loss_mask": x["loss_mask"].astype(bool),
+                "segment_ids": x["tokens_segment_ids"].astype(np.int32),
+                "positions": x["tokens_positions"].astype(np.int32),
+            }
+
+        it = packed.map(rename)
+    else:
+        it = ds.map(lambda e: _pad(e, cfg.seq_len, pad_id)).to_iter_dataset()
+    return it.batch(cfg.batch_size, drop_remainder=True)
+
+
+def eval_batches(cfg: DataConfig, tokenizer) -> list[dict[str, np.ndarray]]:
+    """The first ``eval_examples`` held-out examples as padded batches (last one filled
+    with empty rows, which carry no loss)."""
+    ds = _encoded_split(cfg, tokenizer, "eval")
+    n = min(cfg.eval_examples, len(ds))
+    rows = [_pad(ds[i], cfg.seq_len, tokenizer.pad_id) for i in range(n)]
+    empty = {k: np.zeros_like(v) for k, v in rows[0].items()}
+    rows += [empty] * (-len(rows) % cfg.batch_size)
+    return [
+        {k: np.stack([r[k] for r in rows[i : i + cfg.batch_size]]) for k in rows[0]}
+        for i in range(0, len(rows), cfg.batch_size)
+    ]
+
+
+def eval_examples(cfg: DataConfig) -> tuple[list[dict[str, Any]], Callable | None]:
+    """Held-out raw examples (for generation-based accuracy) and the verifier, if any."""
+    src = ExampleSource(cfg.source, "eval")
+    n = min(cfg.eval_examples, len(src))
+    return [src[i] for i in range(n)], src.verify

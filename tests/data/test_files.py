@@ -1,0 +1,103 @@
+"""Local jsonl / parquet data: rows validated with file and line in every error; dropped rows
+are counted in the log; chat rows train on assistant turns only."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm.data.files import DataError, Files, read_rows
+from jaxlm.data.pipeline import DataConfig, encode, eval_batches, train_dataset
+
+TOK = jaxlm.ByteTokenizer()
+
+
+def _jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("{not json", r"data.jsonl:2: invalid JSON"),
+        ({"prompt": "x"}, r"data.jsonl:2: missing column\(s\) \['completion'\]"),
+        ({"prompt": 1, "completion": "y"}, r"data.jsonl:2: column 'prompt' must be a string, got int"),
+        ({"messages": [{"role": "bot", "content": "hi"}]}, r"data.jsonl:2: messages\[0\] must be"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, r"data.jsonl:2: 'messages' has no assistant turn"),
+        ([1, 2], r"data.jsonl:2: expected an object, got list"),
+    ],
+)
+def test_malformed_jsonl_rows_name_file_and_line(tmp_path, bad, match):
+    path = _jsonl(tmp_path / "data.jsonl", [{"prompt": "a", "completion": "b"}, bad])
+    with pytest.raises(DataError, match=match):
+        read_rows(path)
+
+
+def test_parquet_rows_and_errors(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "completion": ["2", "4"]}), tmp_path / "ok.parquet")
+    assert read_rows(tmp_path / "ok.parquet")[1] == {"prompt": "2+2=", "completion": "4"}
+    pq.write_table(pa.table({"prompt": ["1+1="], "answer": ["2"]}), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=r"bad.parquet row 0: missing column\(s\) \['completion'\]"):
+        read_rows(tmp_path / "bad.parquet")
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="junk.parquet: not a readable parquet file"):
+        read_rows(tmp_path / "junk.parquet")
+    (tmp_path / "x.csv").write_text("prompt,completion\n")
+    with pytest.raises(DataError, match="unsupported file type '.csv'"):
+        read_rows(tmp_path / "x.csv")
+
+
+def test_chat_rows_train_on_assistant_turns_only():
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                        {"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}]}
+    enc = encode(row, TOK)
+    trained = TOK.decode(enc["tokens"][enc["loss_mask"]])
+    assert trained == "yo\nok\n"  # the EOS is trained too but decodes to nothing
+    assert enc["loss_mask"][-1] and enc["tokens"][-1] == TOK.eos_id
+
+
+def test_long_rows_are_dropped_with_a_count(tmp_path, caplog):
+    rows = [{"prompt": f"q{i}", "completion": "a" * (5 if i % 4 else 80)} for i in range(40)]
+    path = _jsonl(tmp_path / "data.jsonl", rows)
+    cfg = DataConfig(source=Files(path=str(path), eval_fraction=0.2), seq_len=32, batch_size=4)
+    with caplog.at_level(logging.WARNING):
+        batch = next(iter(train_dataset(cfg, TOK)))
+    assert "dropped" in caplog.text and "longer than seq_len=32" in caplog.text
+    assert batch["tokens"].shape == (4, 32)
+    assert len(eval_batches(cfg, TOK)) >= 1
+    cfg_none = DataConfig(source=Files(path=str(_jsonl(tmp_path / "long.jsonl", rows[::4]))), seq_len=32)
+    with pytest.raises(DataError, match="no train row fits seq_len=32"):
+        next(iter(train_dataset(cfg_none, TOK)))
+
+
+def test_train_iterator_state_resumes_exactly():
+    for pack in (False, True):
+        cfg = DataConfig(seq_len=32, batch_size=4, pack=pack)
+        it = iter(train_dataset(cfg, TOK))
+        for _ in range(3):
+            next(it)
+        state = it.get_state()
+        expected = [next(it) for _ in range(2)]
+        fresh = iter(train_dataset(cfg, TOK))
+        fresh.set_state(json.loads(json.dumps(state)))  # the state survives JSON (orbax JsonSave)
+        for e in expected:
+            got = next(fresh)
+            for k in e:
+                np.testing.assert_array_equal(got[k], e[k])
+
+
+def test_packed_rows_have_resets():
+    cfg = DataConfig(seq_len=40, batch_size=2, pack=True)
+    batch = next(iter(train_dataset(cfg, TOK)))
+    for seg, pos, tok in zip(batch["segment_ids"], batch["positions"], batch["tokens"]):
+        assert seg.max() >= 2  # several documents per row
+        for s in range(1, seg.max() + 1):
+            idx = np.flatnonzero(seg == s)
+            np.testing.assert_array_equal(pos[idx], np.arange(len(idx)))  # positions restart
+            assert tok[idx[0]] == TOK.bos_id

@@ -1,0 +1,51 @@
+"""Synthetic tasks: deterministic, held-out splits disjoint, verifiers accept every reference
+and reject wrong or unsafe answers."""
+
+import pytest
+
+from jaxlm.data.tasks import TASKS, Arithmetic, Countdown, Sorting, make_task
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_references_verify_and_splits_are_disjoint(name):
+    task = make_task(name)
+    train = [task.example(i, "train") for i in range(300)]
+    held = [task.example(i, "eval") for i in range(100)]
+    assert all(task.verify(e, e["completion"]) == 1.0 for e in train + held)
+    assert all(task.verify(e, e["completion"] + "0") == 0.0 for e in train[:50])
+    assert not {e["prompt"] for e in train} & {e["prompt"] for e in held}
+    assert task.example(7, "train") == task.example(7, "train")  # random access, deterministic
+    assert make_task(name, seed=1).example(7, "train") != task.example(7, "train")
+
+
+def test_arithmetic_answers():
+    task = Arithmetic(digits=3, ops=("+", "-", "*"))
+    for i in range(200):
+        e = task.example(i)
+        assert int(e["completion"]) == eval(e["prompt"][:-1])  # noqa: S307 - test-only reference
+    assert Arithmetic(digits=2).chance_accuracy() == pytest.approx(1 / 199)
+
+
+def test_countdown_verifier_is_strict_and_safe():
+    task = Countdown()
+    e = {"numbers": [3, 7, 25], "target": 46}
+    assert task.verify(e, "25+3*7") == 1.0
+    assert task.verify(e, "3*7+25") == 1.0           # any valid solution
+    assert task.verify(e, "25+21") == 0.0            # 21 is not given
+    assert task.verify(e, "25+3*7+3-3") == 0.0       # 3 used three times
+    assert task.verify(e, "(25+3)*7") == 0.0         # wrong value
+    assert task.verify(e, "__import__('os').system('true')") == 0.0
+    assert task.verify(e, "25+3*7; 1") == 0.0
+    assert task.verify(e, "2**5") == 0.0
+
+
+def test_sorting_and_bad_options():
+    assert Sorting(length=3).verify({"values": [3, 1, 2]}, " 1 2 3 ") == 1.0
+    with pytest.raises(ValueError, match="arithmetic.digits=0 must be an int in"):
+        Arithmetic(digits=0)
+    with pytest.raises(ValueError, match=r"arithmetic.ops=\('/',\) is invalid"):
+        Arithmetic(ops=("/",))
+    with pytest.raises(ValueError, match=r"task 'sorting' has no option\(s\) \['digits'\]"):
+        make_task("sorting", digits=3)
+    with pytest.raises(KeyError, match=r"unknown task 'arithmetc' \(did you mean \['arithmetic'\]\?\)"):
+        TASKS["arithmetc"]

@@ -1,0 +1,60 @@
+"""Experiment configs: overrides are parsed and type-checked by tyro; bad keys and values
+fail with the field named (and the closest valid keys)."""
+
+import pytest
+
+from jaxlm.data.tasks import Arithmetic, Countdown
+from trainers.config import ConfigError, ExperimentConfig, apply_overrides, load_config
+
+
+def test_overrides_are_typed():
+    cfg = load_config("quickstart", ["model.n_layers=4", "optimizer.lr=0.01", "data.pack=false",
+                                     "trainer.eval_every=7", "optimizer.clip_norm=None",
+                                     "data.source.digits=3"])
+    assert cfg.model.n_layers == 4 and isinstance(cfg.model.n_layers, int)
+    assert cfg.optimizer.lr == 0.01
+    assert cfg.data.pack is False
+    assert cfg.trainer.eval_every == 7
+    assert cfg.optimizer.clip_norm is None
+    assert cfg.data.source == Arithmetic(digits=3, ops=("+",))
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match=r"(?s)Unrecognized options.*--model.n_layer\b.*Perhaps you meant.*--model.n_layers"):
+        load_config("quickstart", ["model.n_layer=4"])
+
+
+def test_badly_typed_value_names_the_field():
+    with pytest.raises(ConfigError, match=r"(?s)--trainer.steps.*invalid literal for int"):
+        load_config("quickstart", ["trainer.steps=many"])
+
+
+def test_config_validation_runs_after_overrides():
+    with pytest.raises(ConfigError, match="n_heads=4 is not divisible by n_kv_heads=3"):
+        load_config("quickstart", ["model.n_kv_heads=3"])
+    with pytest.raises(ConfigError, match="data.batch_size=64 is not divisible by trainer.grad_accum=5"):
+        load_config("quickstart", ["trainer.grad_accum=5"])
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config("quickstart", ["trainer.steps"])
+
+
+def test_unknown_config_and_paths(tmp_path):
+    with pytest.raises(ConfigError, match="no config named 'nope'; known: .*quickstart"):
+        load_config("nope")
+    path = tmp_path / "mine.py"
+    path.write_text(
+        "from trainers.config import ExperimentConfig\n"
+        "from jaxlm.data.pipeline import DataConfig\n"
+        "from jaxlm.data.tasks import Countdown\n"
+        "def get_config():\n    return ExperimentConfig(data=DataConfig(source=Countdown(n_numbers=4)))\n"
+    )
+    cfg = load_config(str(path), ["data.source.max_number=9"])
+    assert cfg.data.source == Countdown(n_numbers=4, max_number=9)
+    (tmp_path / "bad.py").write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="has no get_config"):
+        load_config(str(tmp_path / "bad.py"))
+
+
+def test_unknown_token_weights():
+    with pytest.raises(ValueError, match="algorithm.token_weights='pear2' is invalid"):
+        apply_overrides(ExperimentConfig(), ["algorithm.token_weights=pear2"])

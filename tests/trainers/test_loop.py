@@ -1,0 +1,102 @@
+"""The training loop: bit-identical resume, NaN stop with the last good checkpoint intact,
+the run directory's files."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm.data.pipeline import DataConfig
+from jaxlm.data.tasks import Arithmetic
+from trainers.checkpointing import TrainCheckpointer
+from trainers.config import ConfigError, ExperimentConfig, OptimizerConfig, TrainerConfig, apply_overrides
+from trainers.losses import TOKEN_WEIGHTS
+from trainers.loop import TrainingDiverged, train
+
+
+def tiny_experiment(out_dir, **trainer):
+    return ExperimentConfig(
+        model=jaxlm.ModelConfig.tiny(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64),
+        data=DataConfig(source=Arithmetic(digits=1), seq_len=24, batch_size=8, pack=True, eval_examples=16),
+        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2),
+        trainer=TrainerConfig(out_dir=str(out_dir), progress=False, log_every=1, eval_generate=8,
+                              eval_max_new_tokens=3, **{"steps": 8, "save_every": 3, **trainer}),
+    )
+
+
+def _params(run_dir):
+    ckpt = TrainCheckpointer(run_dir / "checkpoints", keep=5)
+    step = ckpt.latest_step()
+    ckpt.close()
+    model = jaxlm.load_checkpoint(run_dir / "model")
+    return step, jax.tree.leaves(jax.tree.map(np.asarray, jaxlm.models.params.flat_params(model)))
+
+
+def test_resume_is_bit_identical(tmp_path):
+    straight = train(tiny_experiment(tmp_path / "a"))
+    assert straight.step == 8 and not straight.stopped_early
+    # the same run, preempted after 5 steps (last checkpoint: step 3), then re-run unchanged
+    first = train(tiny_experiment(tmp_path / "b", stop_after=5))
+    assert first.stopped_early and first.step == 5
+    resumed = train(tiny_experiment(tmp_path / "b"))
+    assert resumed.step == 8
+    step_a, params_a = _params(tmp_path / "a")
+    step_b, params_b = _params(tmp_path / "b")
+    assert step_a == step_b == 8
+    for a, b in zip(params_a, params_b):
+        np.testing.assert_array_equal(a, b)
+    # metrics.jsonl describes one run: each train step logged once, losses identical
+    def losses(d):
+        recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in recs if r["kind"] == "train"]
+
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert [s for s, _ in losses(tmp_path / "b")] == list(range(1, 9))
+    for name in ("curves.png", "config.json", "tensorboard", "model"):
+        assert (tmp_path / "a" / name).exists(), name
+    assert straight.final_eval["loss"] > 0 and 0 <= straight.final_eval["accuracy"] <= 1
+
+
+def test_resume_with_a_different_config_is_refused(tmp_path):
+    train(tiny_experiment(tmp_path, stop_after=3, steps=6))
+    with pytest.raises(ConfigError, match="different config.*optimizer.lr"):
+        train(apply_overrides(tiny_experiment(tmp_path, steps=6), ["optimizer.lr=0.5"]))
+
+
+class _PoisonAt:
+    """Wraps the data iterator: batch number `k` gets a marker token that the test's
+    token-weight function turns into NaN weights."""
+
+    def __init__(self, it, k):
+        self.it, self.k, self.n = it, k, 0
+
+    def __next__(self):
+        batch = dict(next(self.it))
+        self.n += 1
+        if self.n == self.k:
+            batch["tokens"] = batch["tokens"].copy()
+            batch["tokens"][0, 0] = 258
+        return batch
+
+    def get_state(self):
+        return self.it.get_state()
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
+    if "nan_on_marker" not in TOKEN_WEIGHTS:
+        TOKEN_WEIGHTS.register("nan_on_marker")(
+            lambda batch, logits: jnp.where(jnp.any(batch["tokens"] == 258), jnp.nan, 1.0)
+            * jnp.ones(batch["tokens"].shape)
+        )
+    cfg = apply_overrides(tiny_experiment(tmp_path), ["algorithm.token_weights=nan_on_marker"])
+    with pytest.raises(TrainingDiverged, match=r"non-finite loss or gradient at step 5.*Last good checkpoint: step 3"):
+        train(cfg, data_iterator_wrapper=lambda it: _PoisonAt(it, 5))
+    ckpt = TrainCheckpointer(tmp_path / "checkpoints")
+    assert ckpt.all_steps() == [3]
+    ckpt.close()
+    # the kept checkpoint is complete and resumable: a clean run picks up from step 3
+    resumed = train(cfg)
+    assert resumed.step == 8

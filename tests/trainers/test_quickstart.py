@@ -1,0 +1,33 @@
+"""`jaxlm quickstart --steps N` (the README's main job, shortened) and `jaxlm train` / `eval`
+through the command line."""
+
+import json
+
+from trainers.cli import main
+
+
+def test_quickstart_small_variant(tmp_path, capsys):
+    out = tmp_path / "qs"
+    main(["quickstart", "--steps", "12", "--out", str(out), "--no-progress",
+          "--overrides", "trainer.eval_generate=16", "data.batch_size=16"])
+    printed = capsys.readouterr().out
+    assert "Summary" in printed and "held-out exact-match accuracy" in printed
+    assert "chance accuracy" in printed and "Sampled answers" in printed
+    for name in ("model", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard", "config.json"):
+        assert (out / name).exists(), name
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "eval" and records[-1]["step"] == 12
+    # the trained model is usable by the other verbs
+    main(["eval", "--model", str(out / "model"), "--n", "8", "--max-new-tokens", "4"])
+    assert "exact-match accuracy" in capsys.readouterr().out
+    main(["generate", "--model", str(out / "model"), "--prompt", "1+1=", "--max-new-tokens", "3"])
+    assert "'1+1=' ->" in capsys.readouterr().out
+
+
+def test_train_verb_resumes(tmp_path, capsys):
+    args = ["train", "quickstart", f"trainer.out_dir={tmp_path}", "trainer.steps=4", "trainer.save_every=2",
+            "trainer.progress=false", "trainer.eval_generate=0", "data.batch_size=8",
+            "model.n_layers=1", "model.d_model=32", "model.ffn_dim=64"]
+    main(args + ["trainer.stop_after=3"])
+    main(args)
+    assert "finished at step 4" in capsys.readouterr().out

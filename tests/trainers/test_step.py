@@ -1,0 +1,166 @@
+"""The training step: exact gradient accumulation, packing without cross-document
+attention, non-finite steps leave the state unchanged."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxlm
+from jaxlm.data.pipeline import encode
+from jaxlm.models.masks import segment_mask
+from trainers.optim import make_optimizer
+from trainers.config import OptimizerConfig
+from trainers.step import init_state, make_loss_fn, make_train_step
+
+CFG = jaxlm.ModelConfig.tiny(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, init_std=0.1)
+TOK = jaxlm.ByteTokenizer()
+
+
+def _row(examples, T=48):
+    """Pack encoded examples into one row (segments 1, 2, ...), pad the rest."""
+    tokens, mask, seg, pos = [], [], [], []
+    for i, ex in enumerate(examples, 1):
+        enc = encode(ex, TOK)
+        n = len(enc["tokens"])
+        tokens += enc["tokens"].tolist()
+        mask += enc["loss_mask"].tolist()
+        seg += [i] * n
+        pos += list(range(n))
+    pad = T - len(tokens)
+    return {
+        "tokens": np.array(tokens + [0] * pad, np.int32), "loss_mask": np.array(mask + [False] * pad),
+        "segment_ids": np.array(seg + [0] * pad, np.int32), "positions": np.array(pos + [0] * pad, np.int32),
+    }
+
+
+def _batch(rows):
+    return {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
+
+
+EXAMPLES = [
+    {"prompt": "12+30=", "completion": "42"},
+    {"prompt": "7+8=", "completion": "15"},
+    {"prompt": "sort 3 1 2:", "completion": "1 2 3"},
+    {"prompt": "a", "completion": "a much longer completion here"},
+]
+
+
+@pytest.fixture(scope="module")
+def model_parts():
+    model = jaxlm.build_model(CFG, seed=0)
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def test_exact_gradient_accumulation(model_parts):
+    """Two micro-batches with very different token counts == one batch (token mean)."""
+    graphdef, params = model_parts
+    batch = _batch([_row(EXAMPLES[:1]), _row(EXAMPLES[3:4])])  # 3 vs 30 trained tokens
+    assert int(batch["loss_mask"][0].sum()) != int(batch["loss_mask"][1].sum())
+    # an "optimizer" that stores the gradient it receives in its state (comparing Adam steps
+    # would amplify rounding in near-zero gradients to +-lr)
+    tx = optax.GradientTransformation(
+        lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g)
+    )
+    schedule = lambda step: 1.0
+    one = make_train_step(graphdef, tx, schedule, grad_accum=1, donate=False)
+    two = make_train_step(graphdef, tx, schedule, grad_accum=2, donate=False)
+    s1, m1 = one(init_state(params, tx, 0), batch)
+    s2, m2 = two(init_state(params, tx, 0), batch)
+    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=1e-5)
+    for g1, g2 in zip(jax.tree.leaves(s1.opt_state), jax.tree.leaves(s2.opt_state)):
+        np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6 * np.abs(g1).max())
+    # the naive mean of the two micro-batch means is a different number
+    loss_fn = make_loss_fn(graphdef, sliding_window=None)
+    means = [float(s / n) for s, n in (loss_fn(params, jax.tree.map(lambda x: x[i : i + 1], batch)) for i in range(2))]
+    assert abs(np.mean(means) - float(m1["loss"])) > 1e-3
+
+
+def test_packing_never_leaks_attention(model_parts):
+    """Logits of each document in a packed row equal its logits run alone, and changing one
+    document does not change the other's logits."""
+    graphdef, params = model_parts
+    model = nnx.merge(graphdef, params)
+    packed = _batch([_row(EXAMPLES[:3])])
+    mask = segment_mask(packed["segment_ids"])
+    logits = model(packed["tokens"], packed["positions"], mask=mask).logits[0]
+    seg = np.asarray(packed["segment_ids"][0])
+    for i, ex in enumerate(EXAMPLES[:3], 1):
+        alone = _batch([_row([ex])])
+        ref = model(alone["tokens"], alone["positions"], mask=segment_mask(alone["segment_ids"])).logits[0]
+        n = int((seg == i).sum())
+        np.testing.assert_allclose(logits[seg == i], ref[:n], atol=1e-5)
+    # perturb document 1: documents 2 and 3 are untouched
+    other = _batch([_row([{"prompt": "99+99=", "completion": "198"}, *EXAMPLES[1:3]])])
+    other_logits = model(other["tokens"], other["positions"], mask=segment_mask(other["segment_ids"])).logits[0]
+    seg_o = np.asarray(other["segment_ids"][0])
+    np.testing.assert_allclose(other_logits[seg_o == 2], logits[seg == 2], atol=1e-6)
+
+
+def test_loss_ignores_prompt_and_cross_document_targets():
+    from trainers.losses import next_token_targets
+
+    batch = _batch([_row(EXAMPLES[:2])])
+    targets, valid = next_token_targets(batch)
+    valid = np.asarray(valid[0])
+    # trained positions: predictions of completion tokens + EOS within the same document
+    expected = sum(len(TOK.encode(e["completion"])) + 1 for e in EXAMPLES[:2])
+    assert valid.sum() == expected
+    seg = np.asarray(batch["segment_ids"][0])
+    boundary = np.flatnonzero(np.diff(seg) != 0)
+    assert not valid[boundary].any()
+
+
+def test_non_finite_step_keeps_state(model_parts):
+    graphdef, params = model_parts
+    tx, schedule = make_optimizer(OptimizerConfig(), 10)
+
+    def nan_weights(batch, logits):
+        return jnp.full(batch["tokens"].shape, jnp.nan)
+
+    step = make_train_step(graphdef, tx, schedule, weight_fn=nan_weights, donate=False)
+    state = init_state(params, tx, 0)
+    new, metrics = step(state, _batch([_row(EXAMPLES[:2])]))
+    assert not bool(metrics["finite"])
+    assert int(new.step) == 0
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bf16_compute_keeps_fp32_master_weights():
+    cfg = CFG.replace(dtype="bfloat16", param_dtype="float32")
+    model = jaxlm.build_model(cfg, seed=0)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    tx, schedule = make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), 10)
+    step = make_train_step(graphdef, tx, schedule, donate=False)
+    new, metrics = step(init_state(params, tx, 0), _batch([_row(EXAMPLES[:2])]))
+    assert bool(metrics["finite"]) and float(metrics["loss"]) > 0
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(new.params))
+    assert all(m.dtype == jnp.float32 for m in jax.tree.leaves(new.opt_state) if hasattr(m, "dtype") and m.ndim)
+    moved = [float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new.params))]
+    assert min(moved) > 0  # every parameter received an update
+
+
+def test_chunked_token_logprobs_match_log_softmax():
+    from jaxlm.models.logprobs import token_logprobs
+
+    rng = np.random.RandomState(0)
+    h = jnp.asarray(rng.randn(37, 16), jnp.float32)  # 37 rows: not a multiple of the chunk
+    w = jnp.asarray(rng.randn(16, 50) * 0.3, jnp.float32)
+    t = jnp.asarray(rng.randint(0, 50, 37))
+    c = jnp.asarray(rng.randn(37), jnp.float32)  # an arbitrary cotangent
+
+    def ref(h, w):
+        return jnp.sum(c * jnp.take_along_axis(jax.nn.log_softmax(h @ w), t[:, None], -1)[:, 0])
+
+    def chunked(h, w):
+        return jnp.sum(c * token_logprobs(h, w, t, chunk=8))
+
+    np.testing.assert_allclose(chunked(h, w), ref(h, w), rtol=1e-5)
+    for a, b in zip(jax.grad(chunked, (0, 1))(h, w), jax.grad(ref, (0, 1))(h, w)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

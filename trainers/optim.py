@@ -1,0 +1,29 @@
+"""The optimizer from an `OptimizerConfig`: optax AdamW, warmup + cosine, clipping."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def learning_rate_schedule(cfg, total_steps: int) -> optax.Schedule:
+    if cfg.schedule == "constant":
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1)), optax.constant_schedule(cfg.lr)],
+            [cfg.warmup_steps],
+        )
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+        decay_steps=max(total_steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with decoupled weight decay on matrices only (not norms, biases)."""
+    schedule = learning_rate_schedule(cfg, total_steps)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    adamw = optax.adamw(
+        schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
+    )
+    chain = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm is not None else []
+    return optax.chain(*chain, adamw), schedule

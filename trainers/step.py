@@ -1,0 +1,108 @@
+"""The pure training step: ``step(state, batch) -> (state, metrics)``.
+
+Gradient accumulation is exact: each micro-batch contributes the gradient of its loss
+*sum* and its token count; the step divides once by the total count, so two micro-batches
+of unequal token counts give the gradient of the whole batch's token mean. A non-finite
+loss or gradient norm leaves the state unchanged and reports ``finite=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from jaxlm.models.masks import segment_mask
+from trainers.losses import sft_loss_sum, uniform_weights
+
+Batch = dict[str, jax.Array]
+
+
+@struct.dataclass
+class TrainState:
+    params: Any  # nested dict of arrays (nnx.to_pure_dict of the model's Params)
+    opt_state: Any
+    step: jax.Array  # [] int32: optimizer steps taken
+    rng: jax.Array
+
+
+def init_state(params, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    return TrainState(
+        params=params, opt_state=jax.jit(tx.init)(params), step=jnp.zeros((), jnp.int32),
+        rng=jax.random.key_data(jax.random.key(seed)),
+    )
+
+
+def make_loss_fn(graphdef, *, sliding_window: int | None, weight_fn: Callable = uniform_weights):
+    """``loss(params, batch) -> (loss_sum, token_count)`` for next-token SFT on packed rows."""
+
+    def loss_fn(params, batch: Batch):
+        chex.assert_rank(batch["tokens"], 2)
+        model = nnx.merge(graphdef, params)
+        mask = segment_mask(batch["segment_ids"], sliding_window=sliding_window)
+        logits = model(batch["tokens"], batch["positions"], mask=mask).logits
+        return sft_loss_sum(logits, batch, weight_fn)
+
+    return loss_fn
+
+
+def make_train_step(
+    graphdef,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    *,
+    grad_accum: int = 1,
+    sliding_window: int | None = None,
+    weight_fn: Callable = uniform_weights,
+    donate: bool = True,
+):
+    """A jitted ``step(state, batch) -> (state, metrics)``; the batch's leading axis is split
+    into ``grad_accum`` micro-batches."""
+    loss_fn = make_loss_fn(graphdef, sliding_window=sliding_window, weight_fn=weight_fn)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(state: TrainState, batch: Batch):
+        B = batch["tokens"].shape[0]
+        # micro-batch i = rows i, i + A, i + 2A, ...: a batch sharded over its leading axis
+        # keeps every device's rows in place (no resharding for the accumulation loop)
+        micro = jax.tree.map(
+            lambda x: x.reshape(B // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1), batch
+        )
+
+        def accumulate(carry, mb):
+            g_sum, loss_sum, count = carry
+            (loss, n), g = grad_fn(state.params, mb)
+            return (jax.tree.map(jnp.add, g_sum, g), loss_sum + loss, count + n), None
+
+        if grad_accum == 1:  # no loop: lets XLA fuse the gradient into the update
+            (loss_sum, count), g_sum = grad_fn(state.params, batch)
+        else:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+            (g_sum, loss_sum, count), _ = jax.lax.scan(accumulate, init, micro)
+        denom = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, state.params)
+        loss = loss_sum / denom
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
+        new = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=rng)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        metrics = {
+            "loss": loss, "grad_norm": grad_norm, "tokens": count, "lr": schedule(state.step),
+            "finite": finite,
+        }
+        return new, metrics
+
+    return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def make_eval_loss(graphdef, *, sliding_window: int | None = None):
+    """A jitted ``(params, batch) -> (loss_sum, token_count)`` (uniform weights)."""
+    return jax.jit(make_loss_fn(graphdef, sliding_window=sliding_window))
