@@ -105,6 +105,12 @@ def train(cfg: ExperimentConfig, *, data_iterator_wrapper=None) -> TrainResult:
     model.tokenizer = tokenizer
 
     mesh = make_mesh(t.mesh.data, t.mesh.fsdp, t.mesh.tensor)
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if (cfg.data.batch_size // t.grad_accum) % batch_shards:
+        raise ConfigError(
+            f"the micro-batch data.batch_size/trainer.grad_accum = {cfg.data.batch_size // t.grad_accum} "
+            f"is not divisible by the mesh's data x fsdp = {batch_shards} devices"
+        )
     graphdef, state = nnx.split(model)
     shardings = nnx.to_pure_dict(model_shardings(model, mesh))
     params = jax.device_put(nnx.to_pure_dict(state), shardings)
@@ -115,7 +121,13 @@ def train(cfg: ExperimentConfig, *, data_iterator_wrapper=None) -> TrainResult:
         step=jax.device_put(train_state.step, replicated), rng=jax.device_put(train_state.rng, replicated)
     )
 
-    data = train_dataset(cfg.data, tokenizer, shard_index=jax.process_index(), shard_count=jax.process_count())
+    # data.batch_size is global: each process loads its share of every batch
+    if cfg.data.batch_size % jax.process_count():
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} is not divisible by the {jax.process_count()} processes"
+        )
+    local_data = dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size // jax.process_count())
+    data = train_dataset(local_data, tokenizer, shard_index=jax.process_index(), shard_count=jax.process_count())
     data_it = iter(data)
     ckpt = TrainCheckpointer(out_dir / "checkpoints", keep=t.keep_checkpoints, async_save=t.async_checkpoint)
     latest = ckpt.latest_step()
