@@ -1,0 +1,156 @@
+"""4-bit formats against independent references: ml_dtypes for E2M1 codes, a numpy
+transcription of the microxcaling MX definition for MXFP4, the two-level NVFP4
+definition (ml_dtypes E4M3), packing round trips and quantization error bounds."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxlm.quant as Q
+from kernels_pallas import formats as F
+
+E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
+
+
+def _ml_codes(x):
+    """E2M1 codes as ml_dtypes encodes them (one element per byte, low 4 bits)."""
+    return np.asarray(x, np.float32).astype(E2M1).view(np.uint8) & 0xF
+
+
+def test_every_e2m1_value_round_trips_like_ml_dtypes():
+    all_codes = np.arange(16, dtype=np.uint8)
+    values = all_codes.view(E2M1).astype(np.float32)  # ml_dtypes' decoding of every code
+    np.testing.assert_array_equal(np.asarray(F.e2m1_decode(jnp.asarray(all_codes))), values)
+    np.testing.assert_array_equal(np.asarray(F.e2m1_encode(jnp.asarray(values))), _ml_codes(values))
+
+
+def test_random_e2m1_encoding_matches_ml_dtypes():
+    rng = np.random.RandomState(0)
+    x = np.concatenate([
+        rng.randn(20000).astype(np.float32) * 2,
+        rng.uniform(-6, 6, 20000).astype(np.float32),
+        # exact midpoints between grid values: the ties-to-even cases
+        np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32) * np.array([[1], [-1]], np.float32),
+    ], axis=None)
+    x = np.clip(x, -6, 6)  # ml_dtypes has no saturation rule to compare against beyond 6
+    np.testing.assert_array_equal(np.asarray(F.e2m1_encode(jnp.asarray(x))), _ml_codes(x))
+    # beyond the range we saturate to +-6
+    np.testing.assert_array_equal(np.asarray(F.e2m1_decode(F.e2m1_encode(jnp.array([7.0, -100.0])))), [6.0, -6.0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 5), st.integers(0, 2**31 - 1))
+def test_pack_unpack_round_trip(half_k, n, seed):
+    codes = np.random.RandomState(seed).randint(0, 16, (2 * half_k, n)).astype(np.uint8)
+    for axis in (0, 1) if n % 2 == 0 else (0,):
+        packed = F.pack_nibbles(jnp.asarray(codes), axis=axis)
+        np.testing.assert_array_equal(F.unpack_nibbles(packed, axis=axis), codes)
+    packed = np.asarray(F.pack_nibbles(jnp.asarray(codes), axis=0))
+    np.testing.assert_array_equal(packed & 0xF, codes[0::2])  # even element -> low nibble
+    np.testing.assert_array_equal(packed >> 4, codes[1::2])
+
+
+def _mx_reference(x, block=32):
+    """microxcaling `_shared_exponents` + `_quantize_mx` for fp4_e2m1 (emax 2), written from
+    the definition: shared_exp = floor(log2 max|v|) - 2 (clamped to [-127, 127]), elements
+    v / 2^shared_exp rounded to nearest-even on the E2M1 grid with saturation at 6."""
+    x = np.asarray(x, np.float64).reshape(-1, block)
+    amax = np.abs(x).max(axis=1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) - 2, -127)
+    e = np.clip(e, -127, 127)
+    scaled = np.clip(x / 2.0 ** e[:, None], -6, 6).astype(np.float32)
+    q = scaled.astype(E2M1).astype(np.float64)  # RTNE on the E2M1 grid
+    return (q * 2.0 ** e[:, None]).reshape(-1), e
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 300.0])
+def test_mxfp4_ocp_rule_matches_microxcaling(scale):
+    rng = np.random.RandomState(1)
+    w = (rng.standard_t(3, (256, 64)) * scale).astype(np.float32)
+    w[:32, 0] = 0.0  # an all-zero block
+    q = Q.quantize(jnp.asarray(w), Q.mxfp4("ocp"), axis=-2)
+    # reference along K (axis 0): transpose so blocks are contiguous
+    ref, e = _mx_reference(w.T)
+    np.testing.assert_array_equal(np.asarray(Q.dequantize(q)).T.reshape(-1), ref.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(q.scales).T.reshape(-1).astype(int) - 127, e.astype(int))
+
+
+def test_mxfp4_rules_never_clip_except_ocp():
+    rng = np.random.RandomState(2)
+    w = rng.randn(512, 32).astype(np.float32)
+    for rule in ("ceil", "alpha3"):
+        d = np.asarray(Q.dequantize(Q.quantize(jnp.asarray(w), Q.mxfp4(rule), axis=-2)))
+        blocks_w, blocks_d = w.T.reshape(-1, 32), d.T.reshape(-1, 32)
+        # the block maximum is never clipped: it is reproduced within half a grid step
+        amax = np.abs(blocks_w).max(1)
+        err_at_max = np.abs(np.abs(blocks_d).max(1) - amax)
+        # scaled block maxima lie in (3, 6]: the largest gap there is 4 -> 6, so the max
+        # moves by at most one scaled unit, i.e. by at most amax / 5 (bounded here by amax / 4)
+        assert np.all(err_at_max <= amax / 4 + 1e-6), rule
+    ocp = np.asarray(Q.dequantize(Q.quantize(jnp.asarray(w), Q.mxfp4("ocp"), axis=-2)))
+    assert np.abs(ocp).max() < np.abs(w).max()  # the spec rule saturates values above 6 * 2^e
+
+
+def test_nvfp4_two_level_scaling_matches_definition():
+    rng = np.random.RandomState(3)
+    w = (rng.randn(128, 48) * 0.7).astype(np.float32)
+    q = Q.quantize(jnp.asarray(w), Q.nvfp4(), axis=-2)
+    # definition: s_g = amax/(6*448); s_b = e4m3(amax_b/(6 s_g)); q = RTN(x/(s_b s_g)) in [-6, 6]
+    s_g = np.float32(np.abs(w).max() / (6 * 448))
+    blocks = w.T.reshape(-1, 16)
+    s_b = (np.abs(blocks).max(1) / (6 * s_g)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    codes = np.clip(blocks / (s_b[:, None] * s_g), -6, 6).astype(E2M1).astype(np.float32)
+    ref = (codes * s_b[:, None] * s_g).reshape(48, 128).T
+    np.testing.assert_allclose(np.asarray(q.global_scale).reshape(()), s_g, rtol=1e-7)
+    np.testing.assert_array_equal(np.asarray(q.scales).astype(np.float32).T.reshape(-1), s_b)
+    np.testing.assert_allclose(np.asarray(Q.dequantize(q)), ref, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "fmt, bound",
+    [
+        # worst case |x - Q(x)| relative to the block maximum: half the widest grid gap
+        # (between 4 and 6) at the largest scale the rule allows
+        (Q.mxfp4("ceil"), 1.0 / 6.0),  # range 6 * 2^e: half of the widest gap (2^e) = range / 6
+        (Q.nvfp4(), 1.0 / 6.0 * 1.07),  # scale = amax / 6 (E4M3 rounding: +-6.25%)
+        (Q.int4(32), 0.5 / 7.0 * 1.001),  # scale = amax / 7, error <= scale / 2
+        (Q.e1m2(), 0.25 / 3.5 * 1.07),
+    ],
+)
+def test_quantization_error_bounds(fmt, bound):
+    rng = np.random.RandomState(4)
+    w = rng.standard_t(4, (512, 64)).astype(np.float32)
+    d = np.asarray(Q.dequantize(Q.quantize(jnp.asarray(w), fmt, axis=-2)))
+    blocks_w = w.T.reshape(-1, fmt.block)
+    blocks_d = d.T.reshape(-1, fmt.block)
+    amax = np.abs(blocks_w).max(1, keepdims=True)
+    if fmt.name == "mxfp4":
+        amax = 6.0 * 2.0 ** np.ceil(np.log2(amax / 6.0))  # the chosen power-of-two range
+    assert np.all(np.abs(blocks_w - blocks_d) <= bound * amax + 1e-7)
+
+
+def test_qarray_is_a_pytree_with_layers_and_bad_shapes_fail():
+    w = jnp.asarray(np.random.RandomState(5).randn(3, 64, 16), jnp.float32)  # stacked layers
+    q = Q.quantize(w, Q.mxfp4(), axis=-2)
+    assert q.shape == (3, 64, 16) and q.codes.shape == (3, 32, 16) and q.scales.shape == (3, 2, 16)
+    one = jax.tree.map(lambda a: a[1], q)  # what lax.scan does to stacked params
+    np.testing.assert_array_equal(Q.dequantize(one), Q.dequantize(q)[1])
+    with pytest.raises(ValueError, match="dimension 48 \\(axis -2\\) is not divisible by the quantization block 32"):
+        Q.quantize(jnp.ones((48, 8)), "mxfp4")
+    with pytest.raises(ValueError, match="unknown quantization format 'fp3'"):
+        Q.get_format("fp3")
+    with pytest.raises(ValueError, match="mxfp4 rule='round' is invalid"):
+        Q.mxfp4("round")
+
+
+def test_fake_quant_is_straight_through():
+    x = jnp.asarray(np.random.RandomState(6).randn(4, 64), jnp.float32)
+    y, vjp = jax.vjp(lambda x: Q.fake_quant(x, "nvfp4"), x)
+    np.testing.assert_array_equal(y, Q.dequantize(Q.quantize(x, "nvfp4", axis=-1)))
+    (g,) = vjp(jnp.ones_like(y) * 3.0)
+    np.testing.assert_array_equal(g, 3.0)
