@@ -50,8 +50,18 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float | None = 1.0
+    trainable: str = ""
+    """Regex over parameter names (e.g. 'meta_gate' to train only MeGan's hypernetwork);
+    empty = everything. Frozen parameters get no update and no optimizer state."""
 
     def __post_init__(self):
+        if self.trainable:
+            import re
+
+            try:
+                re.compile(self.trainable)
+            except re.error as e:
+                raise ValueError(f"OptimizerConfig.trainable={self.trainable!r} is not a valid regex: {e}") from None
         if not self.lr > 0:
             raise ValueError(f"OptimizerConfig.lr={self.lr!r} is invalid: must be > 0")
         if self.warmup_steps < 0:
@@ -84,6 +94,8 @@ class TrainerConfig:
     eval_generate: int = 64
     """Held-out examples decoded greedily for task accuracy (0: loss only)."""
     eval_max_new_tokens: int = 16
+    eval_attention_stats: bool = False
+    """Also report attention entropy and first-token mass on the held-out batches."""
     save_every: int = 100
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
@@ -111,6 +123,8 @@ class SFTConfig:
 
     name: Literal["sft"] = "sft"
     token_weights: str = "uniform"
+    beta_l1: float = 0.0
+    """MeGan regulariser: adds beta_l1 * sum |beta| (per real token) to the loss."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +137,8 @@ class ExperimentConfig:
     tokenizer: str = "byte"
     """'byte' (the embedded default) or a directory holding tokenizer.json."""
     init_from: str | None = None
-    """Start from a HF directory or jaxlm checkpoint instead of random weights."""
+    """Start from the weights of a HF directory or jaxlm checkpoint, loaded into `model` (which
+    may add variant parameters, e.g. meta_swiglu; those start at their neutral init)."""
 
     def __post_init__(self):
         if self.data.batch_size % self.trainer.grad_accum:

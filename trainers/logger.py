@@ -89,7 +89,8 @@ def plot_curves(jsonl: Path, png: Path) -> Path | None:
     records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
     if not records:
         return None
-    panels = [("train", "loss"), ("eval", "loss"), ("eval", "accuracy"), ("train", "lr"), ("train", "grad_norm")]
+    panels = [("train", "loss"), ("eval", "loss"), ("eval", "accuracy"), ("eval", "exact_match"),
+              ("eval", "attn_entropy"), ("train", "lr"), ("train", "grad_norm")]
     panels = [(kind, key) for kind, key in panels
               if any(r["kind"] == kind and key in r for r in records)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)

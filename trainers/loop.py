@@ -28,10 +28,10 @@ from jaxlm.data.tokenizers import ByteTokenizer, load_tokenizer
 from jaxlm.sharding import make_mesh, model_shardings
 from trainers.checkpointing import TrainCheckpointer, abstract_like
 from trainers.config import ConfigError, ExperimentConfig
-from trainers.evaluate import heldout_loss, task_accuracy
+from trainers.evaluate import heldout_metrics, task_accuracy
 from trainers.logger import MetricsLogger
 from trainers.losses import TOKEN_WEIGHTS
-from trainers.optim import make_optimizer
+from trainers.optim import make_optimizer, param_names
 from trainers.step import TrainState, init_state, make_eval_loss, make_train_step
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,27 @@ def _check_resume_config(stored: dict[str, Any], current: dict[str, Any], out_di
         )
 
 
+def initial_model(cfg: ExperimentConfig):
+    """Random init, or ``init_from``'s weights loaded into ``cfg.model`` (its variant-only
+    parameters keep their initial, neutral values)."""
+    if not cfg.init_from:
+        return jaxlm.build_model(cfg.model, seed=cfg.trainer.seed)
+    from jaxlm.models.params import flat_params, init_params, model_from_flat, param_shapes
+
+    base = flat_params(jaxlm.load_model(cfg.init_from))
+    expected = param_shapes(cfg.model)
+    for name, value in base.items():
+        if name not in expected or tuple(expected[name].shape) != tuple(value.shape):
+            want = tuple(expected[name].shape) if name in expected else "absent"
+            raise ConfigError(
+                f"init_from={cfg.init_from!r}: parameter {name!r} {tuple(value.shape)} does not fit "
+                f"model ({want}); make model match the checkpoint's shapes"
+            )
+    missing = [n for n in expected if n not in base]
+    log.info("weights from %s; %d variant parameter(s) at their initial values", cfg.init_from, len(missing))
+    return model_from_flat(cfg.model, {**init_params(cfg.model, missing, seed=cfg.trainer.seed), **base})
+
+
 def train(cfg: ExperimentConfig, *, data_iterator_wrapper=None) -> TrainResult:
     """Run (or resume) the experiment ``cfg``. ``data_iterator_wrapper`` (tests) wraps the
     training iterator."""
@@ -92,11 +113,7 @@ def train(cfg: ExperimentConfig, *, data_iterator_wrapper=None) -> TrainResult:
     config_dict = cfg.to_dict()
 
     tokenizer = make_tokenizer(cfg.tokenizer)
-    if cfg.init_from:
-        model = jaxlm.load_model(cfg.init_from)
-        log.info("model weights and config from %s", cfg.init_from)
-    else:
-        model = jaxlm.build_model(cfg.model, seed=t.seed)
+    model = initial_model(cfg)
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
             f"model.vocab_size={model.config.vocab_size} is smaller than the tokenizer's "
@@ -115,6 +132,14 @@ def train(cfg: ExperimentConfig, *, data_iterator_wrapper=None) -> TrainResult:
     shardings = nnx.to_pure_dict(model_shardings(model, mesh))
     params = jax.device_put(nnx.to_pure_dict(state), shardings)
     tx, schedule = make_optimizer(cfg.optimizer, t.steps)
+    if cfg.optimizer.trainable:
+        import re
+
+        names = [n for n in jax.tree.leaves(param_names(params))]
+        trained = [n for n in names if re.search(cfg.optimizer.trainable, n)]
+        if not trained:
+            raise ConfigError(f"optimizer.trainable={cfg.optimizer.trainable!r} matches no parameter; e.g. {names[:5]}")
+        log.info("training %d of %d parameter arrays", len(trained), len(names))
     train_state = init_state(params, tx, t.seed)
     replicated = NamedSharding(mesh, PartitionSpec())
     train_state = train_state.replace(
@@ -150,9 +175,9 @@ def train(cfg: ExperimentConfig, *, data_iterator_wrapper=None) -> TrainResult:
     c = model.config
     step_fn = make_train_step(
         graphdef, tx, schedule, grad_accum=t.grad_accum, sliding_window=c.sliding_window,
-        weight_fn=TOKEN_WEIGHTS[cfg.algorithm.token_weights],
+        weight_fn=TOKEN_WEIGHTS[cfg.algorithm.token_weights], beta_l1=cfg.algorithm.beta_l1,
     )
-    eval_loss_fn = make_eval_loss(graphdef, sliding_window=c.sliding_window)
+    eval_fn = make_eval_loss(graphdef, sliding_window=c.sliding_window, attention_stats=t.eval_attention_stats)
     heldout = eval_batches(cfg.data, tokenizer)
     examples, verify = eval_examples(cfg.data)
     examples = examples[: t.eval_generate]
@@ -161,7 +186,7 @@ def train(cfg: ExperimentConfig, *, data_iterator_wrapper=None) -> TrainResult:
     logger = MetricsLogger(out_dir, total_steps=t.steps, start_step=start, progress=t.progress)
 
     def evaluate(step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        result: dict[str, Any] = {"loss": heldout_loss(eval_loss_fn, train_state.params, heldout, place)}
+        result: dict[str, Any] = heldout_metrics(eval_fn, train_state.params, heldout, place)
         samples: list[dict[str, Any]] = []
         if verify is not None and examples:
             acc = task_accuracy(

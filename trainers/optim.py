@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import jax
 import optax
 
@@ -18,12 +21,27 @@ def learning_rate_schedule(cfg, total_steps: int) -> optax.Schedule:
     )
 
 
+def param_names(params) -> Any:
+    """A pytree like ``params`` holding each leaf's dotted name (``layers.0.mlp.up_proj.kernel``)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path), params
+    )
+
+
 def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with decoupled weight decay on matrices only (not norms, biases)."""
+    """AdamW with decoupled weight decay on matrices only (not norms, biases); parameters not
+    matching ``cfg.trainable`` (when set) are frozen."""
     schedule = learning_rate_schedule(cfg, total_steps)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     adamw = optax.adamw(
         schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
     )
     chain = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm is not None else []
-    return optax.chain(*chain, adamw), schedule
+    tx = optax.chain(*chain, adamw)
+    if cfg.trainable:
+        pattern = re.compile(cfg.trainable)
+        labels = lambda params: jax.tree.map(
+            lambda name: "train" if pattern.search(name) else "freeze", param_names(params)
+        )
+        tx = optax.multi_transform({"train": tx, "freeze": optax.set_to_zero()}, labels)
+    return tx, schedule

@@ -37,15 +37,36 @@ def init_state(params, tx: optax.GradientTransformation, seed: int) -> TrainStat
     )
 
 
-def make_loss_fn(graphdef, *, sliding_window: int | None, weight_fn: Callable = uniform_weights):
-    """``loss(params, batch) -> (loss_sum, token_count)`` for next-token SFT on packed rows."""
+def forward(graphdef, params, batch: Batch, *, sliding_window: int | None, collect=()):
+    """The model on a training batch: packed rows get a block-diagonal causal mask; a batch may
+    instead carry its own ``attn_mask [B, T, T]`` (graph layouts), 2-D ``positions``, and a
+    ``condition`` (+ ``condition_mask``) for MeGan models."""
+    chex.assert_rank(batch["tokens"], 2)
+    model = nnx.merge(graphdef, params)
+    if "attn_mask" in batch:
+        mask = batch["attn_mask"][:, None]
+    else:
+        mask = segment_mask(batch["segment_ids"], sliding_window=sliding_window)
+    condition = None
+    if "condition" in batch:
+        condition = (batch["condition"], batch.get("condition_mask", batch["condition"] > 0))
+    return model(batch["tokens"], batch["positions"], mask=mask, condition=condition, collect=collect)
+
+
+def make_loss_fn(graphdef, *, sliding_window: int | None, weight_fn: Callable = uniform_weights, beta_l1: float = 0.0):
+    """``loss(params, batch) -> (loss_sum, token_count)`` for next-token SFT.
+
+    ``beta_l1 > 0`` adds MeGan's regulariser ``beta_l1 * sum |beta|`` over real tokens (summed
+    over layers and channels) to the loss sum, i.e. its per-token mean to the loss."""
 
     def loss_fn(params, batch: Batch):
-        chex.assert_rank(batch["tokens"], 2)
-        model = nnx.merge(graphdef, params)
-        mask = segment_mask(batch["segment_ids"], sliding_window=sliding_window)
-        logits = model(batch["tokens"], batch["positions"], mask=mask).logits
-        return sft_loss_sum(logits, batch, weight_fn)
+        collect = ("mlp_beta",) if beta_l1 else ()
+        out = forward(graphdef, params, batch, sliding_window=sliding_window, collect=collect)
+        total, count = sft_loss_sum(out.logits, batch, weight_fn)
+        if beta_l1 and "mlp_beta" in out.collected:
+            real = (batch["segment_ids"] > 0)[None, :, :, None]
+            total = total + beta_l1 * jnp.sum(jnp.where(real, jnp.abs(out.collected["mlp_beta"]), 0.0))
+        return total, count
 
     return loss_fn
 
@@ -58,11 +79,12 @@ def make_train_step(
     grad_accum: int = 1,
     sliding_window: int | None = None,
     weight_fn: Callable = uniform_weights,
+    beta_l1: float = 0.0,
     donate: bool = True,
 ):
     """A jitted ``step(state, batch) -> (state, metrics)``; the batch's leading axis is split
     into ``grad_accum`` micro-batches."""
-    loss_fn = make_loss_fn(graphdef, sliding_window=sliding_window, weight_fn=weight_fn)
+    loss_fn = make_loss_fn(graphdef, sliding_window=sliding_window, weight_fn=weight_fn, beta_l1=beta_l1)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch: Batch):
@@ -103,6 +125,33 @@ def make_train_step(
     return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
-def make_eval_loss(graphdef, *, sliding_window: int | None = None):
-    """A jitted ``(params, batch) -> (loss_sum, token_count)`` (uniform weights)."""
-    return jax.jit(make_loss_fn(graphdef, sliding_window=sliding_window))
+def make_eval_loss(graphdef, *, sliding_window: int | None = None, attention_stats: bool = False):
+    """A jitted ``(params, batch) -> sums`` for held-out evaluation: ``loss`` (NLL sum),
+    ``tokens``, ``exact`` (rows whose every trained target is the argmax: greedy exact match
+    under teacher forcing), ``rows``; with ``attention_stats``, the attention entropy summed
+    over real query rows (``entropy``, ``queries``) and the mass on each row's first token
+    (``first_mass``)."""
+    from trainers.losses import next_token_targets, token_nll
+
+    def eval_fn(params, batch: Batch):
+        collect = ("attn_probs",) if attention_stats else ()
+        out = forward(graphdef, params, batch, sliding_window=sliding_window, collect=collect)
+        targets, valid = next_token_targets(batch)
+        nll = jnp.where(valid, token_nll(out.logits, targets), 0.0)
+        correct = (jnp.argmax(out.logits, -1) == targets) | ~valid
+        has_target = valid.any(-1)
+        sums = {
+            "loss": nll.sum(), "tokens": valid.sum(dtype=jnp.float32),
+            "exact": jnp.sum(correct.all(-1) & has_target, dtype=jnp.float32),
+            "rows": has_target.sum(dtype=jnp.float32),
+        }
+        if attention_stats:
+            p = out.collected["attn_probs"].astype(jnp.float32)  # [L, B, N, T, S]
+            ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), -1)
+            real = (batch["segment_ids"] > 0)[None, :, None, :]
+            sums["entropy"] = jnp.sum(jnp.where(real, ent, 0.0))
+            sums["first_mass"] = jnp.sum(jnp.where(real, p[..., 0], 0.0))
+            sums["queries"] = jnp.sum(jnp.broadcast_to(real, ent.shape), dtype=jnp.float32)
+        return sums
+
+    return jax.jit(eval_fn)

@@ -24,12 +24,14 @@ from typing import Any, Callable
 import grain
 import numpy as np
 
+from jaxlm.data.conditioned import ConditionedDigits
 from jaxlm.data.files import DataError, Files, read_rows
-from jaxlm.data.tasks import Arithmetic, Countdown, Sorting, Task
+from jaxlm.data.graphs import GraphLabels
+from jaxlm.data.tasks import Arithmetic, Countdown, MarkovText, Sorting, Task
 
 log = logging.getLogger(__name__)
 
-Source = Arithmetic | Countdown | Sorting | Files
+Source = Arithmetic | Countdown | Sorting | MarkovText | GraphLabels | ConditionedDigits | Files
 _ENDLESS = 2**31 - 1
 
 
@@ -110,6 +112,8 @@ class ExampleSource:
 
 
 def _pad(example: dict[str, np.ndarray], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One example -> fixed-length row. Optional fields a task may provide: ``positions``
+    ``[n]`` or ``[n, 2]`` (graph coordinates), ``attn_mask [n, n]`` (padding keys hidden)."""
     n = len(example["tokens"])
     tokens = np.full(seq_len, pad_id, np.int32)
     tokens[:n] = example["tokens"]
@@ -117,13 +121,28 @@ def _pad(example: dict[str, np.ndarray], seq_len: int, pad_id: int) -> dict[str,
     mask[:n] = example["loss_mask"]
     seg = np.zeros(seq_len, np.int32)
     seg[:n] = 1
-    pos = np.where(seg > 0, np.arange(seq_len), 0).astype(np.int32)
-    return {"tokens": tokens, "loss_mask": mask, "segment_ids": seg, "positions": pos}
+    out = {"tokens": tokens, "loss_mask": mask, "segment_ids": seg}
+    if "positions" in example:
+        pos = np.zeros((seq_len,) + example["positions"].shape[1:], np.int32)
+        pos[:n] = example["positions"]
+        out["positions"] = pos
+    else:
+        out["positions"] = np.where(seg > 0, np.arange(seq_len), 0).astype(np.int32)
+    if "attn_mask" in example:
+        am = np.zeros((seq_len, seq_len), bool)
+        am[:n, :n] = example["attn_mask"]
+        out["attn_mask"] = am
+    for key in ("condition", "condition_mask"):  # fixed-width already
+        if key in example:
+            out[key] = example[key]
+    return out
 
 
-def _checked_encode(tokenizer, seq_len: int):
+def _checked_encode(tokenizer, seq_len: int, source=None):
+    custom = getattr(source, "encode_arrays", None)
+
     def fn(example):
-        enc = encode(example, tokenizer)
+        enc = custom(example, tokenizer) if custom is not None else encode(example, tokenizer)
         if len(enc["tokens"]) > seq_len:
             raise DataError(
                 f"an example encodes to {len(enc['tokens'])} tokens > DataConfig.seq_len={seq_len}: "
@@ -139,7 +158,7 @@ def _encoded_split(cfg: DataConfig, tokenizer, split: str) -> grain.MapDataset:
     ``seq_len`` are dropped and counted in the log (an error if none is left)."""
     examples = ExampleSource(cfg.source, split)
     if examples._rows is None:
-        return grain.MapDataset.source(examples).map(_checked_encode(tokenizer, cfg.seq_len))
+        return grain.MapDataset.source(examples).map(_checked_encode(tokenizer, cfg.seq_len, cfg.source))
     encoded = [encode(r, tokenizer) for r in examples._rows]
     kept = [e for e in encoded if len(e["tokens"]) <= cfg.seq_len and e["loss_mask"].any()]
     dropped = len(encoded) - len(kept)
@@ -160,6 +179,11 @@ def train_dataset(cfg: DataConfig, tokenizer, *, shard_index: int = 0, shard_cou
         ds = ds.shuffle(seed=cfg.shuffle_seed).repeat()
     ds = ds[shard_index::shard_count]
     pad_id = tokenizer.pad_id
+    if cfg.pack and hasattr(cfg.source, "encode_arrays"):
+        raise ValueError(
+            f"data.pack=True is not supported for {type(cfg.source).__name__}: its examples carry "
+            f"their own positions/attention masks; set data.pack=false"
+        )
     if cfg.pack:
         T = cfg.seq_len
         packed = grain.experimental.FirstFitPackIterDataset(
@@ -196,7 +220,9 @@ def eval_batches(cfg: DataConfig, tokenizer) -> list[dict[str, np.ndarray]]:
 
 
 def eval_examples(cfg: DataConfig) -> tuple[list[dict[str, Any]], Callable | None]:
-    """Held-out raw examples (for generation-based accuracy) and the verifier, if any."""
+    """Held-out raw examples (for generation-based accuracy) and the verifier, if any (None
+    for sources without one, or whose layout `generate` cannot reproduce)."""
     src = ExampleSource(cfg.source, "eval")
     n = min(cfg.eval_examples, len(src))
-    return [src[i] for i in range(n)], src.verify
+    verify = src.verify if getattr(cfg.source, "generative_eval", True) else None
+    return [src[i] for i in range(n)], verify

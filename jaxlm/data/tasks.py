@@ -8,7 +8,7 @@ data pipeline can be resumed from a position) and scores completions:
     task.verify(ex, "85")                # 1.0
 
 Held-out evaluation is honest: a problem belongs to ``eval`` or ``train`` by a hash
-of its prompt, so no eval problem is ever trained on.
+of its text (prompt and completion), so no eval problem is ever trained on.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class Task:
         for attempt in range(1000):
             rng = np.random.default_rng([self.seed, index, attempt, SPLITS.index(split)])
             ex = self._draw(rng)
-            if _split_of(ex["prompt"], self.eval_fraction) == split:
+            key = ex["prompt"] + "\x00" + ex["completion"] + "\x00" + ex.get("_split_key", "")
+            if _split_of(key, self.eval_fraction) == split:
                 return ex
         raise RuntimeError(f"{type(self).__name__}: no {split} example after 1000 draws")
 
@@ -200,3 +201,40 @@ def make_task(name: str, **kwargs) -> Task:
     if unknown:
         raise ValueError(f"task {name!r} has no option(s) {unknown}; options: {sorted(fields)}")
     return cls(**kwargs)
+
+
+@TASKS.register("markov_text")
+@dataclasses.dataclass(frozen=True)
+class MarkovText(Task):
+    """A synthetic corpus for small-LM pretraining: sentences from a first-order Markov chain
+    over ``n_words`` made-up words, each word with ``fanout`` likely successors (Zipf weights).
+    Every token is trained (empty prompt); there is no answer to verify."""
+
+    n_words: int = 48
+    fanout: int = 4
+    min_words: int = 6
+    max_words: int = 12
+    generative_eval = False
+
+    def _chain(self):
+        rng = np.random.default_rng([self.seed, 7919])
+        letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+        words = ["".join(rng.choice(letters, int(rng.integers(2, 6)))) for _ in range(self.n_words)]
+        succ = np.stack([rng.choice(self.n_words, self.fanout, replace=False) for _ in range(self.n_words)])
+        weights = 1.0 / np.arange(1, self.fanout + 1)
+        return words, succ, weights / weights.sum()
+
+    def _draw(self, rng):
+        words, succ, p = self._chain()
+        w = int(rng.integers(0, self.n_words))
+        out = [words[w]]
+        for _ in range(int(rng.integers(self.min_words, self.max_words + 1)) - 1):
+            w = int(succ[w][rng.choice(self.fanout, p=p)])
+            out.append(words[w])
+        return {"prompt": "", "completion": " ".join(out) + "."}
+
+    def verify(self, example, completion):
+        return float(completion.strip() == example["completion"])
+
+    def chance_accuracy(self):
+        return float("nan")

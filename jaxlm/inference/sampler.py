@@ -122,8 +122,10 @@ def generate_tokens(
     pad_id: int = 0,
     stop_tokens: tuple[int, ...] = (),
     cache_dtype: str | None = None,
+    condition=None,
 ) -> SamplingState:
-    """The jittable core: left-padded ``prompt_tokens [B, P]`` with ``prompt_mask`` -> final state."""
+    """The jittable core: left-padded ``prompt_tokens [B, P]`` with ``prompt_mask`` -> final state.
+    ``condition`` (ids ``[B, C]`` or ``(ids, mask)``) is passed to every forward (MeGan)."""
     model = nnx.merge(graphdef, params)
     B, P = prompt_tokens.shape
     N = max_new_tokens
@@ -132,7 +134,7 @@ def generate_tokens(
     stop = jnp.asarray(stop_tokens, jnp.int32) if stop_tokens else None
 
     cache = KVCache.init(model.config, B, P + N, cache_dtype)
-    out = model.backbone(prompt_tokens, cache=cache, mask=prompt_mask)
+    out = model.backbone(prompt_tokens, cache=cache, mask=prompt_mask, condition=condition)
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
         tokens=jnp.full((B, N), pad_id, jnp.int32),
@@ -168,7 +170,7 @@ def generate_tokens(
 
     def body(s: SamplingState) -> SamplingState:
         last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
-        out = model.backbone(last, cache=s.cache)
+        out = model.backbone(last, cache=s.cache, condition=condition)
         return choose(s.replace(logits=model.unembed(out.hidden[:, 0]), cache=out.cache))
 
     return jax.lax.while_loop(cond, body, choose(state))
@@ -212,6 +214,7 @@ def generate(
     pad_id: int | None = None,
     cache_dtype: str | None = None,
     bucket: int = 8,
+    condition=None,
 ) -> GenerateResult:
     """Sample up to ``max_new_tokens`` for each prompt.
 
@@ -221,6 +224,7 @@ def generate(
     stop_tokens: ids that end a sequence (default: the tokenizer's EOS if known).
     logits_processors: applied first, in order, before temperature, top-k, top-p.
     bucket: prompt blocks are left-padded to a multiple of this to reuse compilations.
+    condition: token ids ``[B, C]`` (or ``(ids, mask)``) of a MeGan model's condition text.
     """
     config = model.config
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
@@ -281,7 +285,7 @@ def generate(
     final = generate_tokens(
         graphdef, params, jnp.asarray(block), jnp.asarray(mask), rng,
         max_new_tokens=max_new_tokens, processors=tuple(processors), greedy=greedy,
-        pad_id=pad_id, stop_tokens=stop_tokens, cache_dtype=cache_dtype,
+        pad_id=pad_id, stop_tokens=stop_tokens, cache_dtype=cache_dtype, condition=condition,
     )
     result = GenerateResult(
         tokens=final.tokens,

@@ -93,9 +93,16 @@ class ModelConfig:
     max_seq_len: int = 2048
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
-    attention: str = "softmax"
-    mlp: str = "swiglu"
-    rope: str = "default"
+    attention: str = "softmax"  # softmax | affine_scaled | sink
+    mlp: str = "swiglu"  # swiglu | meta_swiglu
+    rope: str = "default"  # default | none | graph
+    # Variant options (read only by the variant that names them):
+    affine_bias: str = "free"  # affine_scaled: "free" b_i, or "coupled" b_i = (1 - s_i) / n_i
+    affine_scale_act: str = "sigmoid2"  # affine_scaled: s_i = 2 sigmoid(z) | exp(z); both 1 at z = 0
+    sink_init: float = 0.0  # sink: initial per-head sink logit
+    meta_rank: int = 64  # meta_swiglu: width r of the hypernetwork's cross-attention
+    graph_rope_pairs: int | None = None  # graph: frequency pairs driven by the graph coordinate
+    graph_rope_band: str = "low"  # graph: those pairs are the lowest ("low") or highest frequencies
     scan_layers: bool = False
     remat: str = "none"
     family: str = "llama"  # HF family this model maps to: llama | qwen2 | qwen3 | mistral
@@ -141,6 +148,15 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise _err(name, getattr(self, name), f"must be one of {_DTYPES}")
+        if self.affine_bias not in ("free", "coupled"):
+            raise _err("affine_bias", self.affine_bias, "must be 'free' or 'coupled'")
+        if self.affine_scale_act not in ("sigmoid2", "exp"):
+            raise _err("affine_scale_act", self.affine_scale_act, "must be 'sigmoid2' or 'exp'")
+        _check_positive_int("ModelConfig", "meta_rank", self.meta_rank)
+        if self.graph_rope_pairs is not None and not 0 <= self.graph_rope_pairs <= self.head_dim // 2:
+            raise _err("graph_rope_pairs", self.graph_rope_pairs, f"must be in [0, head_dim/2 = {self.head_dim // 2}]")
+        if self.graph_rope_band not in ("low", "high"):
+            raise _err("graph_rope_band", self.graph_rope_band, "must be 'low' or 'high'")
         if self.remat not in _REMAT:
             raise _err("remat", self.remat, f"must be one of {_REMAT}")
         for name in ("qkv_bias", "qk_norm", "tie_embeddings", "scan_layers"):

@@ -95,3 +95,16 @@ def _fetch(flat, name, shape):
             f"parameter {name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}"
         )
     return value
+
+
+def init_params(config, names, *, seed: int = 0) -> dict[str, np.ndarray]:
+    """Initial values of just ``names`` (a jitted init whose other outputs XLA drops)."""
+    names = list(names)
+
+    @jax.jit
+    def build():
+        model = Transformer(config, rngs=nnx.Rngs(params=seed))
+        flat = flat_params(model)
+        return {n: flat[n] for n in names}
+
+    return {k: np.asarray(v) for k, v in build().items()}

@@ -25,6 +25,7 @@ COLLECTABLE: dict[str, str] = {
     "mlp_in": "normed input to the MLP [B, T, D]",
     "mlp_act": "input to the MLP down projection [B, T, F]",
     "mlp_out": "MLP output added to the residual [B, T, D]",
+    "mlp_beta": "meta_swiglu gate slopes beta, float32 [B, T, F] (only with a condition)",
 }
 
 

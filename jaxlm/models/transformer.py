@@ -27,6 +27,7 @@ from jaxlm.inference.cache import KVCache, LayerKV
 from jaxlm.models.config import ModelConfig
 from jaxlm.models.layers.attention import ATTENTION
 from jaxlm.models.layers.linear import Linear, linear, param
+from jaxlm.models.layers.meta_gate import MetaGate
 from jaxlm.models.layers.mlp import MLP
 from jaxlm.models.layers.norms import RMSNorm
 from jaxlm.models.masks import build_attention_mask
@@ -57,20 +58,21 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(c.d_model, eps=c.norm_eps, param_dtype=pd)
         self.mlp = MLP[c.mlp](c, rngs=rngs)
 
-    def __call__(self, x, positions, mask, kv: LayerKV | None, taps: Taps):
+    def __call__(self, x, positions, mask, kv: LayerKV | None, taps: Taps, aux: dict | None = None):
         h = taps.put("attn_in", self.attn_norm(x))
         a, new_kv = self.attn(h, positions, mask, kv, taps)
         x = x + taps.put("attn_out", a)
         h = taps.put("mlp_in", self.mlp_norm(x))
-        x = x + taps.put("mlp_out", self.mlp(h, taps))
+        x = x + taps.put("mlp_out", self.mlp(h, taps, aux))
         return taps.put("hidden", x), new_kv
 
 
-def _apply_block(graphdef, layer_state, x, positions, mask, kv, names):
-    """Pure block application (merge -> call), the unit that is scanned and rematerialised."""
+def _apply_block(graphdef, layer_state, x, positions, mask, kv, names, aux):
+    """Pure block application (merge -> call), the unit that is scanned and rematerialised.
+    ``aux``: per-forward inputs shared by all layers (e.g. the MeGan condition) + ``layer``."""
     block = nnx.merge(graphdef, layer_state)
     taps = Taps(names)
-    x, new_kv = block(x, positions, mask, kv, taps)
+    x, new_kv = block(x, positions, mask, kv, taps, aux)
     return x, new_kv, taps.values
 
 
@@ -94,6 +96,8 @@ class Transformer(nnx.Module):
         else:
             self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.n_layers)])
         self.final_norm = RMSNorm(c.d_model, eps=c.norm_eps, param_dtype=pd)
+        # MeGan: one hypernetwork shared by all layers (None for other MLPs)
+        self.meta_gate = MetaGate(c, rngs=rngs) if c.mlp == "meta_swiglu" else None
         if c.tie_embeddings:
             self.lm_head = None
         else:
@@ -121,6 +125,7 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         mask: jax.Array | None = None,
         collect: Iterable[str] = (),
+        condition: jax.Array | tuple[jax.Array, jax.Array] | None = None,
     ) -> ModelOutput:
         """Everything but the LM head (``logits`` is None): for chunked log-prob code."""
         c = self.config
@@ -148,7 +153,10 @@ class Transformer(nnx.Module):
         if positions is None:
             offset = 0 if cache is None else cache.lengths[:, None]
             positions = jnp.maximum(jnp.cumsum(token_mask, axis=1) - 1, 0) + offset
-        chex.assert_shape(positions, (B, T))
+        if positions.ndim == 3:  # two-axis positions (sequence, graph) for rope="graph"
+            chex.assert_shape(positions, (B, T, 2))
+        else:
+            chex.assert_shape(positions, (B, T))
 
         if cache is None:
             write_index = None
@@ -173,11 +181,12 @@ class Transformer(nnx.Module):
         )
 
         x = jnp.take(self.embed[...], tokens, axis=0).astype(c.compute_dtype)
+        aux = {"meta": self._meta_inputs(condition)}
         k_all = v_all = None
         if cache is not None:
             k_all, v_all = cache.k, cache.v
         x, k_all, v_all, collected = self._run_layers(
-            x, positions, attn_mask, k_all, v_all, write_index, names
+            x, positions, attn_mask, k_all, v_all, write_index, names, aux
         )
         h = self.final_norm(x)
         chex.assert_shape(h, (B, T, c.d_model))
@@ -198,17 +207,28 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         mask: jax.Array | None = None,
         collect: Iterable[str] = (),
+        condition: jax.Array | tuple[jax.Array, jax.Array] | None = None,
     ) -> ModelOutput:
         """Logits for ``tokens [B, T]`` at ``positions [B, T]`` (default: 0.. per sequence,
-        continuing from the cache). ``mask``: padding ``[B, T]`` or full ``[B, (N,) T, S]``."""
-        out = self.backbone(tokens, positions, cache=cache, mask=mask, collect=collect)
+        continuing from the cache; ``[B, T, 2]`` for rope="graph"). ``mask``: padding
+        ``[B, T]`` or full ``[B, (N,) T, S]``. ``condition``: token ids ``[B, C]`` (or
+        ``(ids, mask)``) of the condition text a ``meta_swiglu`` model is gated by."""
+        out = self.backbone(tokens, positions, cache=cache, mask=mask, collect=collect, condition=condition)
         logits = self.unembed(out.hidden)
         chex.assert_shape(logits, (*tokens.shape, self.config.vocab_size))
         chex.assert_type(logits, jnp.float32)
         return out.replace(logits=logits)
 
+    def _meta_inputs(self, condition):
+        if condition is None or self.meta_gate is None:
+            return None
+        ids, cmask = condition if isinstance(condition, tuple) else (condition, jnp.ones(condition.shape, bool))
+        chex.assert_rank(ids, 2)
+        emb = jnp.take(self.embed[...], ids, axis=0)
+        return self.meta_gate.prepare(emb, cmask)
+
     # --------------------------------------------------------------- layers
-    def _run_layers(self, x, positions, mask, k_all, v_all, write_index, names):
+    def _run_layers(self, x, positions, mask, k_all, v_all, write_index, names, aux):
         c = self.config
         apply = _apply_block
         if c.remat != "none":
@@ -225,7 +245,9 @@ class Transformer(nnx.Module):
             def body(carry, xs):
                 x, k_all, v_all = carry
                 layer_state, i = xs
-                x, kv, taps = apply(graphdef, layer_state, x, positions, mask, layer_kv(k_all, v_all, i), names)
+                x, kv, taps = apply(
+                    graphdef, layer_state, x, positions, mask, layer_kv(k_all, v_all, i), names, {**aux, "layer": i}
+                )
                 if kv is not None:
                     k_all, v_all = kv.k, kv.v
                 return (x, k_all, v_all), taps
@@ -238,11 +260,14 @@ class Transformer(nnx.Module):
         per_layer = []
         for i, block in enumerate(self.layers):
             graphdef, state = nnx.split(block)
-            x, kv, taps = apply(graphdef, state, x, positions, mask, layer_kv(k_all, v_all, i), names)
+            x, kv, taps = apply(
+                graphdef, state, x, positions, mask, layer_kv(k_all, v_all, i), names,
+                {**aux, "layer": jnp.asarray(i, jnp.int32)},
+            )
             if kv is not None:
                 k_all, v_all = kv.k, kv.v
             per_layer.append(taps)
-        collected = {n: jnp.stack([t[n] for t in per_layer]) for n in names}
+        collected = {n: jnp.stack([t[n] for t in per_layer]) for n in names if n in per_layer[0]}
         return x, k_all, v_all, collected
 
 

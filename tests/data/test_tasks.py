@@ -13,7 +13,8 @@ def test_references_verify_and_splits_are_disjoint(name):
     held = [task.example(i, "eval") for i in range(100)]
     assert all(task.verify(e, e["completion"]) == 1.0 for e in train + held)
     assert all(task.verify(e, e["completion"] + "0") == 0.0 for e in train[:50])
-    assert not {e["prompt"] for e in train} & {e["prompt"] for e in held}
+    key = lambda e: (e["prompt"], e["completion"], e.get("condition"))
+    assert not {key(e) for e in train} & {key(e) for e in held}
     assert task.example(7, "train") == task.example(7, "train")  # random access, deterministic
     assert make_task(name, seed=1).example(7, "train") != task.example(7, "train")
 

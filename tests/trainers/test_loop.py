@@ -100,3 +100,17 @@ def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
     # the kept checkpoint is complete and resumable: a clean run picks up from step 3
     resumed = train(cfg)
     assert resumed.step == 8
+
+
+def test_init_from_loads_base_weights_into_a_variant(tmp_path):
+    """A meta_swiglu model started from a plain checkpoint equals it (beta = 0)."""
+    from trainers.loop import initial_model
+
+    base = jaxlm.build_model(jaxlm.ModelConfig.tiny(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64), seed=3)
+    jaxlm.save_checkpoint(base, tmp_path / "base")
+    cfg = tiny_experiment(tmp_path / "run")
+    variant = initial_model(apply_overrides(cfg, ["model.mlp=meta_swiglu", f"init_from={tmp_path / 'base'}"]))
+    tokens = jnp.asarray([[1, 20, 30, 40]])
+    np.testing.assert_array_equal(variant(tokens).logits, base(tokens).logits)
+    with pytest.raises(ConfigError, match="does not fit model"):
+        initial_model(apply_overrides(cfg, ["model.d_model=64", f"init_from={tmp_path / 'base'}"]))

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxlm.models.hf.families import FAMILIES, config_from_hf, config_to_hf
-from jaxlm.models.params import flat_params, model_from_flat, param_shapes
+from jaxlm.models.params import flat_params, init_params, model_from_flat, param_shapes
 from jaxlm.models.transformer import Transformer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -134,6 +134,12 @@ def load_hf(
             if name in flat:
                 raise CheckpointError(f"tensor {hf_name!r} appears in more than one file")
             flat[name] = np.ascontiguousarray(tensor.astype(config.weight_dtype))
+    # Parameters the family has no tensor for belong to a jaxlm variant (e.g. affine-scaled
+    # attention, MeGan's hypernetwork): they take their initial values, which reproduce the
+    # base model exactly.
+    variant_only = sorted(n for n in expected if family.to_hf(n) is None)
+    if variant_only:
+        flat.update(init_params(config, variant_only))
     missing = sorted(set(expected) - set(flat))
     if missing:
         hf_missing = [family.to_hf(m)[0] for m in missing]
@@ -180,7 +186,10 @@ def save_hf(
 
     tensors: dict[str, np.ndarray] = {}
     for name, value in flat_params(model).items():
-        hf_name, transpose = fam.to_hf(name)
+        mapped = fam.to_hf(name)
+        if mapped is None:
+            raise ValueError(f"parameter {name!r} has no {fam.architecture} tensor; this model cannot be saved as HF")
+        hf_name, transpose = mapped
         array = np.asarray(jax.device_get(value))
         tensors[hf_name] = np.ascontiguousarray(array.T if transpose else array)
 

@@ -80,8 +80,9 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def attend(self, q, k, v, mask) -> tuple[jax.Array, jax.Array]:
-        """Scores -> weights -> context. Variants override this."""
+    def attend(self, q, k, v, mask, inputs=None) -> tuple[jax.Array, jax.Array]:
+        """Scores -> weights -> context. Variants override this; ``inputs`` is the layer's
+        (normed) input ``[B, T, D]`` for variants whose weights depend on it."""
         return dot_product_attention(q, k, v, mask, scale=self.config.head_dim**-0.5)
 
     def __call__(
@@ -107,7 +108,7 @@ class Attention(nnx.Module):
         if kv is not None:
             kv, k, v = kv.write(k, v)
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-        ctx, probs = self.attend(q, k, v, mask)
+        ctx, probs = self.attend(q, k, v, mask, inputs=x)
         taps.put("attn_probs", probs)
         ctx = taps.put("attn_ctx", ctx.reshape(B, T, c.q_dim))
         return self.o_proj(ctx), kv

@@ -23,6 +23,6 @@ class SwiGLU(nnx.Module):
         self.up_proj = Linear(c.d_model, c.ffn_dim, axes=("embed", "mlp"), **kw)
         self.down_proj = Linear(c.ffn_dim, c.d_model, axes=("mlp", "embed"), **kw)
 
-    def __call__(self, x: jax.Array, taps: Taps) -> jax.Array:
+    def __call__(self, x: jax.Array, taps: Taps, aux: dict | None = None) -> jax.Array:
         h = taps.put("mlp_act", jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(h)

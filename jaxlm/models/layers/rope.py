@@ -60,14 +60,49 @@ def rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x2, x1], axis=-1)
 
 
-@ROPE.register("default")
-def apply_rope(x: jax.Array, positions: jax.Array, config) -> jax.Array:
-    """Rotate ``x [B, T, N, H]`` by angles ``positions [B, T] * inv_freq`` (rotate-half layout)."""
-    inv_freq = jnp.asarray(inv_frequencies(config))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+def rotate(x: jax.Array, angles: jax.Array) -> jax.Array:
+    """Rotate ``x [B, T, N, H]`` by per-pair ``angles [B, T, H/2]`` (rotate-half layout)."""
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     return x * cos + rotate_half(x) * sin
+
+
+@ROPE.register("default")
+def apply_rope(x: jax.Array, positions: jax.Array, config) -> jax.Array:
+    """Rotate ``x [B, T, N, H]`` by angles ``positions [B, T] * inv_freq`` (rotate-half layout).
+    Two-axis positions ``[B, T, 2]`` use their sequential coordinate ``[..., 0]``."""
+    if positions.ndim == 3:
+        positions = positions[..., 0]
+    inv_freq = jnp.asarray(inv_frequencies(config))
+    return rotate(x, positions.astype(jnp.float32)[..., None] * inv_freq)
+
+
+def graph_pair_mask(config) -> np.ndarray:
+    """Which frequency pairs the graph coordinate drives: ``graph_rope_pairs`` of them (default
+    half), the lowest frequencies (``graph_rope_band="low"``) or the highest."""
+    n = config.head_dim // 2
+    g = n // 2 if config.graph_rope_pairs is None else config.graph_rope_pairs
+    mask = np.zeros(n, bool)
+    if g:
+        if config.graph_rope_band == "low":
+            mask[n - g:] = True  # inv_freq decreases with the pair index
+        else:
+            mask[:g] = True
+    return mask
+
+
+@ROPE.register("graph")
+def graph_rope(x: jax.Array, positions: jax.Array, config) -> jax.Array:
+    """Graph-over-Tokens RoPE (Weaver, ICML 2026; the card's 2-D reading, 3.3 [INF]): with
+    positions ``[B, T, 2]`` = (position inside the token's node, the node's graph coordinate,
+    e.g. hop distance from the query node), one group of frequency pairs rotates by the first
+    and the other group by the second, so ``q.k`` depends on both differences (as M-RoPE).
+    With ``[B, T]`` positions, or equal coordinates, it is standard RoPE."""
+    if positions.ndim == 2:
+        return apply_rope(x, positions, config)
+    inv_freq = jnp.asarray(inv_frequencies(config))
+    coords = jnp.where(jnp.asarray(graph_pair_mask(config)), positions[..., 1:2], positions[..., 0:1])
+    return rotate(x, coords.astype(jnp.float32) * inv_freq)
 
 
 @ROPE.register("none")

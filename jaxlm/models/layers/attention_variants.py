@@ -1,0 +1,96 @@
+"""Attention variants that change how scores become weights (registered in ``ATTENTION``).
+
+- ``affine_scaled``: Affine-Scaled Attention (Bae, Park et al., arXiv 2602.23057). The paper's
+  formula was not public; jaxlm implements the parameterisation of the method card (3.2,
+  marked inferred): ``o_i = sum_{j visible} (s_i a_ij + b_i) v_j`` with per-head,
+  input-dependent ``s_i = psi_s(w_s . x_i)`` and either a free bias
+  ``b_i = (w_b . x_i) / n_i`` or the mass-conserving coupled bias ``b_i = (1 - s_i) / n_i``
+  (``ModelConfig.affine_bias``; ``n_i`` = visible keys). Computed in the efficient form
+  ``s_i * attention(q, k, v)_i + (n_i b_i) * mean_{visible} v`` so a fused attention kernel
+  stays usable. ``w_s = w_b = 0`` at init, and ``psi_s(0) = 1``: the model starts exactly as
+  softmax attention.
+- ``sink``: a learnable per-head sink logit in the softmax denominator (the baseline the paper
+  compares against; as in GPT-OSS / StreamingLLM's sink): ``a_ij = exp(l_ij) / (exp(z_h) +
+  sum_j exp(l_ij))``. ``z_h = -inf`` is exactly softmax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlm.models.layers.attention import (
+    _MASKED, ATTENTION, Attention, attention_scores, dot_product_attention, grouped_mask, weighted_values,
+)
+from jaxlm.models.layers.linear import param
+
+
+def visible_mean_values(v: jax.Array, mask: jax.Array, n_heads: int) -> tuple[jax.Array, jax.Array]:
+    """Mean of the visible values per query, ``[B, T, N, H]``, and the count ``n_i`` ``[B, T, N]``
+    (the uniform-attention term; a causal running mean when the mask is causal)."""
+    B, K, S, H = v.shape
+    T = mask.shape[-2]
+    m = jnp.broadcast_to(grouped_mask(mask, K), (B, K, n_heads // K, T, S)).astype(jnp.float32)
+    n = m.sum(-1)  # [B, K, G, T]
+    uniform = m / jnp.maximum(n, 1.0)[..., None]
+    mean_v = weighted_values(uniform, v)  # [B, T, N, H]
+    return mean_v, n.reshape(B, n_heads, T).transpose(0, 2, 1)
+
+
+@ATTENTION.register("affine_scaled")
+class AffineScaledAttention(Attention):
+    def __init__(self, config, *, rngs: nnx.Rngs):
+        super().__init__(config, rngs=rngs)
+        c = config
+        self.scale_proj = param(jnp.zeros((c.d_model, c.n_heads), c.weight_dtype), ("embed", None))
+        self.bias_proj = param(jnp.zeros((c.d_model, c.n_heads), c.weight_dtype), ("embed", None))
+
+    def affine_terms(self, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-token, per-head ``s`` and the pre-normalisation bias ``z_b`` (``[B, T, N]``)."""
+        x = inputs.astype(jnp.float32)
+        z_s = x @ self.scale_proj[...].astype(jnp.float32)
+        s = 2.0 * jax.nn.sigmoid(z_s) if self.config.affine_scale_act == "sigmoid2" else jnp.exp(z_s)
+        return s, x @ self.bias_proj[...].astype(jnp.float32)
+
+    def attend(self, q, k, v, mask, inputs=None):
+        c = self.config
+        ctx, probs = dot_product_attention(q, k, v, mask, scale=c.head_dim**-0.5)
+        s, z_b = self.affine_terms(inputs)
+        mean_v, n = visible_mean_values(v, mask, c.n_heads)
+        # b_i * sum_j v_j = (n_i b_i) * mean_j v_j; free: n_i b_i = z_b; coupled: 1 - s_i
+        total_bias = z_b if c.affine_bias == "free" else 1.0 - s
+        out = s[..., None] * ctx.astype(jnp.float32) + total_bias[..., None] * mean_v.astype(jnp.float32)
+        return out.astype(q.dtype), probs
+
+
+def affine_scaled_naive(q, k, v, mask, s, z_b, *, scale: float, coupled: bool):
+    """``sum_j (s_i a_ij + b_i) v_j`` with the weights formed explicitly (test reference)."""
+    B, T, N, H = q.shape
+    K = k.shape[1]
+    logits = jnp.where(grouped_mask(mask, K), attention_scores(q, k, scale), _MASKED)
+    a = jax.nn.softmax(logits, axis=-1).reshape(B, N, T, -1)
+    m = jnp.broadcast_to(grouped_mask(mask, K), logits.shape).reshape(B, N, T, -1).astype(jnp.float32)
+    n = m.sum(-1)
+    s_, zb = s.transpose(0, 2, 1), z_b.transpose(0, 2, 1)  # [B, N, T]
+    b = (1.0 - s_) / n if coupled else zb / n
+    w = (s_[..., None] * a + b[..., None]) * m
+    v_full = jnp.repeat(v, N // K, axis=1)  # [B, N, S, H]
+    return jnp.einsum("bnts,bnsh->btnh", w, v_full.astype(jnp.float32))
+
+
+@ATTENTION.register("sink")
+class SinkAttention(Attention):
+    def __init__(self, config, *, rngs: nnx.Rngs):
+        super().__init__(config, rngs=rngs)
+        self.sink = param(jnp.full((config.n_heads,), config.sink_init, jnp.float32), (None,))
+
+    def attend(self, q, k, v, mask, inputs=None):
+        c = self.config
+        B, T, N, H = q.shape
+        K = k.shape[1]
+        logits = jnp.where(grouped_mask(mask, K), attention_scores(q, k, c.head_dim**-0.5), _MASKED)
+        sink = self.sink[...].astype(jnp.float32).reshape(1, K, N // K, 1, 1)
+        sink = jnp.broadcast_to(sink, logits.shape[:-1] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+        return weighted_values(probs, v).astype(q.dtype), probs.reshape(B, N, T, -1)
