@@ -16,8 +16,8 @@ def get_config() -> ExperimentConfig:
         data=DataConfig(source=Arithmetic(digits=2, ops=("+",)), seq_len=32, batch_size=64, pack=True),
         optimizer=OptimizerConfig(lr=3e-3, warmup_steps=50, min_lr_ratio=0.05, weight_decay=0.01),
         trainer=TrainerConfig(
-            steps=600, out_dir="runs/quickstart", log_every=20, eval_every=200, eval_generate=200,
-            eval_max_new_tokens=6, save_every=200,
+            steps=1000, out_dir="runs/quickstart", log_every=20, eval_every=250, eval_generate=200,
+            eval_max_new_tokens=6, save_every=250,
         ),
         algorithm=SFTConfig(),
         tokenizer="byte",

@@ -80,7 +80,7 @@ class QuickstartArgs:
     """Train, evaluate and summarise a tiny model on 2-digit addition (CPU, minutes)."""
 
     steps: int | None = None
-    """Training steps (default: the config's 600)."""
+    """Training steps (default: the config's 1000)."""
     out: Path = Path("runs/quickstart")
     overrides: tuple[str, ...] = ()
     """Extra key=value config overrides."""
