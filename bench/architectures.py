@@ -119,10 +119,8 @@ def experiment_b(out: Path, scale: float) -> str:
 def _count_trainable(cfg) -> int:
     import re
 
-    import jax
     import numpy as np
 
-    import jaxlm
     from jaxlm.models.params import param_shapes
 
     shapes = param_shapes(cfg.model)

@@ -24,6 +24,7 @@ import tyro
 
 from jaxlm.data.pipeline import DataConfig
 from jaxlm.models.config import ModelConfig
+from trainers.rl.environments import RPSConfig
 
 
 class ConfigError(ValueError):
@@ -128,12 +129,125 @@ class SFTConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrefixConfig:
+    """PrefixRL (Setlur et al. 2026, method card B.1; `trainers.rl.prefix`): GRPO on hard
+    problems prefixed with the start of a correct trace. Setting ``GRPOConfig.prefix`` makes
+    the single_turn collector build the trace pool and choose the prefixes with the base
+    policy before the first iteration."""
+
+    problems: int = 64
+    """Hard training problems: train examples 0 .. problems-1 of data.source."""
+    trace_source: Literal["policy", "reference", "both"] = "policy"
+    """Correct traces: rejection-sampled from the base policy, the task's reference solution
+    (a trace from another source, which the paper allows), or both."""
+    pool_samples: int = 64
+    """Rejection-sampling budget per problem (trace_source policy/both)."""
+    pass_rate_samples: int = 16
+    """Samples per (problem, prefix) for the base pass-rate estimate."""
+    fractions: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    """Candidate cut points, as fractions of the trace's tokens [INFERRED]."""
+    band_lo: float = 0.2
+    band_hi: float = 0.8
+    """Keep the cut whose base pass rate lies in [band_lo, band_hi], closest to the band's
+    centre [INFERRED]; problems without one are dropped."""
+    recalibrate_every: int = 0
+    """Re-choose the cuts with the current policy every N iterations, a curriculum toward
+    shorter prefixes as it improves (card B.1, optional [INFERRED]); 0 = never."""
+    rows_per_call: int = 256
+    """Sequences per sampler call while building the pool and estimating pass rates."""
+
+    def __post_init__(self):
+        if self.trace_source not in ("policy", "reference", "both"):
+            raise ValueError(f"PrefixConfig.trace_source={self.trace_source!r} must be policy | reference | both")
+        _positive("PrefixConfig", problems=self.problems, pass_rate_samples=self.pass_rate_samples,
+                  rows_per_call=self.rows_per_call)
+        if self.trace_source != "reference":
+            _positive("PrefixConfig", pool_samples=self.pool_samples)
+        if isinstance(self.recalibrate_every, bool) or not isinstance(self.recalibrate_every, int) \
+                or self.recalibrate_every < 0:
+            raise ValueError(f"PrefixConfig.recalibrate_every={self.recalibrate_every!r} must be an int >= 0")
+        if not self.fractions or not all(0 < f < 1 for f in self.fractions):
+            raise ValueError(f"PrefixConfig.fractions={self.fractions!r} must be non-empty, each in (0, 1)")
+        if not 0 <= self.band_lo <= self.band_hi <= 1:
+            raise ValueError(
+                f"PrefixConfig.band_lo={self.band_lo!r}, band_hi={self.band_hi!r}: need 0 <= band_lo <= band_hi <= 1"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """Group-relative policy optimisation (Shao et al. 2024) and its variants, assembled from
+    the registries in `trainers.rl` by name. One iteration: ``data.batch_size`` prompts x
+    ``num_generations`` rollouts, rewards, advantages, then ``mu`` epochs of ``minibatches``
+    optimizer steps over the rollouts with the log-probs recorded before the first update."""
+
+    name: Literal["grpo"] = "grpo"
+    collector: str = "single_turn"
+    """Where rollouts come from (`trainers.rl.collectors.COLLECTORS`): single_turn samples the
+    data source's prompts; multi-turn environments register their own."""
+    num_generations: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float | None = None
+    advantage: str = "grpo"
+    """grpo | dr_grpo | rloo | turn_level (`trainers.rl.advantages.ADVANTAGES`)."""
+    adv_eps: float = 1e-6
+    turn_gamma: float | None = None
+    """turn_level only: per-turn rewards -> returns-to-go with this discount (None: per-turn reward)."""
+    policy_loss: str = "ppo_clip"
+    """ppo_clip | gspo (`POLICY_LOSSES`)."""
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    aggregation: str = "token_mean"
+    """token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (`AGGREGATORS`)."""
+    beta: float = 0.0
+    """KL-to-reference coefficient (0: no reference model is kept)."""
+    kl_estimator: str = "k3"
+    """k1 | k2 | k3 | k3+ (`KL_ESTIMATORS`)."""
+    mu: int = 1
+    """Optimisation epochs over each batch of rollouts."""
+    minibatches: int = 1
+    """Optimizer steps per epoch (the rollouts are split into this many minibatches)."""
+    rewards: tuple[str, ...] = ("verifier",)
+    """Reward functions (`trainers.rl.rewards.REWARDS`), summed with ``reward_weights``."""
+    reward_weights: tuple[float, ...] = (1.0,)
+    filter_zero_variance: bool = False
+    """Dynamic sampling (DAPO): groups whose rewards are all equal carry no loss."""
+    use_sampler_logprobs: bool = False
+    """Use the sampler's log-probs as the old policy's (skip the recompute), as Tunix allows."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: weight tokens by min(pi_old/pi_sampler, cap)."""
+    buffer_sampler: str = "uniform"
+    """How minibatches are drawn from the rollouts (`trainers.rl.buffer.BUFFER_SAMPLERS`)."""
+    qpas_quantile: float = 0.25
+    qpas_alpha: float = 1.0
+    qpas_beta: float = 1.0
+    ccc_invalid_reward: float = -1.0
+    """CCC-GRPO (reward ``ccc``): the reward of a rollout whose answer does not parse, r_min
+    ([INFERRED] in the method card B.2; -1 is the worst CCC)."""
+    cf_quality: float = 1.0
+    """counterfactual_bonus: only rollouts whose verifier reward is >= this get the bonus."""
+    logprob_chunk: int = 256
+    """Rows of logits materialised at a time in the log-prob / entropy computation."""
+    prefix: PrefixConfig | None = None
+    """PrefixRL (B.1): train on problems prefixed with part of a correct trace (None: off)."""
+    environment: RPSConfig | None = None
+    """Multi-turn collectors' environment (rps_memory: MemoPilot's Rock-Paper-Scissors)."""
+
+    def __post_init__(self):
+        from trainers.rl.registries import check_grpo_config
+
+        check_grpo_config(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     model: ModelConfig = ModelConfig.tiny()
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     trainer: TrainerConfig = TrainerConfig()
-    algorithm: SFTConfig = SFTConfig()
+    algorithm: SFTConfig | GRPOConfig = SFTConfig()
     tokenizer: str = "byte"
     """'byte' (the embedded default) or a directory holding tokenizer.json."""
     init_from: str | None = None
@@ -141,7 +255,7 @@ class ExperimentConfig:
     may add variant parameters, e.g. meta_swiglu; those start at their neutral init)."""
 
     def __post_init__(self):
-        if self.data.batch_size % self.trainer.grad_accum:
+        if not isinstance(self.algorithm, GRPOConfig) and self.data.batch_size % self.trainer.grad_accum:
             raise ValueError(
                 f"data.batch_size={self.data.batch_size} is not divisible by "
                 f"trainer.grad_accum={self.trainer.grad_accum}"
@@ -152,7 +266,17 @@ class ExperimentConfig:
             )
         from trainers.losses import TOKEN_WEIGHTS
 
-        if self.algorithm.token_weights not in TOKEN_WEIGHTS:
+        if isinstance(self.algorithm, GRPOConfig):
+            if self.data.batch_size * self.algorithm.num_generations % (
+                self.algorithm.minibatches * self.trainer.grad_accum
+            ):
+                raise ValueError(
+                    f"data.batch_size x algorithm.num_generations = "
+                    f"{self.data.batch_size * self.algorithm.num_generations} rollouts are not divisible "
+                    f"by algorithm.minibatches x trainer.grad_accum = "
+                    f"{self.algorithm.minibatches * self.trainer.grad_accum}"
+                )
+        elif self.algorithm.token_weights not in TOKEN_WEIGHTS:
             raise ValueError(
                 f"algorithm.token_weights={self.algorithm.token_weights!r} is invalid: must be one of "
                 f"{sorted(TOKEN_WEIGHTS)}"

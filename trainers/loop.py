@@ -32,7 +32,7 @@ from trainers.evaluate import heldout_metrics, task_accuracy
 from trainers.logger import MetricsLogger
 from trainers.losses import TOKEN_WEIGHTS
 from trainers.optim import make_optimizer, param_names
-from trainers.step import TrainState, init_state, make_eval_loss, make_train_step
+from trainers.step import init_state, make_eval_loss, make_train_step
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,12 @@ def initial_model(cfg: ExperimentConfig):
 def train(cfg: ExperimentConfig, *, data_iterator_wrapper=None) -> TrainResult:
     """Run (or resume) the experiment ``cfg``. ``data_iterator_wrapper`` (tests) wraps the
     training iterator."""
+    from trainers.config import GRPOConfig
+
+    if isinstance(cfg.algorithm, GRPOConfig):
+        from trainers.rl.loop import train_grpo
+
+        return train_grpo(cfg)
     t = cfg.trainer
     if t.multihost:
         jax.distributed.initialize()

@@ -71,6 +71,23 @@ def make_loss_fn(graphdef, *, sliding_window: int | None, weight_fn: Callable = 
     return loss_fn
 
 
+def apply_summed_gradients(state: TrainState, tx: optax.GradientTransformation, g_sum, loss_sum, count):
+    """Divide the summed gradient and loss by the summed count once, apply the optimizer, and
+    keep the old state if the loss or the gradient norm is not finite:
+    ``(new_state, loss, grad_norm, finite)``."""
+    denom = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, state.params)
+    loss = loss_sum / denom
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
+    new = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=rng)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+    return new, loss, grad_norm, finite
+
+
 def make_train_step(
     graphdef,
     tx: optax.GradientTransformation,
@@ -106,16 +123,7 @@ def make_train_step(
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
             init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
             (g_sum, loss_sum, count), _ = jax.lax.scan(accumulate, init, micro)
-        denom = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, state.params)
-        loss = loss_sum / denom
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
-        new = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=rng)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        new, loss, grad_norm, finite = apply_summed_gradients(state, tx, g_sum, loss_sum, count)
         metrics = {
             "loss": loss, "grad_norm": grad_norm, "tokens": count, "lr": schedule(state.step),
             "finite": finite,

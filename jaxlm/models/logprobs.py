@@ -74,3 +74,31 @@ def token_logprobs(h: jax.Array, w: jax.Array, targets: jax.Array, *, chunk: int
     lead = h.shape[:-1]
     out = _token_logprobs(h.reshape(-1, h.shape[-1]), w, targets.reshape(-1).astype(jnp.int32), chunk)
     return out.reshape(lead)
+
+
+def token_entropy(h: jax.Array, w: jax.Array, *, chunk: int = 512) -> jax.Array:
+    """Entropy of ``softmax(h @ w)`` per row, float32, ``chunk`` rows at a time (no
+    gradient: for logging)."""
+    lead = h.shape[:-1]
+    flat = jax.lax.stop_gradient(h.reshape(-1, h.shape[-1]))
+    n = flat.shape[0]
+
+    def one(hc):
+        logits = _chunk_logits(hc, jax.lax.stop_gradient(w))
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+    return jax.lax.map(one, _chunks(flat, chunk)).reshape(-1)[:n].reshape(lead)
+
+
+def unembedding(model) -> jax.Array:
+    """The LM head as a dense ``[D, V]`` matrix (the transposed embedding when tied)."""
+    if model.lm_head is None:
+        return model.embed[...].T
+    kernel = model.lm_head.kernel.get_value()
+    if not isinstance(kernel, jax.Array):
+        raise TypeError(
+            f"chunked log-probs need a dense LM head, got {type(kernel).__name__}; keep the LM "
+            f"head unquantized (the default recipes do)"
+        )
+    return kernel

@@ -1,0 +1,276 @@
+"""CCC-GRPO (method card B.2): the swap-in CCC reward against a brute-force numpy reference,
+the registered rewards, the long-tailed regression task, and the miniature comparison with
+the point-wise reward -|error| on tiny models."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxlm.data.regression import LongTailedRegression, parse_number
+from trainers.rl.ccc import ccc, swap_in_ccc_rewards
+from trainers.rl.registries import REWARDS
+
+
+def lin_ccc(p, y):
+    """Lin (1989), eq. for the sample CCC with population (1/n) moments, written out."""
+    p, y = np.asarray(p, np.float64), np.asarray(y, np.float64)
+    n = len(p)
+    mp, my = p.sum() / n, y.sum() / n
+    sp2 = ((p - mp) ** 2).sum() / n
+    sy2 = ((y - my) ** 2).sum() / n
+    spy = ((p - mp) * (y - my)).sum() / n
+    return 2 * spy / (sp2 + sy2 + (mp - my) ** 2)
+
+
+def brute_force_swap_in(pred, valid, target, r_min):
+    """Build p^(i,k) explicitly for every rollout and score it (card B.2)."""
+    B, G = pred.shape
+    has_anchor = valid.any(1)
+    anchor = np.array([pred[i][valid[i]].mean() if has_anchor[i] else np.nan for i in range(B)])
+    out = np.full((B, G), r_min, np.float64)
+    for i in range(B):
+        for k in range(G):
+            if not valid[i, k]:
+                continue
+            p = anchor.copy()
+            p[i] = pred[i, k]
+            out[i, k] = lin_ccc(p[has_anchor], target[has_anchor])
+    return out
+
+
+def test_ccc_matches_lin_formula_and_its_properties():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(2, 40))
+        y = rng.gamma(1.5, 20.0, n)
+        p = y * rng.uniform(0.3, 1.5) + rng.normal(0, rng.uniform(0.1, 30), n) + rng.normal(0, 10)
+        assert ccc(p, y) == pytest.approx(lin_ccc(p, y), abs=1e-12)
+    y = rng.normal(size=10)
+    assert ccc(y, y) == pytest.approx(1.0)
+    assert ccc(-y + 2 * y.mean(), y) == pytest.approx(-1.0)  # reflected about the mean
+    assert ccc(y + 1.0, y) < np.corrcoef(y + 1.0, y)[0, 1]  # a shift costs CCC, not Pearson
+    assert ccc(np.full(4, 3.0), np.full(4, 3.0)) == 1.0  # undefined 0/0: perfect agreement
+    with pytest.raises(ValueError, match="one length"):
+        ccc([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_swap_in_rewards_equal_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    B, G = int(rng.integers(2, 9)), int(rng.integers(2, 6))
+    target = rng.gamma(1.0, 25.0, B) + rng.choice([0.0, 500.0])  # offsets test the centring
+    pred = target[:, None] + rng.normal(0, 15, (B, G))
+    valid = rng.random((B, G)) > 0.3
+    valid[0] = False  # a group without an anchor leaves the batch
+    valid[1, 0] = True
+    pred[~valid] = rng.choice([np.nan, 1e9, -3.0])  # what invalid entries hold must not matter
+    r_min = float(rng.choice([-1.0, -2.5]))
+    got = swap_in_ccc_rewards(pred, valid, target, invalid_reward=r_min)
+    want = brute_force_swap_in(pred, valid, target, r_min)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
+
+
+def test_swap_in_rewards_edge_cases():
+    # every rollout valid, one group: the batch's targets are constant -> CCC 0 unless exact
+    got = swap_in_ccc_rewards(np.array([[3.0, 5.0]]), np.ones((1, 2), bool), np.array([3.0]))
+    np.testing.assert_array_equal(got, [[1.0, 0.0]])
+    none = swap_in_ccc_rewards(np.zeros((3, 2)), np.zeros((3, 2), bool), np.arange(3.0), invalid_reward=-1.0)
+    np.testing.assert_array_equal(none, -np.ones((3, 2)))
+    # the group's rollouts share the rest of the batch: the anchors' own CCC is a group mean
+    rng = np.random.default_rng(1)
+    pred, y = rng.normal(50, 20, (8, 4)), rng.normal(50, 20, 8)
+    r = swap_in_ccc_rewards(pred, np.ones_like(pred, bool), y)
+    assert r.shape == (8, 4) and np.all(np.abs(r) <= 1)
+    with pytest.raises(ValueError, match=r"pred \[B, G\]"):
+        swap_in_ccc_rewards(pred, np.ones_like(pred, bool), y[:3])
+
+
+def _columns(task, examples_per_group, G, order=None):
+    examples = [e for e in examples_per_group for _ in range(G)]
+    group = np.repeat(np.arange(len(examples_per_group)), G)
+    if order is not None:
+        examples, group = [examples[i] for i in order], group[order]
+    return dict(examples=examples, group=group, num_generations=G, task=task)
+
+
+def test_registered_rewards_reshape_flat_rollouts_to_groups():
+    task = LongTailedRegression()
+    exs = [task.example(i, "train") for i in range(5)]
+    G = 3
+    rng = np.random.default_rng(0)
+    flat = [str(int(e["target"]) + int(d)) for e in exs for d in rng.integers(-20, 20, G)]
+    flat[4] = "12a"  # invalid
+    flat[6:9] = ["x", "", "?"]  # a group with no valid rollout
+    cols = _columns(task, exs, G)
+    pred = np.array([np.nan if parse_number(c) is None else parse_number(c) for c in flat]).reshape(5, G)
+    target = np.array([e["target"] for e in exs])
+    want = brute_force_swap_in(np.nan_to_num(pred), ~np.isnan(pred), target, -1.0).reshape(-1)
+    np.testing.assert_allclose(REWARDS["ccc"](None, flat, **cols), want, atol=1e-6)
+    # rollouts in any order (grouped by `group`): the same reward per rollout
+    perm = rng.permutation(len(flat))
+    shuffled = REWARDS["ccc"](None, [flat[i] for i in perm], **_columns(task, exs, G, perm))
+    np.testing.assert_allclose(shuffled, want[perm], atol=1e-6)
+    huge = REWARDS["ccc"](None, ["1" + "0" * 200] + flat[1:], **cols)  # absurd but finite
+    assert np.isfinite(huge).all() and huge[0] < want[0]
+    # the r_min of the config
+    cfg = type("C", (), {"ccc_invalid_reward": -3.0})()
+    assert REWARDS["ccc"](None, flat, **cols, config=cfg)[4] == -3.0
+    np.testing.assert_array_equal(REWARDS["format"](None, flat, **cols), ~np.isnan(pred.reshape(-1)))
+    err = np.abs(pred.reshape(-1) - np.repeat(target, G)) / task.error_scale
+    np.testing.assert_allclose(REWARDS["neg_abs_error"](None, flat, **cols),
+                               np.where(np.isnan(err), -1.0, -np.minimum(err, 1.0)), atol=1e-6)
+
+
+def test_grpo_config_names_the_ccc_fields():
+    from trainers.config import GRPOConfig
+
+    c = GRPOConfig(rewards=("ccc", "format"), reward_weights=(1.0, 0.5), ccc_invalid_reward=-2.0)
+    assert c.ccc_invalid_reward == -2.0
+    with pytest.raises(ValueError, match="GRPOConfig.rewards"):
+        GRPOConfig(rewards=("cc",), reward_weights=(1.0,))
+
+
+# -- the task --------------------------------------------------------------------------
+def test_long_tailed_regression_task():
+    task = LongTailedRegression()
+    p = task.bin_frequencies()
+    assert p.sum() == pytest.approx(1.0) and p[0] / p[-1] == pytest.approx(task.imbalance)
+    train = [task.example(i, "train") for i in range(3000)]
+    counts = np.bincount([e["bin"] for e in train], minlength=task.n_bins) / len(train)
+    np.testing.assert_allclose(counts, p, atol=0.02)
+    buckets = {task.bucket(e) for e in train}
+    assert buckets == {"many", "medium", "few"}
+    evals = [task.example(i, "eval") for i in range(1000)]
+    assert {e["prompt"] for e in evals}.isdisjoint({e["prompt"] for e in train})
+    eval_counts = np.bincount([e["bin"] for e in evals], minlength=task.n_bins) / len(evals)
+    assert eval_counts.min() > 0.03  # balanced held-out bins (the train tail is 0.4%)
+    for e in train[:50]:  # the target is a function of the text
+        assert float(e["completion"]) == e["target"]
+        assert task.verify(e, e["completion"]) == 1.0 and task.verify(e, " " + e["completion"] + "\n") == 1.0
+        assert task.verify(e, str(int(e["target"]) + 1)) == 0.0
+    same = [e for e in train if e["prompt"][:2] == train[0]["prompt"][:2]]
+    assert len({e["target"] for e in same}) == 1
+    assert task.parse("12") == 12.0 and task.parse("-2.5") == -2.5 and task.parse("12a") is None
+    assert task.abs_error(train[0], "x") != task.abs_error(train[0], "x")  # nan
+    assert task.chance_accuracy() == pytest.approx(0.01)
+    assert task.example(7, "train") == task.example(7, "train")
+    with pytest.raises(ValueError, match="imbalance"):
+        LongTailedRegression(imbalance=0.5)
+    with pytest.raises(ValueError, match="few_below"):
+        LongTailedRegression(few_below=0.5, many_above=0.2)
+
+
+def test_task_is_a_config_source():
+    from trainers.config import load_config
+
+    cfg = load_config("ccc_grpo", ["data.source.imbalance=50"])
+    assert isinstance(cfg.data.source, LongTailedRegression) and cfg.data.source.imbalance == 50
+    assert cfg.algorithm.rewards == ("ccc", "format")
+    base = load_config("ccc_grpo_mae")
+    assert base.algorithm.rewards == ("neg_abs_error", "format")
+    assert dataclasses.replace(base.algorithm, rewards=cfg.algorithm.rewards) == cfg.algorithm
+
+
+# -- the miniature: CCC-GRPO vs the point-wise reward ----------------------------------
+def _evaluate(graphdef, params, task, examples, tokenizer):
+    """Greedy answers on held-out examples: MAE per bucket (an unparsable answer counts as
+    the task's whole range) and the CCC of the parsed answers, with the invalid rate."""
+    import jaxlm
+    from flax import nnx
+
+    out = jaxlm.generate(nnx.merge(graphdef, params), [e["prompt"] for e in examples], max_new_tokens=4,
+                         temperature=0, tokenizer=tokenizer)
+    err: dict[str, list[float]] = {"many": [], "medium": [], "few": []}
+    pred, target = [], []
+    correct = [task.verify(e, text) for e, text in zip(examples, out.texts)]
+    for e, text in zip(examples, out.texts):
+        p = task.parse(text)
+        err[task.bucket(e)].append(task.error_scale if p is None else abs(p - e["target"]))
+        if p is not None:
+            pred.append(p)
+            target.append(e["target"])
+    result = {f"mae_{b}": float(np.mean(v)) for b, v in err.items()}
+    result["ccc"] = ccc(pred, target)
+    result["invalid"] = 1.0 - len(pred) / len(examples)
+    result["accuracy"] = float(np.mean(correct))  # the task's verifier: exact match
+    few = [c for c, e in zip(correct, examples) if task.bucket(e) == "few"]
+    result["accuracy_few"] = float(np.mean(few))
+    return result
+
+
+@pytest.fixture(scope="module")
+def miniature(tmp_path_factory):
+    """SFT (`configs/ccc_sft.py`) once, then GRPO from it with rewards (ccc, format) and
+    (neg_abs_error, format) (`configs/ccc_grpo.py`, `configs/ccc_grpo_mae.py`): the same
+    iterations, seed and prompts; greedy evaluation on 400 balanced held-out examples."""
+    import time
+
+    import jax
+
+    from trainers.config import load_config
+    from trainers.loop import initial_model, make_tokenizer, train
+    from trainers.rl.loop import GRPOTrainer
+
+    t0 = time.time()
+    sft_dir = tmp_path_factory.mktemp("ccc_sft")
+    train(load_config("ccc_sft", [
+        f"trainer.out_dir={sft_dir}", "trainer.progress=false", "trainer.eval_generate=0",
+        "trainer.async_checkpoint=false",
+    ]))
+    tokenizer = make_tokenizer("byte")
+    results, compiled = {}, None
+    for arm, config in (("ccc", "ccc_grpo"), ("neg_abs_error", "ccc_grpo_mae"), ("verifier", "ccc_grpo_mae")):
+        cfg = load_config(config, [f"init_from={sft_dir / 'model'}"])
+        if arm == "verifier":  # the plain GRPO baseline: the task's exact-match verifier as reward
+            cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, rewards=("verifier", "format")))
+        task = cfg.data.source
+        examples = [task.example(i, "eval") for i in range(400)]
+        trainer = GRPOTrainer(cfg, initial_model(cfg), tokenizer)
+        if compiled is None:
+            results["sft"] = _evaluate(trainer.graphdef, trainer.params, task, examples, tokenizer)
+            compiled = (cfg, trainer.step_fn, trainer.logprob_fn)
+        else:  # the arms differ only in their rewards: reuse the compiled update
+            assert dataclasses.replace(cfg.algorithm, rewards=compiled[0].algorithm.rewards) == compiled[0].algorithm
+            trainer.step_fn, trainer.logprob_fn = compiled[1], compiled[2]
+        state = jax.device_put(trainer.init_state(), jax.devices()[0])  # committed: no recompiles
+        for k in range(cfg.trainer.steps):
+            state, _, _ = trainer.iteration(state, k)
+        results[arm] = _evaluate(trainer.graphdef, state.params, task, examples, tokenizer)
+    results["seconds"] = time.time() - t0
+    print({k: v if isinstance(v, float) else {m: round(x, 3) for m, x in v.items()} for k, v in results.items()})
+    return results
+
+
+@pytest.mark.slow
+def test_miniature_grpo_improves_on_the_sft_start(miniature):
+    """The GRPO core in miniature, with the plain exact-match verifier as the reward: the
+    held-out error on the tail roughly halves and exact-match accuracy does not drop (it
+    rises by only ~1 point here: 0.843 -> 0.850; the answers move closer, not exactly onto
+    the target; docs/rl.md)."""
+    sft, r = miniature["sft"], miniature["verifier"]
+    assert r["mae_few"] < 0.75 * sft["mae_few"], (r, sft)
+    for arm in ("ccc", "neg_abs_error", "verifier"):
+        assert miniature[arm]["accuracy"] >= sft["accuracy"], (arm, miniature[arm], sft)
+
+
+@pytest.mark.slow
+def test_miniature_both_rewards_fix_the_tail_without_hurting_the_head(miniature):
+    sft = miniature["sft"]
+    assert sft["mae_few"] > 5.0 and sft["mae_many"] < 1.0, sft  # SFT leaves a long-tail error
+    for arm in ("ccc", "neg_abs_error"):
+        r = miniature[arm]
+        assert r["mae_few"] < 0.75 * sft["mae_few"], (arm, r, sft)
+        assert r["ccc"] > sft["ccc"] + 0.2, (arm, r, sft)
+        assert r["mae_many"] < 1.0 and r["invalid"] < 0.02, (arm, r)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason=(
+    "the paper's claim does not hold robustly in this miniature: at this recipe's 30 iterations "
+    "-|error| beat the swap-in CCC reward on few-shot MAE and on CCC in 5/5 RL seeds; at 60 "
+    "iterations the order was mixed (docs/rl.md, CCC-GRPO)"
+))
+def test_miniature_ccc_reward_beats_pointwise_on_few_shot_or_ccc(miniature):
+    c, b = miniature["ccc"], miniature["neg_abs_error"]
+    assert c["mae_few"] < b["mae_few"] or c["ccc"] > b["ccc"], (c, b)

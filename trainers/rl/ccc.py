@@ -1,0 +1,141 @@
+"""CCC-GRPO rewards for numeric regression (method card B.2; arXiv 2605.01402, "Injecting
+Distributional Awareness into MLLMs via Reinforcement Learning for Deep Imbalanced Regression").
+
+Lin's concordance correlation (population moments),
+``CCC(p, y) = 2 cov(p, y) / (var p + var y + (mean p - mean y)^2)``, is a batch-level score
+of correlation, scale and mean agreement together. Each prompt ``i`` of the batch has G
+parsed predictions ``ŷ_ik`` (validity ``v_ik``); its anchor is the mean of its valid ones,
+``ȳ_i``. Rollout ``(i, k)``'s reward is the batch CCC with its own prediction swapped in for
+its group's anchor::
+
+    p^(i,k) = (ȳ_1, ..., ȳ_{i-1}, ŷ_ik, ȳ_{i+1}, ..., ȳ_B),   r_ccc(i, k) = CCC(p^(i,k), y)
+
+so the rollouts of a group share the rest of the batch and differ only by their own
+prediction. It costs O(1) per rollout from the batch sums ``S1 = Σ ȳ_j``, ``S2 = Σ ȳ_j²``,
+``Sxy = Σ ȳ_j y_j`` (card B.2, exact algebra [INFERRED]): ``S1' = S1 - ȳ_i + z``,
+``S2' = S2 - ȳ_i² + z²``, ``Sxy' = Sxy - ȳ_i y_i + z y_i``.
+
+Choices the card marks [INFERRED], and what this module does:
+
+- an invalid rollout (no number parses) gets ``r_min`` (``GRPOConfig.ccc_invalid_reward``,
+  default -1, the worst CCC) instead of a CCC;
+- a group with no valid rollout has no anchor: it leaves the batch (the CCC is over the
+  groups that have one) and all its rollouts get ``r_min``;
+- an undefined CCC (zero denominator: every prediction equals every target) counts as 1;
+- the format-validity reward is a separate reward (``"format"``) whose weight is
+  ``GRPOConfig.reward_weights`` (the card's λ_fmt).
+
+``"neg_abs_error"`` is the point-wise baseline ``-min(|ŷ - y| / scale, 1)`` (``scale`` the
+task's ``error_scale``, 1 if it has none; invalid: -1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxlm.data.regression import parse_number
+from trainers.rl.rewards import REWARDS
+
+
+def ccc(p, y) -> float:
+    """Lin's concordance correlation coefficient of two vectors (population moments)."""
+    p, y = np.asarray(p, np.float64), np.asarray(y, np.float64)
+    if p.shape != y.shape or p.ndim != 1 or p.size == 0:
+        raise ValueError(f"ccc needs two non-empty vectors of one length, got {p.shape}, {y.shape}")
+    shift = y.mean()  # CCC is invariant to one shift of both: centre for accuracy
+    p, y = p - shift, y - shift
+    mp, my = p.mean(), y.mean()
+    cov = np.mean((p - mp) * (y - my))
+    den = np.mean((p - mp) ** 2) + np.mean((y - my) ** 2) + (mp - my) ** 2
+    return float(2.0 * cov / den) if den > 0 else 1.0
+
+
+def swap_in_ccc_rewards(pred, valid, target, *, invalid_reward: float = -1.0) -> np.ndarray:
+    """``r[i, k] = CCC(p^(i,k), y)`` for predictions ``[B, G]`` (``valid [B, G]``; invalid
+    entries may hold anything) and targets ``[B]``, vectorised from the batch sums (module
+    docstring). Invalid rollouts and groups without a valid one get ``invalid_reward``."""
+    pred = np.asarray(pred, np.float64)
+    valid = np.asarray(valid, bool)
+    target = np.asarray(target, np.float64)
+    if pred.ndim != 2 or valid.shape != pred.shape or target.shape != pred.shape[:1]:
+        raise ValueError(
+            f"swap_in_ccc_rewards needs pred [B, G], valid [B, G], target [B]; got {pred.shape}, "
+            f"{valid.shape}, {target.shape}"
+        )
+    out = np.full(pred.shape, float(invalid_reward))
+    active = valid.any(axis=1)  # groups with an anchor
+    n = int(active.sum())
+    if n == 0:
+        return out
+    count = np.maximum(valid.sum(axis=1), 1)
+    shift = target[active].mean()  # centre predictions and targets alike (CCC is shift-invariant)
+    z = np.where(valid, pred - shift, 0.0)
+    y = np.where(active, target - shift, 0.0)
+    anchor = z.sum(axis=1) / count  # ȳ_i (0 for groups without an anchor: they are not summed)
+    a = np.where(active, anchor, 0.0)
+    S1, S2, Sxy = a.sum(), (a * a).sum(), (a * y).sum()
+    mu_y = y.sum() / n
+    var_y = (y * y).sum() / n - mu_y**2
+    # swap z in for the group's anchor: [B, G]
+    s1 = S1 - a[:, None] + z
+    s2 = S2 - (a * a)[:, None] + z * z
+    sxy = Sxy - (a * y)[:, None] + z * y[:, None]
+    mu_p = s1 / n
+    var_p = s2 / n - mu_p**2
+    cov = sxy / n - mu_p * mu_y
+    den = var_p + var_y + (mu_p - mu_y) ** 2
+    safe = np.where(den > 0, den, 1.0)
+    value = np.where(den > 0, 2.0 * cov / safe, 1.0)
+    return np.where(valid & active[:, None], value, out)
+
+
+# -- registered rewards (flat lists of B*G rollouts) -------------------------------------
+def _parse(task, completions) -> np.ndarray:
+    parse = getattr(task, "parse", None) or parse_number
+    values = [parse(c) for c in completions]
+    return np.asarray([np.nan if v is None else v for v in values], np.float64)
+
+
+def _grouped(group, num_generations: int, n: int) -> np.ndarray:
+    """Indices ``[B, G]`` of the flat rollouts, group by group (stable within a group)."""
+    group = np.asarray(group)
+    if n % num_generations or group.shape != (n,):
+        raise ValueError(f"{n} rollouts do not form groups of num_generations={num_generations}")
+    order = np.argsort(group, kind="stable").reshape(-1, num_generations)
+    if not (group[order] == group[order[:, :1]]).all() or len(np.unique(group)) != len(order):
+        raise ValueError(f"each prompt must have num_generations={num_generations} rollouts")
+    return order
+
+
+def _targets(examples) -> np.ndarray:
+    return np.asarray([float(e["target"]) for e in examples], np.float64)
+
+
+@REWARDS.register("ccc")
+def ccc_reward(prompts, completions, *, examples, group, num_generations, task, config=None,
+               **_) -> np.ndarray:
+    """Swap-in batch CCC per rollout (module docstring); ``config.ccc_invalid_reward`` for
+    invalid parses (-1 without a config)."""
+    r_min = -1.0 if config is None else float(getattr(config, "ccc_invalid_reward", -1.0))
+    pred = _parse(task, completions)
+    idx = _grouped(group, num_generations, len(completions))
+    target = _targets(examples)[idx[:, 0]]
+    grouped = np.clip(pred[idx], -1e100, 1e100)  # keeps squares finite; nan (invalid) stays nan
+    rewards = swap_in_ccc_rewards(np.nan_to_num(grouped), ~np.isnan(grouped), target, invalid_reward=r_min)
+    out = np.empty(len(completions), np.float64)
+    out[idx] = rewards
+    return out.astype(np.float32)
+
+
+@REWARDS.register("format")
+def format_reward(prompts, completions, *, task=None, **_) -> np.ndarray:
+    """1 if the completion parses as a number (the task's ``parse``), else 0."""
+    return (~np.isnan(_parse(task, completions))).astype(np.float32)
+
+
+@REWARDS.register("neg_abs_error")
+def neg_abs_error_reward(prompts, completions, *, examples, task=None, **_) -> np.ndarray:
+    """The point-wise baseline ``-min(|ŷ - y| / scale, 1)``; -1 for an invalid parse."""
+    scale = float(getattr(task, "error_scale", 1.0))
+    err = np.abs(_parse(task, completions) - _targets(examples)) / scale
+    return -np.minimum(np.nan_to_num(err, nan=1.0), 1.0).astype(np.float32)

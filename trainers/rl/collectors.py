@@ -1,0 +1,88 @@
+"""Collectors (``COLLECTORS``): where rollouts come from.
+
+``collector(params, iteration, rng) -> Experience`` produces the rows of one iteration
+(`trainers.rl.rollout` format) and their rewards: ``[B, G]`` per rollout (outcome
+advantages) or ``[B, G, K]`` per turn (turn-level advantages; each token's ``turn``
+picks its turn's advantage). ``single_turn`` samples G completions per prompt of the
+configured data source and scores them with the configured rewards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxlm.data.pipeline import ExampleSource
+from jaxlm.registry import Registry
+from trainers.rl.rewards import REWARDS, combine_rewards
+from trainers.rl.rollout import sample_rollouts
+
+COLLECTORS: Registry = Registry("rollout collector")
+
+
+@dataclasses.dataclass
+class Experience:
+    rows: dict[str, np.ndarray]
+    rewards: np.ndarray  # [B, G] or [B, G, K]
+    valid: np.ndarray | None = None  # same shape: rollouts / turns that count
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+class SingleTurnCollector:
+    """``data.batch_size`` prompts of iteration k are the train examples ``k*B .. k*B+B-1``
+    (so a resumed run sees the same prompts); each is sampled ``num_generations`` times."""
+
+    def __init__(self, cfg, graphdef, tokenizer, *, examples: Callable[[int], dict] | None = None):
+        self.cfg, self.graphdef, self.tokenizer = cfg, graphdef, tokenizer
+        a = cfg.algorithm
+        self.source = ExampleSource(cfg.data.source, "train")
+        self.task = cfg.data.source
+        self.examples = examples or self.source.__getitem__
+        self.reward_fns = [REWARDS[n] for n in a.rewards]
+        self.prompt_block = cfg.data.seq_len - a.max_new_tokens
+        if self.prompt_block <= 0:
+            raise ValueError(
+                f"data.seq_len={cfg.data.seq_len} must exceed algorithm.max_new_tokens={a.max_new_tokens} "
+                f"(rows hold the prompt block and the completion)"
+            )
+
+    def prompt_ids(self, example: dict) -> list[int]:
+        return self.tokenizer.encode(example["prompt"], add_bos=True)
+
+    def __call__(self, params, iteration: int, rng) -> Experience:
+        a, B = self.cfg.algorithm, self.cfg.data.batch_size
+        G = a.num_generations
+        examples = [self.examples(iteration * B + i) for i in range(B)]
+        eos = self.tokenizer.eos_id
+        rows = sample_rollouts(
+            self.graphdef, params, [self.prompt_ids(e) for e in examples], num_generations=G,
+            prompt_block=self.prompt_block, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+            top_p=a.top_p, rng=rng, pad_id=self.tokenizer.pad_id, stop_tokens=() if eos is None else (eos,),
+        )
+        texts = [self.tokenizer.decode(c[:n]) for c, n in zip(rows["completion"], rows["lengths"])]
+        flat_examples = [e for e in examples for _ in range(G)]
+        total, parts = combine_rewards(
+            self.reward_fns, a.reward_weights, [e["prompt"] for e in flat_examples], texts,
+            examples=flat_examples, group=np.repeat(np.arange(B), G), num_generations=G, task=self.task,
+            policy=(self.graphdef, params), tokenizer=self.tokenizer, config=a,
+        )
+        metrics = {"reward": float(np.nanmean(total)), "completion_len": float(rows["lengths"].mean())}
+        for name, p in zip(a.rewards, parts):
+            metrics[f"reward/{name}"] = float(np.nanmean(p))
+        samples = [{"prompt": e["prompt"], "completion": t, "reward": float(r)}
+                   for e, t, r in zip(flat_examples[::G], texts[::G], total[::G])]
+        rewards = total.reshape(B, G)
+        return Experience(rows=rows, rewards=np.nan_to_num(rewards, nan=0.0), valid=~np.isnan(rewards),
+                          metrics=metrics, samples=samples)
+
+
+@COLLECTORS.register("single_turn")
+def single_turn(cfg, graphdef, tokenizer):
+    if getattr(cfg.algorithm, "prefix", None) is not None:  # PrefixRL (B.1): prefixed problems
+        from trainers.rl.prefix import PrefixRLCollector
+
+        return PrefixRLCollector(cfg, graphdef, tokenizer)
+    return SingleTurnCollector(cfg, graphdef, tokenizer)

@@ -1,0 +1,260 @@
+"""The GRPO loop: `train_grpo(config)` collects, scores, updates, evaluates, checkpoints,
+resumes and plots, with the platform's pieces (optimizer, logger, orbax checkpoints).
+
+One iteration (``trainer.steps`` of them):
+
+1. the collector samples ``G`` rollouts for each of ``data.batch_size`` prompts (or plays
+   ``G`` episodes per environment seed) and scores them;
+2. advantages from the configured estimator, per rollout or per turn, spread over each
+   rollout's policy tokens; with ``filter_zero_variance`` groups of equal rewards get no
+   loss (their tokens are masked; shapes stay static);
+3. the old policy's log-probs (recomputed, or the sampler's) and, with ``beta > 0``, the
+   reference model's, once;
+4. ``mu`` epochs; in each, the buffer sampler orders (or resamples) the rollouts and they
+   are split into ``minibatches`` optimizer steps.
+
+A checkpoint stores the train state (params, optimizer state, step, rng) and the iteration;
+all randomness derives from them, so a resumed run repeats an uninterrupted one exactly.
+The reference model is the initial model, rebuilt identically on resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxlm
+from trainers.checkpointing import TrainCheckpointer, abstract_like
+from trainers.config import ConfigError, ExperimentConfig, GRPOConfig
+from trainers.evaluate import task_accuracy
+from trainers.logger import MetricsLogger
+from trainers.optim import make_optimizer
+from trainers.rl.advantages import ADVANTAGES
+from trainers.rl.buffer import BUFFER_SAMPLERS
+from trainers.rl.collectors import COLLECTORS, Experience
+from trainers.rl.rollout import make_logprob_fn
+from trainers.rl.step import make_rl_step
+from trainers.step import TrainState, init_state
+
+log = logging.getLogger(__name__)
+
+_TRAIN_KEYS = ("tokens", "attend", "positions", "loss_mask", "sampler_logp", "old_logp", "advantages", "weights")
+
+
+def token_advantages(exp: Experience, advantages: np.ndarray) -> np.ndarray:
+    """Advantages ``[B, G]`` (per rollout) or ``[B, G, K]`` (per turn) -> ``[R, T]`` on each
+    row's tokens (row ``b*G + g``; a token's turn index picks its turn's advantage)."""
+    R, T = exp.rows["tokens"].shape
+    if advantages.ndim == 2:
+        per_row = advantages.reshape(R)
+        return np.broadcast_to(per_row[:, None], (R, T)).astype(np.float32)
+    per_turn = advantages.reshape(R, -1)
+    turn = np.clip(exp.rows["turn"], 0, per_turn.shape[1] - 1)
+    return np.take_along_axis(per_turn, turn, axis=1).astype(np.float32)
+
+
+def zero_variance_groups(rewards: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
+    """``[B]`` True where every counted rollout of the group has the same reward."""
+    r = rewards.reshape(rewards.shape[0], rewards.shape[1], -1)
+    v = np.ones(r.shape, bool) if valid is None else valid.reshape(r.shape)
+    hi = np.where(v, r, -np.inf).max(axis=(1, 2))
+    lo = np.where(v, r, np.inf).min(axis=(1, 2))
+    return ~(hi > lo)
+
+
+class GRPOTrainer:
+    """The pieces of a GRPO run, usable from a notebook one iteration at a time:
+    ``trainer.iteration(state, k) -> (state, metrics)``."""
+
+    def __init__(self, cfg: ExperimentConfig, model, tokenizer, *, reference_params=None):
+        if not isinstance(cfg.algorithm, GRPOConfig):
+            raise ConfigError(f"algorithm must be GRPOConfig, got {type(cfg.algorithm).__name__}")
+        self.cfg, self.a = cfg, cfg.algorithm
+        self.tokenizer = tokenizer
+        self.graphdef, state = nnx.split(model)
+        self.params = nnx.to_pure_dict(state)
+        a, t = self.a, cfg.trainer
+        self.updates_per_iteration = a.mu * a.minibatches
+        self.tx, self.schedule = make_optimizer(cfg.optimizer, t.steps * self.updates_per_iteration)
+        self.collector = COLLECTORS[a.collector](cfg, self.graphdef, tokenizer)
+        self.logprob_fn = make_logprob_fn(self.graphdef, chunk=a.logprob_chunk)
+        self.step_fn = make_rl_step(
+            self.graphdef, self.tx, self.schedule, a, grad_accum=t.grad_accum,
+            completion_norm=float(a.max_new_tokens),
+        )
+        self.reference = None
+        if a.beta:
+            self.reference = reference_params if reference_params is not None else jax.tree.map(jnp.copy, self.params)
+
+    def init_state(self) -> TrainState:
+        # a copy (updates donate the state's buffers; self.params stays usable), committed to
+        # one device so the first and later iterations share their compilations
+        params = jax.tree.map(lambda x: jnp.array(x, copy=True), self.params)
+        return jax.device_put(init_state(params, self.tx, self.cfg.trainer.seed), jax.devices()[0])
+
+    def prepare(self, state: TrainState, exp: Experience) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """Advantages, filtering, old and reference log-probs: the rows every epoch reuses."""
+        a = self.a
+        adv = np.asarray(ADVANTAGES[a.advantage](
+            exp.rewards, exp.valid, eps=a.adv_eps, gamma=a.turn_gamma,
+        ))
+        rows = dict(exp.rows)
+        rows["advantages"] = token_advantages(exp, adv)
+        metrics: dict[str, float] = {}
+        loss_mask = rows["loss_mask"].copy()
+        if a.filter_zero_variance:
+            flat = zero_variance_groups(exp.rewards, exp.valid)
+            G = exp.rewards.shape[1]
+            loss_mask &= ~np.repeat(flat, G)[:, None]
+            metrics["groups_kept"] = float((~flat).mean())
+        rows["loss_mask"] = loss_mask
+        device_rows = {k: jnp.asarray(rows[k]) for k in ("tokens", "attend", "positions")}
+        if a.use_sampler_logprobs:
+            rows["old_logp"] = rows["sampler_logp"]
+        else:
+            old, ent = jax.device_get(self.logprob_fn(state.params, device_rows))
+            rows["old_logp"] = np.where(loss_mask, old, 0.0).astype(np.float32)
+            m = rows["loss_mask"]
+            metrics["entropy"] = float((ent * m).sum() / max(m.sum(), 1))
+            metrics["sampler_mismatch"] = float(np.abs(old - rows["sampler_logp"])[exp.rows["loss_mask"]].max(initial=0.0))
+        if self.reference is not None:
+            ref, _ = jax.device_get(self.logprob_fn(self.reference, device_rows))
+            rows["ref_logp"] = ref.astype(np.float32)
+        R = rows["tokens"].shape[0]
+        rows["priority"] = np.abs(adv).reshape(R, -1).max(axis=1)
+        return rows, metrics
+
+    def update(self, state: TrainState, rows: dict[str, np.ndarray], iteration: int):
+        """``mu`` epochs of ``minibatches`` optimizer steps over the prepared rows."""
+        a = self.a
+        R = rows["tokens"].shape[0]
+        keys = list(_TRAIN_KEYS) + (["ref_logp"] if "ref_logp" in rows else [])
+        sampler = BUFFER_SAMPLERS[a.buffer_sampler]
+        rng = np.random.default_rng([self.cfg.trainer.seed, iteration, 7])
+        per = R // a.minibatches
+        metrics_sum: dict[str, float] = {}
+        steps = 0
+        for _ in range(a.mu):
+            order, weights = sampler(rows["priority"], rng, a)
+            for j in range(a.minibatches):
+                idx = order[j * per : (j + 1) * per]
+                mb = {k: rows[k][idx] for k in keys if k != "weights"}
+                mb["weights"] = weights[j * per : (j + 1) * per]
+                state, m = self.step_fn(state, {k: jnp.asarray(v) for k, v in mb.items()})
+                m = jax.device_get(m)
+                if not bool(m["finite"]):
+                    raise FloatingPointError(
+                        f"non-finite loss or gradient (loss={float(m['loss'])}, grad_norm={float(m['grad_norm'])})"
+                    )
+                steps += 1
+                for k, v in m.items():
+                    if k != "finite":
+                        metrics_sum[k] = metrics_sum.get(k, 0.0) + float(v)
+        return state, {k: v / max(steps, 1) for k, v in metrics_sum.items()}
+
+    def iteration(self, state: TrainState, k: int):
+        """Collect, prepare and update once: ``(state, metrics, samples)``."""
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), k)
+        exp = self.collector(state.params, k, rng)
+        rows, prep = self.prepare(state, exp)
+        state, upd = self.update(state, rows, k)
+        return state, {**exp.metrics, **prep, **upd}, exp.samples
+
+
+def train_grpo(cfg: ExperimentConfig):
+    """Run (or resume) a GRPO experiment; the run directory matches SFT's."""
+    import json
+
+    from trainers.loop import TrainingDiverged, TrainResult, _check_resume_config, initial_model, make_tokenizer
+
+    t = cfg.trainer
+    out_dir = Path(t.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_dict = cfg.to_dict()
+    tokenizer = make_tokenizer(cfg.tokenizer)
+    model = initial_model(cfg)
+    model.tokenizer = tokenizer
+    trainer = GRPOTrainer(cfg, model, tokenizer)
+    state = trainer.init_state()
+
+    ckpt = TrainCheckpointer(out_dir / "checkpoints", keep=t.keep_checkpoints, async_save=t.async_checkpoint)
+    start = 0
+    latest = ckpt.latest_step()
+    if latest is not None:
+        stored = out_dir / "config.json"
+        if stored.exists():
+            _check_resume_config(json.loads(stored.read_text()), config_dict, out_dir)
+        state, data_state = ckpt.restore(latest, abstract_like(state))
+        start = int(data_state["iteration"])
+        log.info("resumed from iteration %d", start)
+    (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2))
+
+    examples, verify = _eval_set(cfg)
+    logger = MetricsLogger(out_dir, total_steps=t.steps, start_step=start, progress=t.progress)
+
+    def evaluate(k: int):
+        result: dict[str, Any] = {}
+        samples: list[dict[str, Any]] = []
+        if verify is not None and examples:
+            acc = task_accuracy(
+                nnx.merge(trainer.graphdef, state.params), examples, verify, tokenizer=tokenizer,
+                max_new_tokens=trainer.a.max_new_tokens, batch_size=min(64, len(examples)),
+            )
+            result["accuracy"], samples = acc.accuracy, acc.samples
+        logger.log(k, result, kind="eval")
+        return result, samples
+
+    k = start
+    final_eval: dict[str, Any] = {}
+    samples: list[dict[str, Any]] = []
+    stopped_early = False
+    try:
+        if start == 0 and t.eval_every:
+            evaluate(0)
+        while k < t.steps:
+            try:
+                state, metrics, _ = trainer.iteration(state, k)
+            except FloatingPointError as e:
+                done = ckpt.latest_step()
+                raise TrainingDiverged(
+                    f"iteration {k + 1}: {e}; training stopped. Last good checkpoint: "
+                    + (f"iteration {done} in {ckpt.directory}" if done is not None else "none yet")
+                ) from None
+            k += 1
+            logger.count_tokens(metrics.get("policy_tokens", 0.0) * trainer.updates_per_iteration)
+            logger.advance()
+            if k % t.log_every == 0 or k == t.steps:
+                logger.log(k, metrics)
+            if k % t.save_every == 0 or k == t.steps:
+                ckpt.save(k, state, {"iteration": k}, config_dict)
+            if t.eval_every and k % t.eval_every == 0 and k != t.steps:
+                evaluate(k)
+            if t.stop_after is not None and k - start >= t.stop_after and k < t.steps:
+                stopped_early = True
+                break
+        if not stopped_early:
+            final_eval, samples = evaluate(k)
+            ckpt.wait()
+            final = nnx.merge(trainer.graphdef, state.params)
+            final.tokenizer = tokenizer
+            jaxlm.save_checkpoint(final, out_dir / "model", overwrite=True)
+    finally:
+        ckpt.close()
+        logger.close()
+    return TrainResult(out_dir=out_dir, step=k, final_eval=final_eval, samples=samples, stopped_early=stopped_early)
+
+
+def _eval_set(cfg: ExperimentConfig):
+    """Held-out examples for greedy accuracy (single-turn sources with a verifier)."""
+    if cfg.algorithm.collector != "single_turn":
+        return [], None
+    from jaxlm.data.pipeline import eval_examples
+
+    examples, verify = eval_examples(cfg.data)
+    return examples[: cfg.trainer.eval_generate], verify

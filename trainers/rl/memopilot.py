@@ -1,0 +1,271 @@
+"""MemoPilot (card B.3; "From Player to Master", arXiv 2606.08656): a frozen player plays
+multi-round Rock-Paper-Scissors, a trainable memory writer (the GRPO policy) rewrites a
+text memory after every round, and multi-turn GRPO trains the writer with turn-wise
+rewards and the context-independent turn-level advantage (``advantage="turn_level"``).
+
+One episode against opponent ``o`` with seed ``s`` (`trainers.rl.environments`)::
+
+    m_0 = ""
+    round t = 0, 1, ...:   a_t = player(m_t)              (frozen)   -> outcome_t in {+1, 0, -1}
+    turn t (if round t+1 follows):   m_{t+1} ~ writer(episode so far)   (trained)
+    turn-wise reward  r_t = outcome_{t+1} + ... + outcome_{t+k}          (k = RPSConfig.reward_horizon)
+
+The memory written at turn t is first used in round t+1 (card: "k=1 default"); no memory
+is written after the last round (nothing would read it), so an episode of n rounds has
+n - 1 turns and ``rewards [B, G, K]`` pads the turns it did not reach (``valid`` False,
+K = rounds - 1). G rollouts play the same ``(opponent, seed)``: the opponent's and the
+player's random draws depend only on ``(seed, round)``, so rollouts differ only through
+their memories.
+
+**Player** (a deviation, stated): the paper's player is a frozen LLM. Here it is a frozen
+scripted reader, `counter_player`: it plays the counter of the first move (R/P/S) named in
+the memory, and a seeded random move when the memory names none (the no-memory
+baseline: m = "" every round). A frozen LM player SFT'd to do the same would cost a
+forward pass per round and an extra training stage on CPU, and would measure its own
+compliance along with the writer; the scripted reader isolates what is trained here.
+
+**Writer context**: one row per episode (`trainers.rl.multiturn`): ``[bos]`` then, per
+turn, the round just played as ``"<+|=|-><ours><theirs>"`` (e.g. ``"-RP"``, context,
+``loss_mask`` 0) and the sampled memory (``loss_mask`` 1, ending with EOS unless it hit
+``max_new_tokens``). The writer therefore reads the whole episode so far (including its
+own earlier memories), a superset of the paper's ``(m_{t-1}, transcript_t)``.
+
+**Warm start**: a randomly initialised byte model almost never writes a move letter, so
+the writer starts from `format_warm_start`: a few SFT steps on episodes whose memories
+are uniformly random move letters. It learns the format (one letter, then EOS), not the
+content, so its win rate equals the no-memory baseline's; GRPO must learn what to write
+(``python -m trainers.rl.memopilot_warmstart OUT`` writes ``OUT/model`` for ``init_from``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from trainers.rl.collectors import COLLECTORS, Experience
+from trainers.rl.environments import MOVES, RockPaperScissors, RPSConfig, counter, parse_move
+from trainers.rl.multiturn import TurnRows, sample_turn
+from trainers.rl.rollout import row_logprobs
+
+SEGMENT = "{obs}"
+"""The context the writer reads before writing each memory (obs: ``"-RP"``)."""
+SEGMENT_LEN = 3
+
+
+def counter_player(memory: str, seed: int, round_index: int) -> str:
+    """The frozen player: the counter of the move the memory names (the opponent's
+    predicted move), else a random move that depends only on ``(seed, round)``."""
+    predicted = parse_move(memory)
+    if predicted is None:
+        return MOVES[int(np.random.default_rng([seed, round_index, 0x91A7]).integers(3))]
+    return MOVES[counter(predicted)]
+
+
+def episode_width(cfg: RPSConfig, max_new_tokens: int) -> int:
+    """Tokens of the longest episode row: bos + (rounds - 1) x (segment + memory)."""
+    return 1 + (cfg.rounds - 1) * (SEGMENT_LEN + max_new_tokens)
+
+
+def turn_rewards(outcomes: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-round outcomes ``[R, rounds]`` (NaN after an episode's end) -> turn-wise rewards
+    and validity ``[R, rounds - 1]``: ``r_t = sum_{j=t+1}^{min(t+k, n-1)} outcome_j`` for the
+    turns ``t < n - 1`` of an episode of n rounds."""
+    R, N = outcomes.shape
+    played = (~np.isnan(outcomes)).sum(1)
+    o = np.nan_to_num(outcomes, nan=0.0)
+    c = np.concatenate([np.zeros((R, 1)), np.cumsum(o, 1)], 1)  # c[:, j] = sum of rounds < j
+    t = np.arange(N - 1)
+    hi = np.minimum(t[None, :] + horizon + 1, N)
+    rewards = np.take_along_axis(c, hi, 1) - c[:, 1:N]
+    valid = t[None, :] < played[:, None] - 1
+    return np.where(valid, rewards, 0.0).astype(np.float32), valid
+
+
+@dataclasses.dataclass
+class Episodes:
+    """What `play_rps` returns: per rollout, the round outcomes ``[R, rounds]`` (NaN where
+    not played), the memory each round used, the observations, and the writer's rows."""
+
+    outcomes: np.ndarray
+    memories: list[list[str]]
+    observations: list[list[str]]
+    stream: TurnRows | None
+
+    def win_rate(self, mask: np.ndarray | None = None) -> float:
+        """Wins per round among the rounds that used a written memory (round >= 1)."""
+        o = self.outcomes[:, 1:]
+        played = ~np.isnan(o)
+        if mask is not None:
+            played &= mask[:, None]
+        return float((o[played] == 1).sum() / max(played.sum(), 1))
+
+
+Writer = Callable[[list[list[int]], jax.Array], tuple[list[list[int]], list[list[float]]]]
+
+
+def lm_writer(graphdef, params, tokenizer, *, width: int, max_new_tokens: int, temperature: float = 1.0,
+              top_p: float | None = None) -> Writer:
+    """The memory writer: a jaxlm policy sampled with the KV-cache sampler (`sample_turn`)."""
+    eos = tokenizer.eos_id
+
+    def write(prefixes, rng):
+        return sample_turn(
+            graphdef, params, prefixes, width=width, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, rng=rng, pad_id=tokenizer.pad_id, stop_tokens=() if eos is None else (eos,),
+        )
+
+    return write
+
+
+def play_rps(cfg: RPSConfig, specs: Sequence[tuple[str, int]], *, tokenizer, writer: Writer | None,
+             num_generations: int = 1, rng: jax.Array | None = None) -> Episodes:
+    """Play ``num_generations`` episodes per ``(opponent, seed)`` (rollout ``i*G + g``).
+    ``writer=None``: the no-memory baseline (the player always sees ``m = ""``)."""
+    G = num_generations
+    envs = [(RockPaperScissors(cfg, opp), seed) for opp, seed in specs for _ in range(G)]
+    R = len(envs)
+    obs = [env.reset(seed) for env, seed in envs]
+    memory = [""] * R
+    active = np.ones(R, bool)
+    outcomes = np.full((R, cfg.rounds), np.nan)
+    memories: list[list[str]] = [[] for _ in range(R)]
+    observations: list[list[str]] = [[] for _ in range(R)]
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    stream = TurnRows(R, bos) if writer is not None else None
+    rng = jax.random.key(0) if rng is None else rng
+    for t in range(cfg.rounds):
+        for i in np.flatnonzero(active):
+            env, seed = envs[i]
+            memories[i].append(memory[i])
+            obs[i], reward, done = env.step(counter_player(memory[i], seed, t))
+            observations[i].append(obs[i])
+            outcomes[i, t] = reward
+            active[i] = not done
+        if t == cfg.rounds - 1 or not active.any() or writer is None:
+            continue
+        for i in np.flatnonzero(active):  # turn t: the writer reads the round just played ...
+            stream.add_context(i, tokenizer.encode(SEGMENT.format(obs=obs[i])), turn=t)
+        tokens, logps = writer(stream.tokens, jax.random.fold_in(rng, t))  # ... and writes m_{t+1}
+        for i in np.flatnonzero(active):
+            stream.add_policy(i, tokens[i], logps[i], turn=t)
+            memory[i] = tokenizer.decode(tokens[i])
+    return Episodes(outcomes=outcomes, memories=memories, observations=observations, stream=stream)
+
+
+class MemoPilotCollector:
+    """``data.batch_size`` groups per iteration, each ``(opponent, seed)`` with opponent
+    ``RPSConfig.opponents[(k*B + i) % len]`` and a seed from ``(trainer.seed, k, i)``, played
+    ``num_generations`` times; rewards ``[B, G, rounds - 1]`` per memory update."""
+
+    def __init__(self, cfg, graphdef, tokenizer):
+        a = cfg.algorithm
+        env = getattr(a, "environment", None)
+        if not isinstance(env, RPSConfig):
+            raise ValueError(
+                f"GRPOConfig.environment={env!r} is invalid for collector='rps_memory': must be an RPSConfig"
+            )
+        self.cfg, self.env, self.graphdef, self.tokenizer = cfg, env, graphdef, tokenizer
+        self.width = cfg.data.seq_len
+        need = episode_width(env, a.max_new_tokens)
+        if need > self.width:
+            raise ValueError(
+                f"data.seq_len={self.width} is too short for RPSConfig.rounds={env.rounds} with "
+                f"algorithm.max_new_tokens={a.max_new_tokens}: an episode needs up to {need} tokens"
+            )
+
+    def specs(self, iteration: int) -> list[tuple[str, int]]:
+        B, pool = self.cfg.data.batch_size, self.env.opponents
+        base = (self.cfg.trainer.seed * 1_000_003 + iteration * B) * 7919
+        return [(pool[(iteration * B + i) % len(pool)], base + i) for i in range(B)]
+
+    def __call__(self, params, iteration: int, rng) -> Experience:
+        a, B = self.cfg.algorithm, self.cfg.data.batch_size
+        G = a.num_generations
+        specs = self.specs(iteration)
+        writer = lm_writer(self.graphdef, params, self.tokenizer, width=self.width - a.max_new_tokens,
+                           max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p)
+        ep = play_rps(self.env, specs, tokenizer=self.tokenizer, writer=writer, num_generations=G, rng=rng)
+        rows = ep.stream.rows(self.width, self.tokenizer.pad_id)
+        rewards, valid = turn_rewards(ep.outcomes, self.env.reward_horizon)
+        K = rewards.shape[1]
+        written = [m for ms in ep.memories for m in ms[1:]]
+        metrics = {
+            "win_rate": ep.win_rate(),
+            "reward": float(rewards[valid].mean()) if valid.any() else 0.0,
+            "memory_valid": float(np.mean([parse_move(m) is not None for m in written])) if written else 0.0,
+            "episode_rounds": float((~np.isnan(ep.outcomes)).sum(1).mean()),
+            "policy_tokens_per_turn": float(rows["loss_mask"].sum() / max(valid.sum(), 1)),
+        }
+        opponents = np.repeat([o for o, _ in specs], G)
+        for name in sorted(set(opponents)):
+            metrics[f"win_rate/{name}"] = ep.win_rate(opponents == name)
+        samples = [{"opponent": o, "seed": s, "episode": self.tokenizer.decode(ep.stream.tokens[i * G]),
+                    "win_rate": ep.win_rate(np.arange(B * G) == i * G)} for i, (o, s) in enumerate(specs)]
+        return Experience(rows=rows, rewards=rewards.reshape(B, G, K), valid=valid.reshape(B, G, K),
+                          metrics=metrics, samples=samples)
+
+
+@COLLECTORS.register("rps_memory")
+def rps_memory(cfg, graphdef, tokenizer):
+    return MemoPilotCollector(cfg, graphdef, tokenizer)
+
+
+def win_rates(cfg: RPSConfig, opponents: Sequence[str], seeds: Sequence[int], *, tokenizer,
+              writer: Writer | None, rng: jax.Array | None = None) -> dict[str, float]:
+    """The player's win rate per opponent (rounds >= 1) over ``seeds``, and ``"all"``."""
+    specs = [(o, s) for o in opponents for s in seeds]
+    ep = play_rps(cfg, specs, tokenizer=tokenizer, writer=writer, rng=rng)
+    names = np.asarray([o for o, _ in specs])
+    out = {o: ep.win_rate(names == o) for o in opponents}
+    out["all"] = ep.win_rate()
+    return out
+
+
+def random_letter_writer(seed: int, tokenizer) -> Writer:
+    """Memories that are a uniformly random move letter then EOS (the warm start's data)."""
+    rng = np.random.default_rng(seed)
+    tail = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+
+    def write(prefixes, _):
+        ids = [tokenizer.encode(MOVES[int(rng.integers(3))]) + tail for _ in prefixes]
+        return ids, [[0.0] * len(x) for x in ids]
+
+    return write
+
+
+def format_warm_start(model, cfg: RPSConfig, tokenizer, *, width: int, steps: int = 150, batch_size: int = 32,
+                      lr: float = 3e-3, seed: int = 0):
+    """A copy of ``model`` SFT'd on episodes with random one-letter memories: the writer learns
+    the memory format (a move letter, then EOS) and nothing about which letter to write."""
+    specs = [(cfg.opponents[i % len(cfg.opponents)], 10_000_000 + seed * 100_003 + i) for i in range(8 * batch_size)]
+    ep = play_rps(cfg, specs, tokenizer=tokenizer, writer=random_letter_writer(seed, tokenizer))
+    rows = ep.stream.rows(width, tokenizer.pad_id)
+    data = {k: jnp.asarray(rows[k]) for k in ("tokens", "attend", "positions", "loss_mask")}
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    tx = optax.adam(lr)
+
+    def loss_fn(p, batch):
+        lp = row_logprobs(nnx.merge(graphdef, p), batch)
+        m = batch["loss_mask"].astype(jnp.float32)
+        return -(lp * m).sum() / jnp.maximum(m.sum(), 1.0)
+
+    @jax.jit
+    def step(p, opt, batch):
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        upd, opt = tx.update(g, opt, p)
+        return optax.apply_updates(p, upd), opt, loss
+
+    opt = tx.init(params)
+    order = np.random.default_rng(seed)
+    n = rows["tokens"].shape[0]
+    for _ in range(steps):
+        idx = order.choice(n, batch_size, replace=False)
+        params, opt, _ = step(params, opt, {k: v[idx] for k, v in data.items()})
+    return nnx.merge(graphdef, params)

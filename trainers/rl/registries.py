@@ -1,0 +1,60 @@
+"""Every RL registry in one place, and the validation of a `GRPOConfig` against them."""
+
+from __future__ import annotations
+
+from trainers.rl.advantages import ADVANTAGES
+from trainers.rl.aggregation import AGGREGATORS
+from trainers.rl.buffer import BUFFER_SAMPLERS
+from trainers.rl.collectors import COLLECTORS
+from trainers.rl.kl import KL_ESTIMATORS
+from trainers.rl.policy_losses import POLICY_LOSSES
+from trainers.rl.rewards import REWARDS
+
+import trainers.rl.ccc  # noqa: E402,F401  (registers the CCC-GRPO rewards)
+import trainers.rl.counterfactual  # noqa: E402,F401  (registers counterfactual_bonus)
+import trainers.rl.memopilot  # noqa: E402,F401  (registers the rps_memory collector)
+
+__all__ = ["ADVANTAGES", "AGGREGATORS", "BUFFER_SAMPLERS", "COLLECTORS", "KL_ESTIMATORS", "POLICY_LOSSES", "REWARDS",
+           "check_grpo_config"]
+
+
+def check_grpo_config(c) -> None:
+    """Raise ``ValueError`` naming the field and the allowed values."""
+    for field, registry in (("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES),
+                            ("aggregation", AGGREGATORS), ("kl_estimator", KL_ESTIMATORS),
+                            ("buffer_sampler", BUFFER_SAMPLERS), ("collector", COLLECTORS)):
+        value = getattr(c, field)
+        if value not in registry:
+            raise ValueError(f"GRPOConfig.{field}={value!r} is invalid: must be one of {sorted(registry)}")
+    for name in c.rewards:
+        if name not in REWARDS:
+            raise ValueError(f"GRPOConfig.rewards has {name!r}: must be one of {sorted(REWARDS)}")
+    if len(c.rewards) != len(c.reward_weights) or not c.rewards:
+        raise ValueError(
+            f"GRPOConfig.rewards={c.rewards!r} and reward_weights={c.reward_weights!r} must be "
+            f"non-empty and of equal length"
+        )
+    for name in ("num_generations", "max_new_tokens", "mu", "minibatches", "logprob_chunk"):
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"GRPOConfig.{name}={v!r} is invalid: must be a positive int")
+    if c.num_generations < 2:
+        raise ValueError(f"GRPOConfig.num_generations={c.num_generations} must be >= 2 (a group baseline)")
+    if c.temperature < 0:
+        raise ValueError(f"GRPOConfig.temperature={c.temperature!r} must be >= 0")
+    if c.top_p is not None and not 0 < c.top_p <= 1:
+        raise ValueError(f"GRPOConfig.top_p={c.top_p!r} must be in (0, 1]")
+    if not (0 <= c.eps_low < 1 and c.eps_high >= 0):
+        raise ValueError(f"GRPOConfig.eps_low={c.eps_low!r} must be in [0, 1) and eps_high={c.eps_high!r} >= 0")
+    if c.dual_clip is not None and c.dual_clip <= 1:
+        raise ValueError(f"GRPOConfig.dual_clip={c.dual_clip!r} must be > 1 (or None)")
+    if c.beta < 0:
+        raise ValueError(f"GRPOConfig.beta={c.beta!r} must be >= 0")
+    if c.tis_cap is not None and c.tis_cap <= 0:
+        raise ValueError(f"GRPOConfig.tis_cap={c.tis_cap!r} must be > 0 (or None)")
+    if c.turn_gamma is not None and not 0 <= c.turn_gamma <= 1:
+        raise ValueError(f"GRPOConfig.turn_gamma={c.turn_gamma!r} must be in [0, 1]")
+    if not 0 <= c.qpas_quantile < 1:
+        raise ValueError(f"GRPOConfig.qpas_quantile={c.qpas_quantile!r} must be in [0, 1)")
+    if getattr(c, "prefix", None) is not None and c.collector != "single_turn":
+        raise ValueError(f"GRPOConfig.prefix (PrefixRL) needs collector='single_turn', got {c.collector!r}")

@@ -1,0 +1,49 @@
+"""Rewards (``REWARDS``): ``reward(prompts, completions, **columns) -> float array [n]``.
+
+Columns always include ``examples`` (each rollout's task example dict), ``group`` (its
+prompt's index, ``[n]`` int), ``num_generations``, ``task`` and ``config`` (the
+`GRPOConfig`, for a reward's own settings); a reward may return NaN
+for "no opinion" (skipped when rewards are combined with `combine_rewards`, as TRL does).
+Method-specific rewards (CCC-GRPO's swap-in CCC, counterfactual bonuses) register here
+from their own modules.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jaxlm.registry import Registry
+
+REWARDS: Registry = Registry("reward")
+
+
+def example_completion(example: dict, completion: str) -> str:
+    """What the verifier scores: a PrefixRL example's prefix (part of the prompt) counts as
+    the start of the solution."""
+    return example.get("prefix", "") + completion
+
+
+@REWARDS.register("verifier")
+def verifier_reward(prompts, completions, *, examples, task, **_) -> np.ndarray:
+    """1 if the task's verifier accepts the completion, else 0."""
+    return np.asarray(
+        [task.verify(e, example_completion(e, c)) for e, c in zip(examples, completions)], np.float32
+    )
+
+
+@REWARDS.register("length_penalty")
+def length_penalty(prompts, completions, **_) -> np.ndarray:
+    """``-len(completion) / 100`` (characters): a small shaping term, for tests and examples."""
+    return -np.asarray([len(c) for c in completions], np.float32) / 100.0
+
+
+def combine_rewards(fns: Sequence[Callable], weights: Sequence[float], prompts, completions, **columns):
+    """``sum_k w_k r_k`` with NaN entries skipped (all-NaN -> NaN) and the per-function values."""
+    parts = np.stack([np.asarray(f(prompts, completions, **columns), np.float32) for f in fns])
+    w = np.asarray(weights, np.float32)[:, None]
+    weighted = np.where(np.isnan(parts), 0.0, w * parts)
+    total = weighted.sum(0)
+    total = np.where(np.isnan(parts).all(0), np.nan, total)
+    return total, parts

@@ -1,0 +1,120 @@
+"""Rollouts as training rows, and log-probs of rows under a set of parameters.
+
+A batch of rollouts is a dict of host arrays, one row per rollout (row ``b * G + g`` is
+prompt b's g-th completion), every row ``T`` tokens long::
+
+    tokens        int32 [R, T]  prompt (left-padded to a fixed block) then what followed
+    attend        bool  [R, T]  real tokens (padding is neither attended to nor trained)
+    positions     int32 [R, T]
+    loss_mask     bool  [R, T]  token t was produced by the policy: it is a trained target
+    sampler_logp  f32   [R, T]  log-prob the sampler gave token t (0 where not sampled)
+    turn          int32 [R, T]  turn index of token t (multi-turn; 0 for single-turn)
+
+Environment tokens of multi-turn rollouts and PrefixRL's prefix live in ``tokens`` with
+``loss_mask = 0``: they are context, never targets and never in an importance ratio.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlm.inference.logits_processors import Temperature, TopP
+from jaxlm.inference.sampler import generate_tokens
+from jaxlm.models.logprobs import token_entropy, token_logprobs, unembedding
+
+
+def left_pad(token_lists: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists -> a left-padded ``[n, width]`` block and its mask."""
+    block = np.full((len(token_lists), width), pad_id, np.int32)
+    mask = np.zeros((len(token_lists), width), bool)
+    for i, ids in enumerate(token_lists):
+        if len(ids) > width:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens > the prompt block of {width} "
+                f"(data.seq_len - algorithm.max_new_tokens); raise data.seq_len"
+            )
+        if ids:
+            block[i, width - len(ids):] = ids
+            mask[i, width - len(ids):] = True
+    return block, mask
+
+
+def positions_of(attend: np.ndarray) -> np.ndarray:
+    return np.maximum(np.cumsum(attend, axis=1) - 1, 0).astype(np.int32)
+
+
+def sample_block(graphdef, params, block, mask, rng, *, max_new_tokens: int, temperature: float,
+                 top_p: float | None, pad_id: int, stop_tokens: tuple[int, ...]):
+    """The KV-cache sampler on a left-padded ``block`` at ``temperature`` (0 = greedy) and
+    ``top_p``: its final `SamplingState`."""
+    processors = []
+    if temperature not in (0, 1):
+        processors.append(Temperature(float(temperature)))
+    if top_p is not None and top_p != 1:
+        processors.append(TopP(float(top_p)))
+    return generate_tokens(
+        graphdef, params, jnp.asarray(block), jnp.asarray(mask), rng, max_new_tokens=max_new_tokens,
+        processors=tuple(processors), greedy=temperature == 0, pad_id=pad_id, stop_tokens=stop_tokens,
+    )
+
+
+def sample_rollouts(
+    graphdef, params, prompt_ids: Sequence[Sequence[int]], *, num_generations: int, prompt_block: int,
+    max_new_tokens: int, temperature: float, top_p: float | None, rng: jax.Array, pad_id: int,
+    stop_tokens: tuple[int, ...],
+) -> dict[str, np.ndarray]:
+    """``G`` sampled completions per prompt (``jaxlm``'s KV-cache sampler) as training rows,
+    with ``lengths [R]`` (completion tokens, stop token included) and ``completion [R, N]``."""
+    G = num_generations
+    repeated = [p for p in prompt_ids for _ in range(G)]
+    block, mask = left_pad(repeated, prompt_block, pad_id)
+    final = sample_block(graphdef, params, block, mask, rng, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_p=top_p, pad_id=pad_id, stop_tokens=stop_tokens)
+    completion, logp, lengths = jax.device_get((final.tokens, final.logprobs, final.lengths))
+    N = max_new_tokens
+    produced = np.arange(N)[None, :] < lengths[:, None]
+    zeros_p = np.zeros_like(mask)
+    attend = np.concatenate([mask, produced], 1)
+    return {
+        "tokens": np.concatenate([block, completion], 1).astype(np.int32),
+        "attend": attend,
+        "positions": positions_of(attend),
+        "loss_mask": np.concatenate([zeros_p, produced], 1),
+        "sampler_logp": np.concatenate([np.zeros(mask.shape, np.float32), np.where(produced, logp, 0.0)], 1)
+        .astype(np.float32),
+        "turn": np.zeros(attend.shape, np.int32),
+        "lengths": lengths.astype(np.int32),
+        "completion": completion.astype(np.int32),
+    }
+
+
+def row_logprobs(model, batch, *, chunk: int = 256, entropy: bool = False):
+    """``logp [R, T]``: ``log pi(tokens[t] | tokens[<t])`` (0 at t = 0), computed from the
+    hidden states ``chunk`` rows of logits at a time (never a whole ``[R, T, V]``); with
+    ``entropy``, also the policy entropy at the positions that predict each token."""
+    tokens = batch["tokens"]
+    out = model.backbone(tokens, batch["positions"], mask=batch["attend"])
+    h = out.hidden[:, :-1]
+    w = unembedding(model)
+    lp = token_logprobs(h, w, tokens[:, 1:], chunk=chunk)
+    lp = jnp.concatenate([jnp.zeros_like(lp[:, :1]), lp], axis=1)
+    if not entropy:
+        return lp
+    ent = token_entropy(h, w, chunk=chunk)
+    return lp, jnp.concatenate([jnp.zeros_like(ent[:, :1]), ent], axis=1)
+
+
+def make_logprob_fn(graphdef, *, chunk: int = 256):
+    """Jitted ``(params, batch) -> (logp [R, T], entropy [R, T])`` (no gradient)."""
+
+    @jax.jit
+    def fn(params, batch):
+        model = nnx.merge(graphdef, params)
+        return row_logprobs(model, batch, chunk=chunk, entropy=True)
+
+    return fn
