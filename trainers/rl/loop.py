@@ -70,7 +70,7 @@ def zero_variance_groups(rewards: np.ndarray, valid: np.ndarray | None) -> np.nd
 
 class GRPOTrainer:
     """The pieces of a GRPO run, usable from a notebook one iteration at a time:
-    ``trainer.iteration(state, k) -> (state, metrics)``."""
+    ``trainer.iteration(state, k) -> (state, metrics, samples)``."""
 
     def __init__(self, cfg: ExperimentConfig, model, tokenizer, *, reference_params=None):
         if not isinstance(cfg.algorithm, GRPOConfig):
@@ -90,7 +90,8 @@ class GRPOTrainer:
         )
         self.reference = None
         if a.beta:
-            self.reference = reference_params if reference_params is not None else jax.tree.map(jnp.copy, self.params)
+            ref = reference_params if reference_params is not None else jax.tree.map(jnp.copy, self.params)
+            self.reference = jax.device_put(ref, jax.devices()[0])  # committed, like the state
 
     def init_state(self) -> TrainState:
         # a copy (updates donate the state's buffers; self.params stays usable), committed to
