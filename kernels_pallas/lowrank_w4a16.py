@@ -85,12 +85,7 @@ def lowrank_w4a16_matmul(
         functools.partial(_kernel, element=element, block=block, scale_kind=scale_kind, alpha=alpha, bk=bk),
         out_shape=jax.ShapeDtypeStruct((Mp, Np), out_dtype or x.dtype),
         grid=(Mp // bm, Np // bn),
-        in_specs=[
-            pl.BlockSpec((bm, Kp // 2), lambda i, j: (i, 0)),
-            pl.BlockSpec((bm, Kp // 2), lambda i, j: (i, 0)),
-            pl.BlockSpec((Kp // 2, bn), lambda i, j: (0, j)),
-            pl.BlockSpec((Kp // block, bn), lambda i, j: (0, j)),
-            pl.BlockSpec((1, 1), lambda i, j: (0, 0)),
+        in_specs=w4a16.w4a16_in_specs(bm, bn, Kp, block) + [
             pl.BlockSpec((Kp // 2, r), lambda i, j: (0, 0)),
             pl.BlockSpec((Kp // 2, r), lambda i, j: (0, 0)),
             pl.BlockSpec((r, bn), lambda i, j: (0, j)),

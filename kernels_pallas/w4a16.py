@@ -70,6 +70,19 @@ def _kernel(xe_ref, xo_ref, c_ref, s_ref, g_ref, o_ref, *, element, block, scale
     o_ref[...] = (acc * (g_ref[0, 0] * alpha)).astype(o_ref.dtype)
 
 
+def w4a16_in_specs(bm: int, bn: int, Kp: int, block: int) -> list:
+    """Block specs of the W4A16 operands on an ``(M/bm, N/bn)`` grid: even and odd columns
+    of x (``[bm, K/2]`` each), packed codes ``[K/2, bn]``, block scales ``[K/block, bn]`` and
+    the global scale ``[1, 1]`` (shared by the plain and the low-rank kernels)."""
+    return [
+        pl.BlockSpec((bm, Kp // 2), lambda i, j: (i, 0)),
+        pl.BlockSpec((bm, Kp // 2), lambda i, j: (i, 0)),
+        pl.BlockSpec((Kp // 2, bn), lambda i, j: (0, j)),
+        pl.BlockSpec((Kp // block, bn), lambda i, j: (0, j)),
+        pl.BlockSpec((1, 1), lambda i, j: (0, 0)),
+    ]
+
+
 def split_even_odd(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x[..., 0::2], x[..., 1::2]
 
@@ -111,13 +124,7 @@ def w4a16_matmul(
         functools.partial(_kernel, element=element, block=block, scale_kind=scale_kind, alpha=alpha, bk=bk),
         out_shape=jax.ShapeDtypeStruct((Mp, Np), out_dtype or x.dtype),
         grid=(Mp // bm, Np // bn),
-        in_specs=[
-            pl.BlockSpec((bm, Kp // 2), lambda i, j: (i, 0)),
-            pl.BlockSpec((bm, Kp // 2), lambda i, j: (i, 0)),
-            pl.BlockSpec((Kp // 2, bn), lambda i, j: (0, j)),
-            pl.BlockSpec((Kp // block, bn), lambda i, j: (0, j)),
-            pl.BlockSpec((1, 1), lambda i, j: (0, 0)),
-        ],
+        in_specs=w4a16_in_specs(bm, bn, Kp, block),
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         interpret=interpret,
     )(xe, xo, cp, sp, g)

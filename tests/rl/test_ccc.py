@@ -265,6 +265,8 @@ def test_miniature_both_rewards_fix_the_tail_without_hurting_the_head(miniature)
         assert r["mae_many"] < 1.0 and r["invalid"] < 0.02, (arm, r)
 
 
+# Kept (not deleted, not loosened) so the suite records the paper's claim and its measured
+# failure; non-strict because the order flips across seeds/iteration counts (docs/rl.md).
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason=(
     "the paper's claim does not hold robustly in this miniature: at this recipe's 30 iterations "
