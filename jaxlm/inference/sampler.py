@@ -123,9 +123,11 @@ def generate_tokens(
     stop_tokens: tuple[int, ...] = (),
     cache_dtype: str | None = None,
     condition=None,
+    interventions=(),
 ) -> SamplingState:
     """The jittable core: left-padded ``prompt_tokens [B, P]`` with ``prompt_mask`` -> final state.
-    ``condition`` (ids ``[B, C]`` or ``(ids, mask)``) is passed to every forward (MeGan)."""
+    ``condition`` (ids ``[B, C]`` or ``(ids, mask)``) is passed to every forward (MeGan), and so
+    are ``interventions`` (`jaxlm.interp.Intervention`: steering, ablation, head masks)."""
     model = nnx.merge(graphdef, params)
     B, P = prompt_tokens.shape
     N = max_new_tokens
@@ -134,7 +136,9 @@ def generate_tokens(
     stop = jnp.asarray(stop_tokens, jnp.int32) if stop_tokens else None
 
     cache = KVCache.init(model.config, B, P + N, cache_dtype)
-    out = model.backbone(prompt_tokens, cache=cache, mask=prompt_mask, condition=condition)
+    out = model.backbone(
+        prompt_tokens, cache=cache, mask=prompt_mask, condition=condition, interventions=interventions
+    )
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
         tokens=jnp.full((B, N), pad_id, jnp.int32),
@@ -170,7 +174,7 @@ def generate_tokens(
 
     def body(s: SamplingState) -> SamplingState:
         last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
-        out = model.backbone(last, cache=s.cache, condition=condition)
+        out = model.backbone(last, cache=s.cache, condition=condition, interventions=interventions)
         return choose(s.replace(logits=model.unembed(out.hidden[:, 0]), cache=out.cache))
 
     return jax.lax.while_loop(cond, body, choose(state))
@@ -215,6 +219,7 @@ def generate(
     cache_dtype: str | None = None,
     bucket: int = 8,
     condition=None,
+    interventions=(),
 ) -> GenerateResult:
     """Sample up to ``max_new_tokens`` for each prompt.
 
@@ -225,6 +230,8 @@ def generate(
     logits_processors: applied first, in order, before temperature, top-k, top-p.
     bucket: prompt blocks are left-padded to a multiple of this to reuse compilations.
     condition: token ids ``[B, C]`` (or ``(ids, mask)``) of a MeGan model's condition text.
+    interventions: `jaxlm.interp.Intervention` s applied in every forward (e.g. steering
+      with ``where="last"`` adds at the last prompt token and at each new token).
     """
     config = model.config
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
@@ -277,6 +284,13 @@ def generate(
         block[b, P - len(p):] = p
         mask[b, P - len(p):] = True
 
+    interventions = (interventions,) if hasattr(interventions, "site") else tuple(interventions)
+    for i, iv in enumerate(interventions):
+        if getattr(iv, "where", None) == "mask":
+            raise ValueError(
+                f"interventions[{i}] uses a [B, T] position mask, which has no meaning while "
+                "decoding: use where='last' or where='all' with generate"
+            )
     if rng is None:
         rng = 0
     if isinstance(rng, int):
@@ -286,6 +300,7 @@ def generate(
         graphdef, params, jnp.asarray(block), jnp.asarray(mask), rng,
         max_new_tokens=max_new_tokens, processors=tuple(processors), greedy=greedy,
         pad_id=pad_id, stop_tokens=stop_tokens, cache_dtype=cache_dtype, condition=condition,
+        interventions=interventions,
     )
     result = GenerateResult(
         tokens=final.tokens,

@@ -40,11 +40,19 @@ def check_collect(names: Iterable[str]) -> frozenset[str]:
 
 
 class Taps:
-    def __init__(self, names: frozenset[str]):
+    """Keeps the requested tensors of one layer and applies the interventions
+    (`jaxlm.interp.Intervention`) aimed at a site; ``layer`` is the traced layer index."""
+
+    def __init__(self, names: frozenset[str], interventions: tuple = (), layer: jax.Array | None = None):
         self.names = names
         self.values: dict[str, jax.Array] = {}
+        self.interventions = interventions
+        self.layer = layer
 
     def put(self, name: str, value: jax.Array) -> jax.Array:
+        for iv in self.interventions:
+            if iv.site == name:
+                value = iv.apply(value, self.layer)
         if name in self.names:
             self.values[name] = value
         return value

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jaxlm.inference.cache import KVCache, LayerKV
+from jaxlm.interp.interventions import check_interventions
 from jaxlm.models.config import ModelConfig
 from jaxlm.models.layers.attention import ATTENTION
 from jaxlm.models.layers.linear import Linear, linear, param
@@ -71,7 +72,7 @@ def _apply_block(graphdef, layer_state, x, positions, mask, kv, names, aux):
     """Pure block application (merge -> call), the unit that is scanned and rematerialised.
     ``aux``: per-forward inputs shared by all layers (e.g. the MeGan condition) + ``layer``."""
     block = nnx.merge(graphdef, layer_state)
-    taps = Taps(names)
+    taps = Taps(names, aux.get("interventions", ()), aux.get("layer"))
     x, new_kv = block(x, positions, mask, kv, taps, aux)
     return x, new_kv, taps.values
 
@@ -126,6 +127,7 @@ class Transformer(nnx.Module):
         mask: jax.Array | None = None,
         collect: Iterable[str] = (),
         condition: jax.Array | tuple[jax.Array, jax.Array] | None = None,
+        interventions=(),
     ) -> ModelOutput:
         """Everything but the LM head (``logits`` is None): for chunked log-prob code."""
         c = self.config
@@ -181,7 +183,10 @@ class Transformer(nnx.Module):
         )
 
         x = jnp.take(self.embed[...], tokens, axis=0).astype(c.compute_dtype)
-        aux = {"meta": self._meta_inputs(condition)}
+        aux = {
+            "meta": self._meta_inputs(condition),
+            "interventions": check_interventions(interventions, c.n_layers),
+        }
         k_all = v_all = None
         if cache is not None:
             k_all, v_all = cache.k, cache.v
@@ -208,12 +213,18 @@ class Transformer(nnx.Module):
         mask: jax.Array | None = None,
         collect: Iterable[str] = (),
         condition: jax.Array | tuple[jax.Array, jax.Array] | None = None,
+        interventions=(),
     ) -> ModelOutput:
         """Logits for ``tokens [B, T]`` at ``positions [B, T]`` (default: 0.. per sequence,
         continuing from the cache; ``[B, T, 2]`` for rope="graph"). ``mask``: padding
         ``[B, T]`` or full ``[B, (N,) T, S]``. ``condition``: token ids ``[B, C]`` (or
-        ``(ids, mask)``) of the condition text a ``meta_swiglu`` model is gated by."""
-        out = self.backbone(tokens, positions, cache=cache, mask=mask, collect=collect, condition=condition)
+        ``(ids, mask)``) of the condition text a ``meta_swiglu`` model is gated by.
+        ``interventions``: `jaxlm.interp.Intervention` s applied at their tap sites
+        (steering, ablation, head masking)."""
+        out = self.backbone(
+            tokens, positions, cache=cache, mask=mask, collect=collect, condition=condition,
+            interventions=interventions,
+        )
         logits = self.unembed(out.hidden)
         chex.assert_shape(logits, (*tokens.shape, self.config.vocab_size))
         chex.assert_type(logits, jnp.float32)

@@ -1,0 +1,137 @@
+"""Interventions at tap sites: steering, directional ablation, head masking, perturbation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm.interp import ablate, mask_heads, perturb, steer
+from jaxlm.models.config import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxlm.build_model(ModelConfig.tiny(init_std=0.1), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.key(1), (2, 7), 3, 259)
+
+
+def _direction(d, seed=2):
+    return jax.random.normal(jax.random.key(seed), (d,))
+
+
+def test_zero_dose_and_unit_head_scale_are_identity(model, tokens):
+    L, D, N = model.config.n_layers, model.config.d_model, model.config.n_heads
+    base = model(tokens).logits
+    same = model(tokens, interventions=(steer("hidden", _direction(D), alpha=0.0, n_layers=L),)).logits
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(base))
+    ones = model(tokens, interventions=(mask_heads(jnp.ones(N), n_layers=L),)).logits
+    np.testing.assert_array_equal(np.asarray(ones), np.asarray(base))
+
+
+def test_steering_the_last_layer_equals_adding_before_the_final_norm(model, tokens):
+    L, D = model.config.n_layers, model.config.d_model
+    v = _direction(D)
+    out = model(tokens, collect=("hidden",))
+    h = out.collected["hidden"][L - 1]
+    rms = jnp.sqrt(jnp.mean(h * h, axis=-1, keepdims=True))
+    expected = model.unembed(model.final_norm(h + 3.0 * v * rms))
+    iv = steer("hidden", v, alpha=3.0, n_layers=L, layers=[L - 1], rms_scale=True)
+    got = model(tokens, interventions=(iv,)).logits
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
+
+
+def test_steering_a_mask_touches_only_those_positions(model, tokens):
+    L, D = model.config.n_layers, model.config.d_model
+    where = np.zeros(tokens.shape, bool)
+    where[:, 4] = True
+    iv = steer("hidden", _direction(D), alpha=5.0, n_layers=L, layers=[0], where=where)
+    base = model(tokens).logits
+    got = model(tokens, interventions=(iv,)).logits
+    # causal: positions before 4 are unchanged, position 4 onwards move
+    np.testing.assert_array_equal(np.asarray(got[:, :4]), np.asarray(base[:, :4]))
+    assert float(jnp.abs(got[:, 4:] - base[:, 4:]).min()) > 0
+
+
+def test_ablation_removes_the_direction_at_the_chosen_layer(model, tokens):
+    L, D = model.config.n_layers, model.config.d_model
+    v = _direction(D)
+    u = v / jnp.linalg.norm(v)
+    out = model(tokens, collect=("mlp_out",), interventions=(ablate("mlp_out", v, n_layers=L, layers=[0]),))
+    proj = jnp.einsum("btd,d->bt", out.collected["mlp_out"][0], u)
+    np.testing.assert_allclose(np.asarray(proj), 0.0, atol=1e-5)
+    plain = model(tokens, collect=("mlp_out",)).collected["mlp_out"]
+    assert float(jnp.abs(jnp.einsum("btd,d->bt", plain[0], u)).max()) > 1e-3
+    np.testing.assert_allclose(  # the ablated layer's other components are kept
+        np.asarray(out.collected["mlp_out"][0]),
+        np.asarray(plain[0] - jnp.einsum("btd,d->bt", plain[0], u)[..., None] * u), atol=1e-5,
+    )
+
+
+def test_head_mask_zeroes_the_heads_channels(model, tokens):
+    c = model.config
+    scale = jnp.ones((c.n_layers, c.n_heads)).at[1, 2].set(0.0)
+    out = model(tokens, collect=("attn_ctx",), interventions=(mask_heads(scale, n_layers=c.n_layers),))
+    ctx = np.asarray(out.collected["attn_ctx"]).reshape(c.n_layers, 2, 7, c.n_heads, c.head_dim)
+    assert np.all(ctx[1, :, :, 2] == 0)
+    assert np.abs(ctx[1, :, :, 1]).min() > 0 and np.abs(ctx[0, :, :, 2]).min() > 0
+
+
+def test_perturbation_gradient_is_the_output_gradient(model, tokens):
+    """d loss / d delta at ``mlp_out`` == the gradient w.r.t. the MLP output (chain rule
+    through down_proj): checked against the kernel gradient dW = a^T g."""
+    c = model.config
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    def loss_of(state, delta):
+        m = nnx.merge(graphdef, state)
+        out = m(tokens, collect=("mlp_act",), interventions=(perturb("mlp_out", delta),))
+        return jnp.sum(jax.nn.log_softmax(out.logits)[..., 5]), out.collected["mlp_act"]
+
+    delta = jnp.zeros((c.n_layers, *tokens.shape, c.d_model))
+    (g_state, g_delta), acts = jax.grad(loss_of, argnums=(0, 1), has_aux=True)(state, delta)
+    for layer in range(c.n_layers):
+        kernel_grad = (
+            g_state["layers"]["mlp"]["down_proj"]["kernel"][...][layer] if c.scan_layers
+            else g_state["layers"][layer]["mlp"]["down_proj"]["kernel"][...]
+        )
+        a = acts[layer].reshape(-1, c.ffn_dim)
+        g = g_delta[layer].reshape(-1, c.d_model)
+        np.testing.assert_allclose(np.asarray(a.T @ g), np.asarray(kernel_grad), atol=1e-5)
+
+
+def test_generate_with_last_position_steering_matches_full_forward(model):
+    """``where="last"`` in generate == steering the last prompt token and every new token
+    in one full forward over the final sequence."""
+    c = model.config
+    prompt = [5, 17, 33, 48, 90]
+    iv = steer("hidden", _direction(c.d_model, 7), alpha=4.0, n_layers=c.n_layers, layers=[0], where="last")
+    res = jaxlm.generate(model, [prompt], max_new_tokens=5, temperature=0.0, interventions=(iv,), stop_tokens=())
+    seq = prompt + list(res.completions()[0])
+    P = len(prompt)
+    where = np.zeros((1, len(seq)), bool)
+    where[0, P - 1:] = True
+    full = steer("hidden", _direction(c.d_model, 7), alpha=4.0, n_layers=c.n_layers, layers=[0], where=where)
+    logits = model(jnp.asarray([seq]), interventions=(full,)).logits
+    greedy = np.asarray(jnp.argmax(logits[0, P - 1:-1], axis=-1))
+    np.testing.assert_array_equal(greedy, np.asarray(res.completions()[0]))
+    plain = jaxlm.generate(model, [prompt], max_new_tokens=5, temperature=0.0, stop_tokens=())
+    assert plain.completions()[0] != res.completions()[0]
+
+
+def test_bad_interventions_are_named():
+    with pytest.raises(ValueError, match="site='attn_probs'"):
+        steer("attn_probs", jnp.ones(4), alpha=1.0, n_layers=2)
+    with pytest.raises(ValueError, match=r"layers=\[5\]"):
+        steer("hidden", jnp.ones(4), alpha=1.0, n_layers=2, layers=[5])
+    with pytest.raises(ValueError, match="where='first'"):
+        steer("hidden", jnp.ones(4), alpha=1.0, n_layers=2, where="first")
+    model = jaxlm.build_model(ModelConfig.tiny(n_layers=3), seed=0)
+    with pytest.raises(ValueError, match="built for 2 layers, the model has 3"):
+        model(jnp.ones((1, 3), jnp.int32), interventions=(steer("hidden", jnp.ones(64), alpha=1.0, n_layers=2),))
