@@ -1,6 +1,5 @@
 """Notebooks in colabs/ execute top to bottom on CPU against this checkout."""
 
-import os
 from pathlib import Path
 
 import pytest

@@ -5,6 +5,7 @@
     jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--max-new-tokens 32] [--temperature 0]
     jaxlm convert SRC DST [--to orbax|hf]
+    jaxlm edit MODEL --requests FILE [--method crispedit|finetune|alphaedit|memit|all] [--batches K]
 
 ``--model`` takes a HuggingFace directory or a jaxlm (orbax) checkpoint; without it
 the embedded default is used: a tiny random `ModelConfig.tiny()` model with the
@@ -21,7 +22,10 @@ from typing import Annotated, Literal
 
 import tyro
 
+from jaxlm.data.facts import FactWorld
 from jaxlm.data.tasks import Arithmetic, Countdown, Sorting
+from jaxlm.editing.crispedit import GradientEditConfig
+from jaxlm.editing.locate import LocateEditConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,71 @@ class QuickstartArgs:
     overrides: tuple[str, ...] = ()
     """Extra key=value config overrides."""
     progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class EditArgs:
+    """Edit facts into a model and report efficacy, generalisation, locality and capability."""
+
+    model: Annotated[Path, tyro.conf.Positional]
+    """jaxlm checkpoint (or HF directory) with a tokenizer."""
+    requests: Path
+    """jsonl of edit requests: prompt, target_new [, subject, target_true, paraphrase_prompts,
+    neighborhood] (see jaxlm.data.facts.FactWorld.edit_requests)."""
+    method: Literal["crispedit", "finetune", "alphaedit", "memit", "all"] = "crispedit"
+    batches: int = 1
+    """Apply the requests as this many sequential batches."""
+    corpus: FactWorld | Arithmetic | Countdown | Sorting = FactWorld()
+    """The corpus whose curvature / key covariance the edit protects (the model's training data)."""
+    corpus_size: int = 512
+    capability: Arithmetic | Countdown | Sorting = Arithmetic()
+    """Capability task: exact match on its held-out split measures retention."""
+    capability_n: int = 200
+    gradient: GradientEditConfig = GradientEditConfig()
+    locate: LocateEditConfig = LocateEditConfig()
+    out: Path | None = None
+    """Save the edited model here (one method only)."""
+    report: Path | None = None
+    """Write the metrics as JSON here."""
+
+
+def run_edit(args: EditArgs) -> dict:
+    import json
+
+    from jaxlm.checkpoint import load_model
+    from jaxlm.data.facts import read_requests
+    from jaxlm.editing.benchmark import METHODS, corpus_texts, markdown_table, run_method
+    from jaxlm.editing.metrics import EditEvaluator
+
+    requests = read_requests(args.requests)
+    model = load_model(args.model)
+    if model.tokenizer is None:
+        raise SystemExit(f"{args.model} has no tokenizer; cannot encode edit requests")
+    if args.out is not None and args.method == "all":
+        raise SystemExit("--out saves one edited model: pick one --method")
+    capability = [args.capability.example(i, "eval") for i in range(args.capability_n)]
+    evaluator = EditEvaluator(model, requests, model.tokenizer, capability)
+    corpus = corpus_texts(args.corpus, args.corpus_size)
+    unedited = evaluator(model)
+    runs = []
+    for method in METHODS if args.method == "all" else (args.method,):
+        runs.append(run_method(
+            model, requests, method, tokenizer=model.tokenizer, corpus=corpus, evaluator=evaluator,
+            batches=args.batches, gradient=args.gradient, locate=args.locate,
+        ))
+    print(f"{len(requests)} edits in {args.batches} batch(es) on {args.model}")
+    print(markdown_table(runs, unedited))
+    report = {"unedited": unedited, **{r.method: {**r.metrics, "seconds": r.seconds, "per_batch": r.per_batch}
+                                       for r in runs}}
+    if args.report is not None:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=2))
+    if args.out is not None:
+        import jaxlm
+
+        jaxlm.save_checkpoint(runs[0].model, args.out)
+        print(f"edited model -> {args.out}")
+    return report
 
 
 def _embedded_default():
@@ -173,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
         | Annotated[TrainArgs, tyro.conf.subcommand("train")]
         | Annotated[EvalArgs, tyro.conf.subcommand("eval")]
         | Annotated[GenerateArgs, tyro.conf.subcommand("generate")]
-        | Annotated[ConvertArgs, tyro.conf.subcommand("convert")],
+        | Annotated[ConvertArgs, tyro.conf.subcommand("convert")]
+        | Annotated[EditArgs, tyro.conf.subcommand("edit")],
         args=argv,
         prog="jaxlm",
     )
@@ -196,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
             run_eval(cmd)
         elif isinstance(cmd, GenerateArgs):
             run_generate(cmd)
+        elif isinstance(cmd, EditArgs):
+            run_edit(cmd)
         else:
             run_convert(cmd)
     except (CheckpointError, ValueError, FileExistsError, FileNotFoundError) as e:

@@ -25,15 +25,18 @@ import grain
 import numpy as np
 
 from jaxlm.data.conditioned import ConditionedDigits
+from jaxlm.data.facts import FactWorld
 from jaxlm.data.files import DataError, Files, read_rows
 from jaxlm.data.graphs import GraphLabels
+from jaxlm.data.polarity import Polarity
 from jaxlm.data.regression import LongTailedRegression
 from jaxlm.data.tasks import Arithmetic, Countdown, MarkovText, Sorting, Task
 
 log = logging.getLogger(__name__)
 
 Source = (
-    Arithmetic | Countdown | Sorting | MarkovText | GraphLabels | ConditionedDigits | LongTailedRegression | Files
+    Arithmetic | Countdown | Sorting | MarkovText | GraphLabels | ConditionedDigits | LongTailedRegression
+    | FactWorld | Polarity | Files
 )
 _ENDLESS = 2**31 - 1
 

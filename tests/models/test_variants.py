@@ -2,11 +2,9 @@
 affine form equals the naive sum; every variant works with the KV cache and `generate`, and
 with HF-loaded base weights."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import jaxlm
 from jaxlm.models.layers.attention_variants import affine_scaled_naive

@@ -1,0 +1,134 @@
+"""Which components write a direction: per-neuron MLP contributions and per-head attention
+contributions / importances, at each sequence's last real token (Wang et al. 2025, "Do
+LLMs 'Feel'?", arXiv 2510.11328, Sec. 4; code: Aurora-cx/EmotionCircuits-LLM
+``04_local_components_identification``)::
+
+    c = neuron_contributions(model, tokens, mask, v, layer=3)       # [B, F]
+    d = head_contributions(model, tokens, mask, v, layer=3)         # [B, N], direct, linear
+    i = head_importance(model, tokens, mask, v, layer=3)            # [B, N], by masking
+
+``direction`` is ``[D]`` or per-layer ``[L, D]`` (e.g. ``mean_difference_directions(...)[e]``);
+it is used as given, so pass a unit vector for projections. Kernels are stored ``[in, out]``
+(``y = x @ W``), so the paper's ``W_down^T v`` is ``W_down @ v`` here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlm.interp.directions import capture, last_token_index
+from jaxlm.interp.interventions import mask_heads
+from jaxlm.models.layers.linear import linear
+
+#: Sites `head_importance` can read: residual-width [D] values a head of the layer can change.
+READ_SITES = ("attn_out", "resid_mid", "mlp_in", "mlp_out", "hidden")
+
+
+def _check_layer(name: str, layer, n_layers: int) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < n_layers:
+        raise ValueError(f"{name}={layer!r} is invalid: must be an int in [0, {n_layers})")
+    return int(layer)
+
+
+def _direction_at(direction, layer: int, config) -> jax.Array:
+    v = jnp.asarray(direction, jnp.float32)
+    if v.shape == (config.n_layers, config.d_model):
+        v = v[layer]
+    if v.shape != (config.d_model,):
+        raise ValueError(
+            f"direction must be [D] = ({config.d_model},) or [L, D] = ({config.n_layers}, {config.d_model}), "
+            f"got shape {v.shape}"
+        )
+    return v
+
+
+def _kernel(model, layer: int, path: tuple[str, ...]):
+    """The weight of ``model.layers[layer].<path>`` (stacked layers sliced)."""
+    module = model.layers if model.config.scan_layers else model.layers[layer]
+    for name in path:
+        module = getattr(module, name)
+    if getattr(module, "bias", None) is not None:
+        raise ValueError(f"{'.'.join(path)} has a bias: the contributions below assume a bias-free projection")
+    w = module.kernel.get_value()
+    return jax.tree.map(lambda x: x[layer], w) if model.config.scan_layers else w
+
+
+def _read_back(w, v: jax.Array, in_features: int) -> jax.Array:
+    """``W @ v [in]`` for ``y = linear(x, W)``: the pullback of ``v`` through the projection
+    (works for any weight type `linear` dispatches on)."""
+    _, pullback = jax.vjp(lambda x: linear(x, w), jnp.zeros((in_features,), jnp.float32))
+    return pullback(v)[0]
+
+
+def neuron_contributions(model, tokens, mask, direction, layer: int) -> jax.Array:
+    """``c_i = a_i (W_down @ v)_i`` ``[B, F]`` at layer ``layer``: ``a = mlp_act`` (the down
+    projection's input) at each row's last real token. ``sum_i c_i = <mlp_out, v>`` exactly
+    (the down projection is linear and bias-free)."""
+    c = model.config
+    layer = _check_layer("layer", layer, c.n_layers)
+    v = _direction_at(direction, layer, c)
+    act = capture(model, tokens, mask, sites=("mlp_act",))["mlp_act"][layer]  # [B, F]
+    out = act * _read_back(_kernel(model, layer, ("mlp", "down_proj")), v, c.ffn_dim)[None]
+    chex.assert_shape(out, (act.shape[0], c.ffn_dim))
+    return out
+
+
+def head_contributions(model, tokens, mask, direction, layer: int) -> jax.Array:
+    """Direct per-head projections ``[B, N]``: head ``h``'s channels of ``attn_ctx`` through its
+    rows of ``o_proj``, dotted with ``v``; they sum to ``<attn_out, v>`` (o_proj is linear and
+    bias-free), and equal `head_importance` read at ``attn_out`` of the same layer."""
+    c = model.config
+    layer = _check_layer("layer", layer, c.n_layers)
+    v = _direction_at(direction, layer, c)
+    ctx = capture(model, tokens, mask, sites=("attn_ctx",))["attn_ctx"][layer]  # [B, N*H]
+    g = _read_back(_kernel(model, layer, ("attn", "o_proj")), v, c.n_heads * c.head_dim)
+    out = (ctx * g[None]).reshape(ctx.shape[0], c.n_heads, c.head_dim).sum(-1)
+    chex.assert_shape(out, (ctx.shape[0], c.n_heads))
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "site", "read_layer"))
+def _projection(graphdef, state, tokens, mask, index, v, interventions, *, site, read_layer):
+    model = nnx.merge(graphdef, state)
+    names = ("hidden", "mlp_out") if site == "resid_mid" else (site,)
+    out = model.backbone(tokens, mask=mask, collect=names, interventions=interventions).collected
+    h = out["hidden"] - out["mlp_out"] if site == "resid_mid" else out[site]
+    h = h[read_layer, jnp.arange(tokens.shape[0]), index]
+    return h @ v
+
+
+def head_importance(model, tokens, mask, direction, layer: int, *, read_site: str = "mlp_in",
+                    read_layer: int | None = None) -> jax.Array:
+    """``[B, N]``: for each head ``h`` of ``layer``, the baseline projection ``<x, v>`` minus the
+    projection with ``h`` zeroed at the o_proj input (`mask_heads`, all positions), where
+    ``x`` is ``read_site`` of ``read_layer`` (default: ``layer``) at each row's last real token.
+    The default ``"mlp_in"`` (the normed MLP input after attention) is where the reference
+    code reads it; ``v`` is taken at ``read_layer`` when per-layer. Average over rows for the
+    paper's per-head score."""
+    c = model.config
+    layer = _check_layer("layer", layer, c.n_layers)
+    read_layer = layer if read_layer is None else _check_layer("read_layer", read_layer, c.n_layers)
+    if read_layer < layer:
+        raise ValueError(f"read_layer={read_layer} is before layer={layer}: masking a head cannot change it")
+    if read_site not in READ_SITES:
+        raise ValueError(f"read_site={read_site!r} is invalid: must be a residual-width site after attention, one of {READ_SITES}")
+    v = _direction_at(direction, read_layer, c)
+    tokens = jnp.asarray(tokens)
+    mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask, bool)
+    index = last_token_index(mask)
+    graphdef, state = nnx.split(model)
+    run = functools.partial(_projection, graphdef, state, tokens, mask, index, v, site=read_site, read_layer=read_layer)
+    base = run(())
+    masked = []
+    for h in range(c.n_heads):
+        scale = jnp.ones((c.n_heads,)).at[h].set(0.0)
+        masked.append(run((mask_heads(scale, n_layers=c.n_layers, layers=[layer]),)))
+    out = base[:, None] - jnp.stack(masked, axis=1)
+    chex.assert_shape(out, (tokens.shape[0], c.n_heads))
+    return out
