@@ -49,8 +49,13 @@ class GradientEditConfig:
     energy: float = 0.8  # CrispEdit: energy_threshold (README 0.8, llama3-8b.yaml 0.99)
     kfac_mode: Literal["empirical_fisher", "sampled_fisher", "ggn"] = "empirical_fisher"  # reference: empirical
     activation_only: bool = False  # B = I: rank directions by A alone (Adam-NSCL-like)
+    # "gradient": project raw gradients, then Adam (the reference ProjectedAdam; Adam's
+    # per-element scaling moves the step slightly out of the subspace); "update": project
+    # Adam's step, so every weight change lies exactly in the low-curvature subspace.
+    project: Literal["gradient", "update"] = "gradient"
     recompute_threshold: float = 0.25  # recalculate_weight_threshold
     protect_edits: bool = True  # merge statistics of earlier edit batches
+    merge_weight: Literal["samples", "tokens"] = "samples"  # the reference merges sample-weighted
     seed: int = 0
 
     def __post_init__(self):
@@ -81,9 +86,11 @@ def target_nll_sums(logits, tokens, target_mask):
     return jnp.sum(nll * m), jnp.sum(m)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "module", "layers", "lr", "weight_decay", "stop_loss"))
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "module", "layers", "lr", "weight_decay", "stop_loss", "project")
+)
 def _edit_step(graphdef, state, W, opt_state, projector, tokens, valid, target_mask, *, module, layers, lr,
-               weight_decay, stop_loss):
+               weight_decay, stop_loss, project):
     config = nnx.merge(graphdef, state).config
 
     def loss_of(W):
@@ -91,9 +98,11 @@ def _edit_step(graphdef, state, W, opt_state, projector, tokens, valid, target_m
         s, n = target_nll_sums(model(tokens, mask=valid).logits, tokens, target_mask)
         return s / jnp.maximum(n, 1.0)
 
+    projection = project_updates(projector) if projector is not None else optax.identity()
     tx = optax.chain(
-        project_updates(projector) if projector is not None else optax.identity(),
+        projection if project == "gradient" else optax.identity(),
         optax.adamw(lr, weight_decay=weight_decay),
+        projection if project == "update" else optax.identity(),
     )
     loss, grad = jax.value_and_grad(loss_of)(W)
     updates, new_opt = tx.update(grad, opt_state, W)
@@ -119,7 +128,7 @@ def gradient_edit(
     if projector is not None:
         chex.assert_equal_shape((W, projector.keep))
     opt_state = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay).init(W)
-    opt_state = (optax.EmptyState(), opt_state)
+    opt_state = (optax.EmptyState(), opt_state, optax.EmptyState())
     N = pairs.tokens.shape[0]
     rng = np.random.default_rng(cfg.seed)
     losses = []
@@ -136,7 +145,7 @@ def gradient_edit(
             W, opt_state, loss = _edit_step(
                 graphdef, state, W, opt_state, projector, jnp.asarray(pairs.tokens[rows]),
                 jnp.asarray(pairs.valid[rows]), jnp.asarray(tmask), module=cfg.module, layers=layers,
-                lr=cfg.lr, weight_decay=cfg.weight_decay, stop_loss=cfg.stop_loss,
+                lr=cfg.lr, weight_decay=cfg.weight_decay, stop_loss=cfg.stop_loss, project=cfg.project,
             )
             epoch.append(float(loss))
         losses.append(float(np.mean(epoch)))
@@ -189,7 +198,7 @@ def sequential_edit(
                 capability = kfac_factors(model, capability_batches(), **kfac_kw)
                 W_ref = W_now
                 recomputes += 1
-            factors = merge_factors([capability, *edit_stats]) if cfg.protect_edits else capability
+            factors = merge_factors([capability, *edit_stats], cfg.merge_weight) if cfg.protect_edits else capability
             projector = projector_from_factors(factors, cfg.energy, activation_only=cfg.activation_only)
         result = gradient_edit(model, pairs, cfg, projector=projector)
         model = result.model

@@ -20,7 +20,7 @@ cotangent on the logits ``z`` that is pulled back to ``y`` (``p = softmax(z)``):
 
 Both factors are sums over valid tokens divided once by the token count, so batches of
 any size accumulate exactly; `merge_factors` forms CrispEdit's sample-weighted average of
-statistics from several corpora (``A = sum_k n_k A_k / sum_k n_k``).
+statistics from several corpora (``A = sum_k n_k A_k / sum_k n_k``, ``n_k`` samples).
 
 Why not ``kfac-jax``: its estimator tags layers by pattern-matching ``dense`` ops in the
 traced jaxpr and tracks every such layer; jaxlm's blocks run under ``lax.scan`` with
@@ -58,6 +58,7 @@ class KFACFactors:
     A: jax.Array
     B: jax.Array
     tokens: jax.Array  # scalar float: how many tokens the means are over
+    samples: jax.Array  # scalar float: how many sequences
     layers: tuple[int, ...] = struct.field(pytree_node=False)
     module: str = struct.field(pytree_node=False)
 
@@ -143,7 +144,7 @@ def kfac_factors(
         raise ValueError(f"samples={samples!r} is invalid: must be a positive int")
     graphdef, state = nnx.split(model)
     A = B = None
-    n = 0.0
+    n = rows = 0.0
     key = jax.random.key(seed)
     for tokens, valid in batches:
         tokens, valid = jnp.asarray(tokens, jnp.int32), jnp.asarray(valid, bool)
@@ -154,13 +155,19 @@ def kfac_factors(
         )
         A, B = (a, b) if A is None else (A + a, B + b)
         n += float(t)
+        rows += float(np.sum(np.asarray(valid).any(axis=1)))
     if A is None or n == 0:
         raise ValueError("kfac_factors: the corpus has no valid tokens")
-    return KFACFactors(A=A / n, B=B / n, tokens=jnp.asarray(n, jnp.float32), layers=layers, module=module)
+    return KFACFactors(A=A / n, B=B / n, tokens=jnp.asarray(n, jnp.float32), samples=jnp.asarray(rows, jnp.float32),
+                       layers=layers, module=module)
 
 
-def merge_factors(factors: Sequence[KFACFactors]) -> KFACFactors:
-    """Token-weighted average of statistics over corpora (CrispEdit's cache merging)."""
+def merge_factors(factors: Sequence[KFACFactors], weight: str = "samples") -> KFACFactors:
+    """Average of statistics over corpora weighted by ``"samples"`` (sequences: CrispEdit's
+    sample-weighted cache merging, ``A = sum_k n_k A_k / sum_k n_k``) or by ``"tokens"``
+    (the exact statistics of the pooled corpora)."""
+    if weight not in ("samples", "tokens"):
+        raise ValueError(f"weight={weight!r} is invalid: must be 'samples' or 'tokens'")
     factors = list(factors)
     if not factors:
         raise ValueError("merge_factors needs at least one KFACFactors")
@@ -170,10 +177,11 @@ def merge_factors(factors: Sequence[KFACFactors]) -> KFACFactors:
             raise ValueError(
                 f"cannot merge factors of {f.module} layers {f.layers} with {first.module} layers {first.layers}"
             )
-    n = sum(f.tokens for f in factors)
-    A = sum(f.A * f.tokens for f in factors) / n
-    B = sum(f.B * f.tokens for f in factors) / n
-    return KFACFactors(A=A, B=B, tokens=n, layers=first.layers, module=first.module)
+    w = [f.samples if weight == "samples" else f.tokens for f in factors]
+    A = sum(f.A * wk for f, wk in zip(factors, w)) / sum(w)
+    B = sum(f.B * wk for f, wk in zip(factors, w)) / sum(w)
+    return KFACFactors(A=A, B=B, tokens=sum(f.tokens for f in factors), samples=sum(f.samples for f in factors),
+                       layers=first.layers, module=first.module)
 
 
 def token_batches(tokenizer, texts: Sequence[str], *, batch_size: int, seq_len: int, add_bos: bool = True):

@@ -88,10 +88,6 @@ def explicit_projector(proj: KroneckerProjector, layer: int = 0) -> jax.Array:
     return U @ jnp.diag(proj.keep[layer].ravel().astype(U.dtype)) @ U.T
 
 
-class ProjectionState(optax.EmptyState):
-    pass
-
-
 def project_updates(projectors) -> optax.GradientTransformation:
     """An optax transformation that projects each update leaf with its `KroneckerProjector`
     (``projectors`` mirrors the update tree, a projector where a leaf is edited and None
@@ -101,7 +97,7 @@ def project_updates(projectors) -> optax.GradientTransformation:
 
     def init(params):
         del params
-        return ProjectionState()
+        return optax.EmptyState()
 
     def update(updates, state, params=None):
         del params

@@ -101,9 +101,12 @@ def test_input_factor_and_token_weighted_merge(model, batch):
     assert float(f.tokens) == valid.sum()
     f1 = kfac_factors(model, [(tokens[:1], valid[:1])], layers=[0, 1])
     f2 = kfac_factors(model, [(tokens[1:], valid[1:])], layers=[0, 1])
-    m = merge_factors([f1, f2])
+    m = merge_factors([f1, f2], "tokens")
     np.testing.assert_allclose(np.asarray(m.A), np.asarray(f.A), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.asarray(m.B), np.asarray(f.B), rtol=1e-5, atol=1e-7)
+    ms = merge_factors([f1, f2])  # sample-weighted: one sequence each -> the plain mean
+    np.testing.assert_allclose(np.asarray(ms.A), np.asarray((f1.A + f2.A) / 2), rtol=1e-5, atol=1e-7)
+    assert float(ms.samples) == 2 and float(ms.tokens) == valid.sum()
     with pytest.raises(ValueError, match="layers"):
         merge_factors([f, kfac_factors(model, [(tokens, valid)], layers=[1])])
     with pytest.raises(ValueError, match="module='mlp.up_proj'"):
@@ -119,7 +122,7 @@ def _random_factors(d_in, d_out, seed=0):
     from jaxlm.editing.kfac import KFACFactors
 
     return KFACFactors(A=jnp.asarray([a.T @ a / 50], jnp.float32), B=jnp.asarray([b.T @ b / 50], jnp.float32),
-                       tokens=jnp.asarray(50.0), layers=(0,), module="mlp.down_proj")
+                       tokens=jnp.asarray(50.0), samples=jnp.asarray(50.0), layers=(0,), module="mlp.down_proj")
 
 
 def test_matrix_free_projector_equals_explicit_and_is_idempotent():
