@@ -3,7 +3,9 @@
     python bench/editing.py              # trains configs/facts.py once (runs/facts), then edits
 
 Runs CrispEdit, fine-tuning, AlphaEdit and MEMIT on the same 100 counterfactual requests,
-once as one batch and once as 4 sequential batches of 25, through `jaxlm edit`.
+once as one batch and once as 4 sequential batches of 25, through `jaxlm edit`; then the
+CrispEdit variants that project Adam's step instead of the gradient (``project=update``)
+and a higher energy threshold.
 """
 
 import argparse
@@ -28,7 +30,10 @@ if __name__ == "__main__":
     world = load_config("facts").data.source
     assert isinstance(world, FactWorld)
     requests = write_requests(world.edit_requests(a.edits, seed=0), run / "requests.jsonl")
-    for batches in (1, 4):
-        print(f"\n## {a.edits} edits, {batches} sequential batch(es)")
-        jaxlm_main(["edit", str(run / "model"), "--requests", str(requests), "--method", "all",
-                    "--batches", str(batches), "--report", str(run / f"edit_report_b{batches}.json")])
+    runs = [("all", 1, []), ("all", 4, []), ("crispedit", 1, ["--gradient.project", "update"]),
+            ("crispedit", 4, ["--gradient.project", "update"]),
+            ("crispedit", 4, ["--gradient.project", "update", "--gradient.energy", "0.9"])]
+    for i, (method, batches, extra) in enumerate(runs):
+        print(f"\n## {a.edits} edits, {batches} sequential batch(es) {' '.join(extra)}")
+        jaxlm_main(["edit", str(run / "model"), "--requests", str(requests), "--method", method,
+                    "--batches", str(batches), "--report", str(run / f"edit_report_{i}.json"), *extra])

@@ -143,8 +143,8 @@ def run_edit(args: EditArgs) -> dict:
         ))
     print(f"{len(requests)} edits in {args.batches} batch(es) on {args.model}")
     print(markdown_table(runs, unedited))
-    report = {"unedited": unedited, **{r.method: {**r.metrics, "seconds": r.seconds, "per_batch": r.per_batch}
-                                       for r in runs}}
+    report = {"unedited": unedited, **{r.method: {**r.metrics, "seconds": r.seconds, "per_batch": r.per_batch,
+                                                  **r.info} for r in runs}}
     if args.report is not None:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(report, indent=2))

@@ -34,6 +34,7 @@ class EditRun:
     seconds: float
     model: Any
     per_batch: list[dict[str, float]]
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def run_method(
@@ -66,8 +67,9 @@ def run_method(
             capability_batches=corpus_batches if method == "crispedit" else None, method=method,
             on_batch=lambda k, m: per_batch.append(evaluator(m)) if batches > 1 else None,
         )
-        edited = result.model
+        edited, info = result.model, dict(result.info)
     else:
+        info = {}
         capability = kfac_factors(model, corpus_batches(), module=locate.module, layers=locate.layers)
         edited, keys_cov = model, None
         for chunk in chunks:
@@ -77,7 +79,8 @@ def run_method(
             if batches > 1:
                 per_batch.append(evaluator(edited))
     seconds = time.perf_counter() - t0
-    return EditRun(method=method, metrics=evaluator(edited), seconds=seconds, model=edited, per_batch=per_batch)
+    return EditRun(method=method, metrics=evaluator(edited), seconds=seconds, model=edited, per_batch=per_batch,
+                   info=info)
 
 
 COLUMNS = ("efficacy_exact", "generalization_exact", "locality", "capability_retention", "ES", "PS", "NS")

@@ -60,6 +60,12 @@ def test_sequential_batches_and_locate_methods_run_on_the_same_api(setup):
     run = run_method(model, requests, "crispedit", tokenizer=model.tokenizer, corpus=corpus,
                      evaluator=evaluator, gradient=cfg, batches=2)
     assert len(run.per_batch) == 2
+    assert run.info["capability_recomputes"] == 1  # small drift: statistics computed once
+    import dataclasses
+
+    eager = run_method(model, requests, "crispedit", tokenizer=model.tokenizer, corpus=corpus, evaluator=evaluator,
+                       gradient=dataclasses.replace(cfg, recompute_threshold=0.0), batches=2)
+    assert eager.info["capability_recomputes"] == 2  # any drift past 0 recomputes before the next batch
     locate = LocateEditConfig(layers=(0,), v_steps=3)
     for method in ("memit", "alphaedit"):
         r = run_method(model, requests, method, tokenizer=model.tokenizer, corpus=corpus,
