@@ -1,0 +1,51 @@
+"""W4A4 under RTN / shared Hadamard / WUSH on a trained model (docs/quantization.md).
+
+    jaxlm quickstart && python bench/quant_methods.py --model runs/quickstart/model
+
+Calibrates on training-split prompts, quantizes every attention/MLP projection (weights and
+activations) with each method and format, and reports held-out exact match (answer + EOS
+under teacher forcing = greedy decoding) and answer NLL against the bf16/fp32 model.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jaxlm  # noqa: E402
+from jaxlm.data.tasks import Arithmetic  # noqa: E402
+from jaxlm.editing.kfac import token_batches  # noqa: E402
+from jaxlm.editing.metrics import score  # noqa: E402
+from jaxlm.editing.requests import encode_pairs  # noqa: E402
+from jaxlm.quant.w4a4 import METHODS, transform_quantize_model  # noqa: E402
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="runs/quickstart/model")
+    ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--calibration", type=int, default=256)
+    a = ap.parse_args()
+    model = jaxlm.load_model(a.model)
+    tok = model.tokenizer
+    task = Arithmetic(digits=2)
+    held = [task.example(i, "eval") for i in range(a.n)]
+    pairs = encode_pairs(tok, [e["prompt"] for e in held], [e["completion"] for e in held], append_eos=True)
+    calib_texts = [e["prompt"] + e["completion"] for e in (task.example(i, "train") for i in range(a.calibration))]
+    calib = list(token_batches(tok, calib_texts, batch_size=64, seq_len=32))
+
+    def evaluate(m):
+        s = score(m, pairs)
+        return float(s["exact"].mean()), float(-s["logprob"].mean())
+
+    acc0, nll0 = evaluate(model)
+    print("| method | format | exact match | answer NLL | time (s) |\n|---|---|---|---|---|")
+    print(f"| none (fp32) | - | {acc0:.3f} | {nll0:.3f} | - |")
+    for fmt in ("mxfp4", "nvfp4"):
+        for method in METHODS:
+            t0 = time.perf_counter()
+            q = transform_quantize_model(model, method, fmt, calib)
+            acc, nll = evaluate(q)
+            print(f"| {method} | {fmt} | {acc:.3f} | {nll:.3f} | {time.perf_counter() - t0:.1f} |", flush=True)
