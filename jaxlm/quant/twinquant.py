@@ -1,0 +1,163 @@
+"""TwinQuant (ICML 2026, arXiv 2606.01556; abstract only, no code): a weight is a
+high-precision low-rank part plus a 4-bit residual, with the subspace and the residual's
+transform learned to minimise the *post-quantization* output error.
+
+For ``y = x @ W`` (``W [C, R]``, jaxlm's ``[in, out]``), rank ``r``:
+
+    y ~= (x P) L + Q(x A) . Q(A^{-1} (I - P P^T) W),      L = P^T W,
+
+* ``P in St(C, r)`` (orthonormal columns), optimised on the Stiefel manifold: Riemannian
+  gradient ``G - P sym(P^T G)``, Adam moments, QR retraction (``qf(P - step)``);
+* ``A = diag(A_1 .. A_{C/B})`` block-diagonal in ``GL(B)`` per quantization block,
+  initialised to the shared Hadamard and trained unconstrained (a general linear
+  transform; its conditioning is reported);
+* the objective is ``E ||y - y_hat||^2`` on calibration inputs with a straight-through
+  quantizer (`jaxlm.quant.formats.fake_quant`).
+
+``act_format=None`` gives the weight-only (W4A16) setting, where the forward is exactly the
+fused kernel `kernels_pallas.lowrank_w4a16` on ``x A`` with ``P' = A^{-1} P``.
+The baseline `svd_split` is SVDQuant's decomposition without smoothing: ``P`` = the top-r
+left singular vectors of ``W``, plain RTN residual (``A = I``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxlm.quant.formats import QFormat, fake_quant, get_format
+from jaxlm.quant.transforms import hadamard_transform, identity_transform, transform_activations
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LowRankPlusResidual:
+    """``P [C, r]``, ``L [r, R]`` (high precision), block transform ``T [C/B, B, B]``
+    (``T_i = A_i^T`` so the activations are ``T x`` blockwise) and the residual
+    ``A^{-1} (I - P P^T) W [C, R]`` (dense; quantize with `quantize`)."""
+
+    P: jax.Array
+    L: jax.Array
+    T: jax.Array
+    residual: jax.Array
+
+
+def _blockwise_left_solve(T, M):
+    """``T^{-T} M`` per block of rows: ``A^{-1} M`` with ``A_i = T_i^T``."""
+    n, B, _ = T.shape
+    return jnp.linalg.solve(jnp.swapaxes(T, 1, 2), M.reshape(n, B, -1)).reshape(M.shape)
+
+
+def decompose(W, P, T) -> LowRankPlusResidual:
+    W = jnp.asarray(W, jnp.float32)
+    L = P.T @ W
+    return LowRankPlusResidual(P=P, L=L, T=T, residual=_blockwise_left_solve(T, W - P @ L))
+
+
+def forward(x, d: LowRankPlusResidual, fmt: QFormat, act_format: QFormat | None):
+    """``(x P) L + Q_a(T x) . Q(residual)`` (straight-through in the quantizers)."""
+    xt = transform_activations(x, d.T)
+    if act_format is not None:
+        xt = fake_quant(xt, act_format, axis=-1)
+    return (x @ d.P) @ d.L + xt @ fake_quant(d.residual, fmt, axis=-2)
+
+
+def svd_split(W, rank: int, block: int) -> LowRankPlusResidual:
+    """SVDQuant-style split (no smoothing): top-``rank`` left singular vectors, RTN residual."""
+    W = np.asarray(W, np.float64)
+    U, _, _ = np.linalg.svd(W, full_matrices=False)
+    return decompose(W, jnp.asarray(U[:, :rank], jnp.float32), identity_transform(W.shape[0], block))
+
+
+def _stiefel_project(P, G):
+    PtG = P.T @ G
+    return G - P @ (PtG + PtG.T) / 2
+
+
+def _qr_retract(Y):
+    Q, Rm = jnp.linalg.qr(Y)
+    return Q * jnp.sign(jnp.diagonal(Rm))[None, :]  # fix signs: a continuous retraction
+
+
+@dataclasses.dataclass(frozen=True)
+class TwinQuantConfig:
+    rank: int = 16
+    steps: int = 300
+    lr_subspace: float = 1e-2
+    lr_transform: float = 1e-3
+    init_transform: str = "hadamard"  # or "identity"
+    batch: int = 256
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.init_transform not in ("hadamard", "identity"):
+            raise ValueError(f"init_transform={self.init_transform!r} must be 'hadamard' or 'identity'")
+        for name in ("rank", "steps", "batch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}={v!r} is invalid: must be a positive int")
+
+
+def twinquant(W, X_calib, fmt: str | QFormat, cfg: TwinQuantConfig = TwinQuantConfig(), *,
+              act_format: str | QFormat | None = "same") -> tuple[LowRankPlusResidual, dict]:
+    """Learn ``P`` (Stiefel) and the block transform (GL) for ``W [C, R]`` on calibration
+    inputs ``X_calib [N, C]``; starts from the SVD split with a Hadamard residual transform."""
+    fmt = get_format(fmt)
+    act = fmt if act_format == "same" else (None if act_format is None else get_format(act_format))
+    W = jnp.asarray(W, jnp.float32)
+    X = jnp.asarray(X_calib, jnp.float32)
+    C = W.shape[0]
+    if not 0 < cfg.rank < C:
+        raise ValueError(f"rank={cfg.rank} is invalid: must be in [1, {C - 1}]")
+    init = svd_split(W, cfg.rank, fmt.block)
+    T0 = hadamard_transform(C, fmt.block) if cfg.init_transform == "hadamard" else identity_transform(C, fmt.block)
+    P, T = init.P, T0
+    Y = X @ W
+
+    def loss_fn(P, T, xb, yb):
+        d = decompose(W, P, T)
+        return jnp.mean(jnp.sum((forward(xb, d, fmt, act) - yb) ** 2, axis=-1))
+
+    opt_P = optax.adam(cfg.lr_subspace)
+    opt_T = optax.adam(cfg.lr_transform)
+
+    @functools.partial(jax.jit, donate_argnums=())
+    def step(P, T, sP, sT, key):
+        idx = jax.random.choice(key, X.shape[0], (min(cfg.batch, X.shape[0]),), replace=False)
+        loss, (gP, gT) = jax.value_and_grad(loss_fn, argnums=(0, 1))(P, T, X[idx], Y[idx])
+        uP, sP = opt_P.update(_stiefel_project(P, gP), sP)
+        P = _qr_retract(P + uP)
+        uT, sT = opt_T.update(gT, sT)
+        return P, T + uT, sP, sT, loss
+
+    sP, sT = opt_P.init(P), opt_T.init(T)
+    key = jax.random.key(cfg.seed)
+    losses = []
+    for _ in range(cfg.steps):
+        key, sub = jax.random.split(key)
+        P, T, sP, sT, loss = step(P, T, sP, sT, sub)
+        losses.append(float(loss))
+    d = decompose(W, P, T)
+    info = {
+        "losses": losses,
+        "orthonormality_error": float(jnp.max(jnp.abs(P.T @ P - jnp.eye(cfg.rank)))),
+        "max_condition_number": float(jnp.max(jnp.linalg.cond(T))),
+    }
+    return d, info
+
+
+def fused_operands(d: LowRankPlusResidual, fmt: str | QFormat):
+    """Operands of `kernels_pallas.lowrank_w4a16` for the weight-only forward: the kernel
+    sees ``x' = T x`` (blockwise), so the low-rank input projection is ``P' = A^{-1} P``
+    (``x' P' = x P``) and the residual is quantized as stored. Returns
+    ``(qarray, P', L)``; call ``lowrank_w4a16_matmul(x', q.codes, q.scales,
+    q.global_scale, P', L, ...)``."""
+    from jaxlm.quant.formats import quantize
+
+    fmt = get_format(fmt)
+    return quantize(d.residual, fmt, axis=-2), _blockwise_left_solve(d.T, d.P), d.L
