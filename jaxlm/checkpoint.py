@@ -30,16 +30,14 @@ def save_checkpoint(model: Transformer, path: str | os.PathLike, *, overwrite: b
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    from jaxlm.quant.storage import to_storable
+
+    params, specs = to_storable(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    items = dict(params=ocp.args.StandardSave(params), config=ocp.args.JsonSave(model.config.to_dict()))
+    if specs:  # quantized / structured weights: their types and static fields
+        items["quant"] = ocp.args.JsonSave(specs)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        ckptr.save(
-            path,
-            ocp.args.Composite(
-                params=ocp.args.StandardSave(params),
-                config=ocp.args.JsonSave(model.config.to_dict()),
-            ),
-            force=overwrite,
-        )
+        ckptr.save(path, ocp.args.Composite(**items), force=overwrite)
     if model.tokenizer is not None:
         from jaxlm.data.tokenizers import save_tokenizer
 
@@ -90,6 +88,14 @@ def load_checkpoint(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
     )
     target_dict = nnx.to_pure_dict(targets)
+    specs = None
+    if (path / "quant").exists():
+        from jaxlm.quant.storage import abstract_targets
+
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+            specs = ckptr.restore(path, ocp.args.Composite(quant=ocp.args.JsonRestore()))["quant"]
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target_dict = abstract_targets(target_dict, specs, single)
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
             restored = ckptr.restore(
@@ -97,8 +103,14 @@ def load_checkpoint(
             )["params"]
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise CheckpointError(f"{path}: stored parameters do not match the stored config: {e}") from None
-    nnx.replace_by_pure_dict(abstract_state, restored)
-    model = nnx.merge(graphdef, abstract_state)
+    if specs:
+        from jaxlm.quant.storage import from_storable
+
+        restored = from_storable(restored, specs)
+        model = nnx.merge(graphdef, restored)
+    else:
+        nnx.replace_by_pure_dict(abstract_state, restored)
+        model = nnx.merge(graphdef, abstract_state)
     from jaxlm.data.tokenizers import load_tokenizer
 
     model.tokenizer = load_tokenizer(path)

@@ -5,6 +5,7 @@
     jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--max-new-tokens 32] [--temperature 0]
     jaxlm convert SRC DST [--to orbax|hf]
+    jaxlm quantize MODEL --out DIR [--method rtn|hadamard|wush] [--format mxfp4|nvfp4|int4]
     jaxlm edit MODEL --requests FILE [--method crispedit|finetune|alphaedit|memit|all] [--batches K]
 
 ``--model`` takes a HuggingFace directory or a jaxlm (orbax) checkpoint; without it
@@ -115,6 +116,47 @@ class EditArgs:
     """Save the edited model here (one method only)."""
     report: Path | None = None
     """Write the metrics as JSON here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeArgs:
+    """Quantize a model's attention/MLP projections (W4A4, or W4A16 with --weights-only) and
+    save it; reports held-out accuracy before and after on the calibration task."""
+
+    model: Annotated[Path, tyro.conf.Positional]
+    out: Path
+    method: Literal["rtn", "hadamard", "wush"] = "wush"
+    format: Literal["mxfp4", "nvfp4", "int4"] = "mxfp4"
+    weights_only: bool = False
+    """Quantize weights only (activations stay in the model's dtype)."""
+    task: Arithmetic | Countdown | Sorting | FactWorld = Arithmetic()
+    """Calibration texts come from its train split; accuracy from its held-out split."""
+    calibration_n: int = 256
+    eval_n: int = 200
+    overwrite: bool = False
+
+
+def run_quantize(args: QuantizeArgs) -> dict:
+    import jaxlm
+    from jaxlm.checkpoint import load_model
+    from jaxlm.quant.apply import quantize_with
+    from trainers.evaluate import task_accuracy
+
+    model = load_model(args.model)
+    if model.tokenizer is None:
+        raise SystemExit(f"{args.model} has no tokenizer; cannot encode calibration texts")
+    if args.out.exists() and not args.overwrite:
+        raise SystemExit(f"{args.out} exists; pass --overwrite to replace it")
+    texts = [e["prompt"] + e["completion"] for e in (args.task.example(i, "train") for i in range(args.calibration_n))]
+    quantized = quantize_with(model, args.method, args.format, texts, weights_only=args.weights_only)
+    held = [args.task.example(i, "eval") for i in range(args.eval_n)]
+    before = task_accuracy(model, held, args.task.verify, tokenizer=model.tokenizer, max_new_tokens=8).accuracy
+    after = task_accuracy(quantized, held, args.task.verify, tokenizer=model.tokenizer, max_new_tokens=8).accuracy
+    jaxlm.save_checkpoint(quantized, args.out, overwrite=args.overwrite)
+    mode = "W4A16" if args.weights_only else "W4A4"
+    print(f"{args.method} {args.format} {mode}: held-out accuracy {before:.1%} -> {after:.1%} "
+          f"({args.eval_n} problems) -> {args.out}")
+    return {"before": before, "after": after}
 
 
 def run_edit(args: EditArgs) -> dict:
@@ -243,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         | Annotated[EvalArgs, tyro.conf.subcommand("eval")]
         | Annotated[GenerateArgs, tyro.conf.subcommand("generate")]
         | Annotated[ConvertArgs, tyro.conf.subcommand("convert")]
+        | Annotated[QuantizeArgs, tyro.conf.subcommand("quantize")]
         | Annotated[EditArgs, tyro.conf.subcommand("edit")],
         args=argv,
         prog="jaxlm",
@@ -268,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
             run_generate(cmd)
         elif isinstance(cmd, EditArgs):
             run_edit(cmd)
+        elif isinstance(cmd, QuantizeArgs):
+            run_quantize(cmd)
         else:
             run_convert(cmd)
     except (CheckpointError, ValueError, FileExistsError, FileNotFoundError) as e:

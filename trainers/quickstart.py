@@ -3,7 +3,9 @@
 Trains a tiny byte-level model with SFT on held-out-split 2-digit addition
 (`configs/quickstart.py`), evaluates exact-match accuracy on problems it never saw,
 prints sampled answers and a summary table, and leaves a checkpoint, ``metrics.jsonl``
-and ``curves.png`` in the output directory. Later stages (RL, quantization) append here.
+and ``curves.png`` in the output directory. The quantization stage then runs the model's
+projections in NVFP4 W4A4 with plain RTN and with WUSH transforms (`jaxlm.quant`) and
+reports held-out accuracy before and after; the WUSH model is saved to ``model_w4a4``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from trainers.loop import TrainResult, train
 
 def run_quickstart(
     *, steps: int | None = None, out_dir: str | Path = "runs/quickstart", overrides: Sequence[str] = (),
-    progress: bool = True, console=None,
+    progress: bool = True, console=None, quantize: bool = True,
 ) -> TrainResult:
     from rich.console import Console
     from rich.table import Table
@@ -58,7 +60,34 @@ def run_quickstart(
     summary.add_row("held-out exact-match accuracy", f"{result.final_eval.get('accuracy', float('nan')):.1%}")
     summary.add_row("chance accuracy", f"{chance:.2%}")
     out = Path(cfg.trainer.out_dir)
-    for name in ("model", "metrics.jsonl", "curves.png", "checkpoints"):
+    if quantize:
+        for method, acc in _quantization_stage(cfg, out, console).items():
+            summary.add_row(f"held-out accuracy, NVFP4 W4A4 {method}", f"{acc:.1%}")
+    names = ("model", "model_w4a4", "metrics.jsonl", "curves.png", "checkpoints") if quantize else (
+        "model", "metrics.jsonl", "curves.png", "checkpoints")
+    for name in names:
         summary.add_row(name, str(out / name))
     console.print(summary)
     return result
+
+
+def _quantization_stage(cfg, out: Path, console) -> dict[str, float]:
+    """Quantize the trained model (NVFP4 W4A4: RTN and WUSH) and re-measure accuracy."""
+    import jaxlm
+    from jaxlm.quant.apply import quantize_with
+    from trainers.evaluate import task_accuracy
+
+    task = cfg.data.source
+    model = jaxlm.load_checkpoint(out / "model")
+    texts = [e["prompt"] + e["completion"] for e in (task.example(i, "train") for i in range(256))]
+    held = [task.example(i, "eval") for i in range(cfg.trainer.eval_generate)]
+    accs = {}
+    for method in ("rtn", "wush"):
+        q = quantize_with(model, method, "nvfp4", texts)
+        accs[method] = task_accuracy(q, held, task.verify, tokenizer=model.tokenizer,
+                                     max_new_tokens=cfg.trainer.eval_max_new_tokens).accuracy
+        if method == "wush":
+            jaxlm.save_checkpoint(q, out / "model_w4a4", overwrite=True)
+    console.print(f"quantization stage (NVFP4 W4A4, {len(held)} held-out problems): "
+                  + ", ".join(f"{m} {a:.1%}" for m, a in accs.items()))
+    return accs

@@ -139,7 +139,7 @@ def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2) -> QArray:
         raise ValueError(f"axis={axis} is invalid: quantize along -1 or -2")
     xb = _blocks_last(x.astype(jnp.float32), axis, fmt.block)  # [..., nb, B]
     amax = jnp.max(jnp.abs(xb), axis=-1)  # [..., nb]
-    gscale = jnp.ones((1,) * x.ndim, jnp.float32)
+    gscale = jnp.ones((*x.shape[:-2], 1, 1), jnp.float32)  # per leading index (stacked layers scan)
     if fmt.element == "e2m1" and fmt.scale_kind == "e8m0":
         e = F.e8m0_exponent(amax, fmt.rule)
         v = xb * jnp.exp2(-e.astype(jnp.float32))[..., None]

@@ -127,3 +127,20 @@ def test_hadamard_transform_is_orthogonal_and_shared():
     T = np.asarray(hadamard_transform(64, 16))
     np.testing.assert_allclose(T[0] @ T[0].T, np.eye(16), atol=1e-6)
     np.testing.assert_array_equal(T[0], T[3])
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_quantized_checkpoints_round_trip_exactly(tmp_path, scan_layers):
+    """QArray and TransformedWeight leaves survive save_checkpoint / load_checkpoint with
+    their formats, for stacked and unrolled layers (no re-quantization on load)."""
+    from jaxlm.quant.recipe import quantize_model
+
+    cfg = jaxlm.ModelConfig.tiny(d_model=64, n_heads=2, n_kv_heads=1, ffn_dim=128, scan_layers=scan_layers)
+    model = jaxlm.build_model(cfg, seed=0, tokenizer=jaxlm.ByteTokenizer())
+    batches = list(token_batches(model.tokenizer, ["1+2=3", "4+4=8"], batch_size=2, seq_len=8))
+    tokens = jnp.asarray(batches[0][0])
+    for i, q in enumerate((transform_quantize_model(model, "wush", "nvfp4", batches), quantize_model(model))):
+        jaxlm.save_checkpoint(q, tmp_path / f"q{i}")
+        back = jaxlm.load_checkpoint(tmp_path / f"q{i}")
+        np.testing.assert_array_equal(np.asarray(back(tokens).logits), np.asarray(q(tokens).logits))
+        assert back.tokenizer is not None
