@@ -126,6 +126,16 @@ class SFTConfig:
     token_weights: str = "uniform"
     beta_l1: float = 0.0
     """MeGan regulariser: adds beta_l1 * sum |beta| (per real token) to the loss."""
+    sem_lambda: float = 0.0
+    """Selective entropy minimisation (ReQAT): adds sem_lambda * (1/N) sum_t w_t H_t (reference 0.01; README 0.1)."""
+    sem_threshold: float = 0.25
+    """SEM: tau is the floor(N * sem_threshold)-th smallest token entropy (reference 0.25; README 0.75)."""
+
+    def __post_init__(self):
+        if not self.sem_lambda >= 0:
+            raise ValueError(f"algorithm.sem_lambda={self.sem_lambda!r} is invalid: must be >= 0")
+        if not 0 < self.sem_threshold <= 1:
+            raise ValueError(f"algorithm.sem_threshold={self.sem_threshold!r} is invalid: must be in (0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,6 +182,7 @@ def train(cfg: ExperimentConfig, *, data_iterator_wrapper=None) -> TrainResult:
     step_fn = make_train_step(
         graphdef, tx, schedule, grad_accum=t.grad_accum, sliding_window=c.sliding_window,
         weight_fn=TOKEN_WEIGHTS[cfg.algorithm.token_weights], beta_l1=cfg.algorithm.beta_l1,
+        sem_lambda=cfg.algorithm.sem_lambda, sem_threshold=cfg.algorithm.sem_threshold,
     )
     eval_fn = make_eval_loss(graphdef, sliding_window=c.sliding_window, attention_stats=t.eval_attention_stats)
     heldout = eval_batches(cfg.data, tokenizer)

@@ -44,3 +44,33 @@ def sft_loss_sum(logits, batch, weight_fn=uniform_weights) -> tuple[jax.Array, j
     nll = token_nll(logits, targets)
     total = jnp.sum(jnp.where(valid, weights * nll, 0.0))
     return total, valid.sum(dtype=jnp.float32)
+
+
+def token_entropy(logits: jax.Array) -> jax.Array:
+    """``H_t = -sum_v p log p`` per position, float32 ``[B, T]`` (differentiable)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+
+
+def sem_weights(entropy: jax.Array, valid: jax.Array, threshold: float) -> jax.Array:
+    """Selective entropy minimisation's soft weights (ReQAT, ``SEMTrainer.masked_ce``):
+    ``w_t = max(0, 1 - (H_t - H_min) / (tau - H_min + 1e-12))`` with ``tau`` the k-th
+    smallest entropy among the trained tokens, ``k = floor(N * threshold)`` (at least 1), so
+    the most confident tokens get the largest weight and tokens above ``tau`` none."""
+    h = jnp.where(valid, entropy, jnp.inf).ravel()
+    n = valid.sum()
+    k = jnp.maximum(jnp.floor(n * threshold).astype(jnp.int32), 1)
+    ordered = jnp.sort(h)
+    h_min, tau = ordered[0], ordered[k - 1]
+    w = jnp.maximum(0.0, 1.0 - (entropy - h_min) / (tau - h_min + 1e-12))
+    return jnp.where(valid, w, 0.0)
+
+
+def sem_entropy_sum(logits, batch, threshold: float) -> jax.Array:
+    """``sum_t w_t H_t`` over the trained tokens, ``w`` without gradient; added as
+    ``lambda * sem_entropy_sum`` to the CE sum, the loss is ``L_CE + lambda (1/N) sum_t w_t H_t``.
+    Under gradient accumulation ``tau`` is per micro-batch (the reference computes it per batch)."""
+    _, valid = next_token_targets(batch)
+    entropy = token_entropy(logits)
+    w = jax.lax.stop_gradient(sem_weights(jax.lax.stop_gradient(entropy), valid, threshold))
+    return jnp.sum(w * jnp.where(valid, entropy, 0.0))

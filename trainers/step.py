@@ -17,7 +17,7 @@ import optax
 from flax import nnx, struct
 
 from jaxlm.models.masks import segment_mask
-from trainers.losses import sft_loss_sum, uniform_weights
+from trainers.losses import sem_entropy_sum, sft_loss_sum, uniform_weights
 
 Batch = dict[str, jax.Array]
 
@@ -53,16 +53,21 @@ def forward(graphdef, params, batch: Batch, *, sliding_window: int | None, colle
     return model(batch["tokens"], batch["positions"], mask=mask, condition=condition, collect=collect)
 
 
-def make_loss_fn(graphdef, *, sliding_window: int | None, weight_fn: Callable = uniform_weights, beta_l1: float = 0.0):
+def make_loss_fn(graphdef, *, sliding_window: int | None, weight_fn: Callable = uniform_weights, beta_l1: float = 0.0,
+                 sem_lambda: float = 0.0, sem_threshold: float = 0.25):
     """``loss(params, batch) -> (loss_sum, token_count)`` for next-token SFT.
 
     ``beta_l1 > 0`` adds MeGan's regulariser ``beta_l1 * sum |beta|`` over real tokens (summed
-    over layers and channels) to the loss sum, i.e. its per-token mean to the loss."""
+    over layers and channels) to the loss sum, i.e. its per-token mean to the loss.
+    ``sem_lambda > 0`` adds selective entropy minimisation (ReQAT):
+    ``sem_lambda * sum_t w_t H_t`` (`trainers.losses.sem_entropy_sum`)."""
 
     def loss_fn(params, batch: Batch):
         collect = ("mlp_beta",) if beta_l1 else ()
         out = forward(graphdef, params, batch, sliding_window=sliding_window, collect=collect)
         total, count = sft_loss_sum(out.logits, batch, weight_fn)
+        if sem_lambda:
+            total = total + sem_lambda * sem_entropy_sum(out.logits, batch, sem_threshold)
         if beta_l1 and "mlp_beta" in out.collected:
             real = (batch["segment_ids"] > 0)[None, :, :, None]
             total = total + beta_l1 * jnp.sum(jnp.where(real, jnp.abs(out.collected["mlp_beta"]), 0.0))
@@ -97,11 +102,14 @@ def make_train_step(
     sliding_window: int | None = None,
     weight_fn: Callable = uniform_weights,
     beta_l1: float = 0.0,
+    sem_lambda: float = 0.0,
+    sem_threshold: float = 0.25,
     donate: bool = True,
 ):
     """A jitted ``step(state, batch) -> (state, metrics)``; the batch's leading axis is split
     into ``grad_accum`` micro-batches."""
-    loss_fn = make_loss_fn(graphdef, sliding_window=sliding_window, weight_fn=weight_fn, beta_l1=beta_l1)
+    loss_fn = make_loss_fn(graphdef, sliding_window=sliding_window, weight_fn=weight_fn, beta_l1=beta_l1,
+                           sem_lambda=sem_lambda, sem_threshold=sem_threshold)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch: Batch):

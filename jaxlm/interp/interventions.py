@@ -14,7 +14,9 @@ Kinds (the `kind` field):
   the emotion-circuit steering code scales it: Wang et al. 2025, arXiv 2510.11328).
 * ``"ablate"``: directional ablation ``h - alpha * (h . u) u`` with a unit ``u``.
 * ``"scale_heads"``: multiply head ``n``'s channels of a ``[..., N*H]`` site by ``v[n]``
-  (head masking at the o_proj input when ``site="attn_ctx"`` and ``v`` is 0/1).
+  (head masking at the o_proj input when ``site="attn_ctx"`` and ``v`` is 0/1);
+* ``"fake_quant"``: quantize-dequantize the site in blocks along its last axis with a
+  straight-through gradient (`kv_fake_quant`: a KV4 cache simulated at ``k_rot`` / ``v``).
 
 ``vector`` always has a leading layer axis ``[L, ...]``; the rest broadcasts against the
 site's value (``[D]``, ``[B, T, D]``, ...). ``where`` picks positions: ``"all"``,
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-KINDS = ("add", "ablate", "scale_heads")
+KINDS = ("add", "ablate", "scale_heads", "fake_quant")
 WHERE = ("all", "last")
 
 
@@ -46,6 +48,7 @@ class Intervention:
     kind: str = struct.field(pytree_node=False, default="add")
     where: str = struct.field(pytree_node=False, default="all")
     rms_scale: bool = struct.field(pytree_node=False, default=False)
+    fmt: object = struct.field(pytree_node=False, default=None)  # QFormat for "fake_quant"
 
     def apply(self, value: jax.Array, layer: jax.Array) -> jax.Array:
         """The rewritten ``value`` of this site at ``layer`` (a traced int)."""
@@ -57,6 +60,10 @@ class Intervention:
             if self.rms_scale:
                 delta = delta * jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True))
             new = x + delta
+        elif self.kind == "fake_quant":
+            from jaxlm.quant.formats import fake_quant
+
+            new = fake_quant(x, self.fmt, axis=-1)
         elif self.kind == "ablate":
             new = x - self.alpha * jnp.sum(x * v, axis=-1, keepdims=True) * v
         else:  # scale_heads
@@ -156,6 +163,20 @@ def perturb(site: str, delta: jax.Array, *, layers: Sequence[int] | None = None)
     return Intervention(
         vector=delta, alpha=jnp.ones((), delta.dtype), layers=_layer_mask(layers, n_layers),
         site=site, kind="add",
+    )
+
+
+def kv_fake_quant(fmt, *, n_layers: int, layers: Sequence[int] | None = None) -> tuple[Intervention, ...]:
+    """Fake-quantize the post-RoPE keys and the values (what a KV cache stores) in ``fmt``
+    (e.g. ``"e1m2"``, ReQAT's KV4 grid) at ``layers``: pass to a forward or `generate`."""
+    from jaxlm.quant.formats import get_format
+
+    fmt = get_format(fmt)
+    zeros = jnp.zeros((n_layers, 1), jnp.float32)
+    return tuple(
+        Intervention(vector=zeros, alpha=jnp.ones((), jnp.float32), layers=_layer_mask(layers, n_layers),
+                     site=site, kind="fake_quant", fmt=fmt)
+        for site in ("k_rot", "v")
     )
 
 

@@ -135,3 +135,17 @@ def test_bad_interventions_are_named():
     model = jaxlm.build_model(ModelConfig.tiny(n_layers=3), seed=0)
     with pytest.raises(ValueError, match="built for 2 layers, the model has 3"):
         model(jnp.ones((1, 3), jnp.int32), interventions=(steer("hidden", jnp.ones(64), alpha=1.0, n_layers=2),))
+
+
+def test_kv_fake_quant_quantizes_the_cached_keys_and_values(model, tokens):
+    from jaxlm.interp.interventions import kv_fake_quant
+    from jaxlm.quant.formats import fake_quant
+
+    L = model.config.n_layers
+    plain = model(tokens, collect=("k_rot", "v"))
+    out = model(tokens, collect=("k_rot", "v"), interventions=kv_fake_quant("e1m2", n_layers=L, layers=[0]))
+    np.testing.assert_allclose(np.asarray(out.collected["v"][0]),
+                               np.asarray(fake_quant(plain.collected["v"][0], "e1m2", axis=-1)), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out.collected["k_rot"][0]),
+                               np.asarray(fake_quant(plain.collected["k_rot"][0], "e1m2", axis=-1)), atol=1e-6)
+    assert float(jnp.abs(out.logits - plain.logits).max()) > 0

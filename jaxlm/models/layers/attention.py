@@ -103,7 +103,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = taps.put("q", q), taps.put("k", k), taps.put("v", v)
         rope = ROPE[c.rope]
-        q, k = rope(q, positions, c), rope(k, positions, c)
+        q, k = rope(q, positions, c), taps.put("k_rot", rope(k, positions, c))
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
         if kv is not None:
             kv, k, v = kv.write(k, v)
