@@ -103,6 +103,8 @@ class ModelConfig:
     meta_rank: int = 64  # meta_swiglu: width r of the hypernetwork's cross-attention
     graph_rope_pairs: int | None = None  # graph: frequency pairs driven by the graph coordinate
     graph_rope_band: str = "low"  # graph: those pairs are the lowest ("low") or highest frequencies
+    qat_format: str | None = None  # fake-quantize attention/MLP projections (inputs + weights, STE): QAT
+    kv_quant: str | None = None  # fake-quantize post-RoPE keys and values (a low-bit KV cache)
     scan_layers: bool = False
     remat: str = "none"
     family: str = "llama"  # HF family this model maps to: llama | qwen2 | qwen3 | mistral
@@ -157,6 +159,12 @@ class ModelConfig:
             raise _err("graph_rope_pairs", self.graph_rope_pairs, f"must be in [0, head_dim/2 = {self.head_dim // 2}]")
         if self.graph_rope_band not in ("low", "high"):
             raise _err("graph_rope_band", self.graph_rope_band, "must be 'low' or 'high'")
+        quant_formats = ("mxfp4", "nvfp4", "int4", "e1m2")
+        for name in ("qat_format", "kv_quant"):
+            if getattr(self, name) is not None and getattr(self, name) not in quant_formats:
+                raise _err(name, getattr(self, name), f"must be None or one of {quant_formats}")
+        if self.kv_quant is not None and self.head_dim % 16:
+            raise _err("kv_quant", self.kv_quant, f"needs head_dim divisible by 16, got {self.head_dim}")
         if self.remat not in _REMAT:
             raise _err("remat", self.remat, f"must be one of {_REMAT}")
         for name in ("qkv_bias", "qk_norm", "tie_embeddings", "scan_layers"):

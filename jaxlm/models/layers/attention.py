@@ -69,7 +69,7 @@ def dot_product_attention(
 class Attention(nnx.Module):
     def __init__(self, config, *, rngs: nnx.Rngs):
         c = self.config = config
-        kw = dict(std=c.init_std, param_dtype=c.weight_dtype, rngs=rngs)
+        kw = dict(std=c.init_std, param_dtype=c.weight_dtype, fake_quant=c.qat_format, rngs=rngs)
         self.q_proj = Linear(c.d_model, c.q_dim, axes=("embed", "q_heads"), use_bias=c.qkv_bias, **kw)
         self.k_proj = Linear(c.d_model, c.kv_dim, axes=("embed", "kv_heads"), use_bias=c.qkv_bias, **kw)
         self.v_proj = Linear(c.d_model, c.kv_dim, axes=("embed", "kv_heads"), use_bias=c.qkv_bias, **kw)
@@ -104,6 +104,10 @@ class Attention(nnx.Module):
         q, k, v = taps.put("q", q), taps.put("k", k), taps.put("v", v)
         rope = ROPE[c.rope]
         q, k = rope(q, positions, c), taps.put("k_rot", rope(k, positions, c))
+        if c.kv_quant is not None:  # a low-bit KV cache, simulated (straight-through)
+            from jaxlm.quant.formats import fake_quant
+
+            k, v = fake_quant(k, c.kv_quant, axis=-1).astype(k.dtype), fake_quant(v, c.kv_quant, axis=-1).astype(v.dtype)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
         if kv is not None:
             kv, k, v = kv.write(k, v)

@@ -68,15 +68,25 @@ class Linear(nnx.Module):
         use_bias: bool = False,
         std: float = 0.02,
         param_dtype=jnp.float32,
+        fake_quant: str | None = None,
         rngs: nnx.Rngs,
     ):
         self.in_features, self.out_features = in_features, out_features
+        self.fake_quant = fake_quant  # QAT: format name (`jaxlm.quant.formats`) or None
         w = std * jax.random.normal(rngs.params(), (in_features, out_features), param_dtype)
         self.kernel = param(w, axes)
         self.bias = param(jnp.zeros((out_features,), param_dtype), (axes[1],)) if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = linear(x, self.kernel.get_value())
+        w = self.kernel.get_value()
+        if self.fake_quant is not None and not hasattr(w, "fmt"):
+            # quantization-aware training: inputs and weights quantize-dequantized in blocks
+            # along the reduction axis, straight-through gradients (ReQAT's W4A4 fake quant)
+            from jaxlm.quant.formats import fake_quant
+
+            x = fake_quant(x, self.fake_quant, axis=-1).astype(x.dtype)
+            w = fake_quant(w, self.fake_quant, axis=-2)
+        y = linear(x, w)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y

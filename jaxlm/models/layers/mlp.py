@@ -18,7 +18,7 @@ class SwiGLU(nnx.Module):
 
     def __init__(self, config, *, rngs: nnx.Rngs):
         c = config
-        kw = dict(std=c.init_std, param_dtype=c.weight_dtype, rngs=rngs)
+        kw = dict(std=c.init_std, param_dtype=c.weight_dtype, fake_quant=c.qat_format, rngs=rngs)
         self.gate_proj = Linear(c.d_model, c.ffn_dim, axes=("embed", "mlp"), **kw)
         self.up_proj = Linear(c.d_model, c.ffn_dim, axes=("embed", "mlp"), **kw)
         self.down_proj = Linear(c.ffn_dim, c.d_model, axes=("mlp", "embed"), **kw)

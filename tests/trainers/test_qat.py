@@ -1,0 +1,42 @@
+"""Quantization-aware training as a model variant (``ModelConfig.qat_format`` /
+``kv_quant``); the ReQAT miniature (QAT + SEM vs PTQ) is `bench/reqat.py`."""
+
+import dataclasses
+
+import pytest
+
+import jaxlm
+from jaxlm.models.params import flat_params, model_from_flat
+
+MODEL = jaxlm.ModelConfig.tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
+
+
+def test_qat_model_fake_quantizes_projections_and_kv_with_straight_through_gradients():
+    """A ``qat_format`` model's projection equals fake_quant(x) @ fake_quant(W); the gradient
+    reaches the full-precision weights (STE); ``kv_quant`` changes the output."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxlm.quant.formats import fake_quant
+
+    plain = jaxlm.build_model(MODEL, seed=0)
+    qat = model_from_flat(dataclasses.replace(MODEL, qat_format="nvfp4"), flat_params(plain))
+    x = jax.random.normal(jax.random.key(0), (3, 64))
+    proj = qat.layers[0].mlp.up_proj
+    want = fake_quant(x, "nvfp4", axis=-1) @ fake_quant(proj.kernel[...], "nvfp4", axis=-2)
+    np.testing.assert_allclose(np.asarray(proj(x)), np.asarray(want), rtol=1e-5, atol=1e-5)
+    tokens = jnp.asarray([[1, 50, 60, 70, 80, 90]])
+    graphdef, state = nnx.split(qat)
+    g = jax.grad(lambda s: nnx.merge(graphdef, s)(tokens).logits.sum())(state)
+    assert float(jnp.abs(g["layers"][0]["mlp"]["up_proj"]["kernel"][...]).max()) > 0
+    kv = model_from_flat(dataclasses.replace(MODEL, kv_quant="e1m2"), flat_params(plain))
+    assert float(jnp.abs(kv(tokens).logits - plain(tokens).logits).max()) > 0
+
+
+def test_qat_config_errors():
+    with pytest.raises(ValueError, match="qat_format"):
+        dataclasses.replace(MODEL, qat_format="fp8")
+    with pytest.raises(ValueError, match="kv_quant"):
+        jaxlm.ModelConfig.tiny(d_model=40, n_heads=4, n_kv_heads=2, kv_quant="e1m2")
