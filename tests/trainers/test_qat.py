@@ -13,12 +13,14 @@ MODEL = jaxlm.ModelConfig.tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, 
 
 def test_qat_model_fake_quantizes_projections_and_kv_with_straight_through_gradients():
     """A ``qat_format`` model's projection equals fake_quant(x) @ fake_quant(W); the gradient
-    reaches the full-precision weights (STE); ``kv_quant`` changes the output."""
+    reaches the full-precision weight as if the quantizer were the identity (STE); and
+    ``kv_quant`` changes the model's output."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
+    from jaxlm.models.layers.linear import Linear
     from jaxlm.quant.formats import fake_quant
 
     plain = jaxlm.build_model(MODEL, seed=0)
@@ -27,12 +29,14 @@ def test_qat_model_fake_quantizes_projections_and_kv_with_straight_through_gradi
     proj = qat.layers[0].mlp.up_proj
     want = fake_quant(x, "nvfp4", axis=-1) @ fake_quant(proj.kernel[...], "nvfp4", axis=-2)
     np.testing.assert_allclose(np.asarray(proj(x)), np.asarray(want), rtol=1e-5, atol=1e-5)
+    layer = Linear(64, 32, axes=("embed", "mlp"), fake_quant="nvfp4", rngs=nnx.Rngs(0))
+    g = nnx.grad(lambda m: m(x).sum())(layer).kernel[...]
+    xq = fake_quant(x, "nvfp4", axis=-1)  # STE: d/dW sum(xq @ Wq) = xq^T 1
+    np.testing.assert_allclose(np.asarray(g), np.asarray(xq.sum(0)[:, None] * jnp.ones((1, 32))), rtol=1e-5, atol=1e-5)
     tokens = jnp.asarray([[1, 50, 60, 70, 80, 90]])
-    graphdef, state = nnx.split(qat)
-    g = jax.grad(lambda s: nnx.merge(graphdef, s)(tokens).logits.sum())(state)
-    assert float(jnp.abs(g["layers"][0]["mlp"]["up_proj"]["kernel"][...]).max()) > 0
     kv = model_from_flat(dataclasses.replace(MODEL, kv_quant="e1m2"), flat_params(plain))
     assert float(jnp.abs(kv(tokens).logits - plain(tokens).logits).max()) > 0
+    assert float(jnp.abs(qat(tokens).logits - plain(tokens).logits).max()) > 0
 
 
 def test_qat_config_errors():

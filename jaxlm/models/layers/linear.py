@@ -79,7 +79,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.kernel.get_value()
-        if self.fake_quant is not None and not hasattr(w, "fmt"):
+        if self.fake_quant is not None and isinstance(w, jax.Array):  # structured weights: already quantized
             # quantization-aware training: inputs and weights quantize-dequantized in blocks
             # along the reduction axis, straight-through gradients (ReQAT's W4A4 fake quant)
             from jaxlm.quant.formats import fake_quant
