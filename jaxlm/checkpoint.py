@@ -30,9 +30,11 @@ def save_checkpoint(model: Transformer, path: str | os.PathLike, *, overwrite: b
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    from jaxlm.models.layers.rope import RopeFrequencies
     from jaxlm.quant.storage import to_storable
 
-    params, specs = to_storable(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    # parameters and buffers (a compressed model's per-head RoPE frequencies)
+    params, specs = to_storable(nnx.to_pure_dict(nnx.state(model, nnx.Any(nnx.Param, RopeFrequencies))))
     items = dict(params=ocp.args.StandardSave(params), config=ocp.args.JsonSave(model.config.to_dict()))
     if specs:  # quantized / structured weights: their types and static fields
         items["quant"] = ocp.args.JsonSave(specs)

@@ -1,11 +1,12 @@
 """The ``jaxlm`` command line (arguments parsed and type-checked by `tyro`).
 
-    jaxlm quickstart [--steps N] [--out DIR]
+    jaxlm quickstart [--steps N] [--rl-steps N] [--out DIR]
     jaxlm train CONFIG [key=value ...] [--multihost]   # CONFIG: configs/<name>.py or a .py path
     jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--max-new-tokens 32] [--temperature 0]
     jaxlm convert SRC DST [--to orbax|hf]
     jaxlm quantize MODEL --out DIR [--method rtn|hadamard|wush] [--format mxfp4|nvfp4|int4]
+    jaxlm compress MODEL --out DIR [--method a3] [--budget 0.5] [--components qk,ov,mlp] [--calib N]
     jaxlm edit MODEL --requests FILE [--method crispedit|finetune|alphaedit|memit|all] [--batches K]
 
 ``--model`` takes a HuggingFace directory or a jaxlm (orbax) checkpoint; without it
@@ -134,6 +135,60 @@ class QuantizeArgs:
     calibration_n: int = 256
     eval_n: int = 200
     overwrite: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressArgs:
+    """Shrink a model's attention heads and MLP in place with A^3 (analytical low-rank, arXiv
+    2505.12942) and save it; reports sizes and held-out accuracy before and after."""
+
+    model: Annotated[Path, tyro.conf.Positional]
+    out: Path
+    method: Literal["a3"] = "a3"
+    budget: float = 0.5
+    """Kept fraction of each compressed component's parameters, in (0, 1]."""
+    components: str = "qk,ov,mlp"
+    """Comma-separated subset of qk (query/key head width), ov (value/output head width), mlp."""
+    qk_head_dim: int | None = None
+    """Explicit query/key width per head (overrides --budget for qk)."""
+    v_head_dim: int | None = None
+    """Explicit value width per head (overrides --budget for ov)."""
+    ffn_dim: int | None = None
+    """Explicit MLP width (overrides --budget for mlp)."""
+    task: Arithmetic | Countdown | Sorting | FactWorld = Arithmetic()
+    """Calibration texts come from its train split; accuracy from its held-out split."""
+    calib: int = 256
+    """Number of calibration texts."""
+    eval_n: int = 200
+    overwrite: bool = False
+
+
+def run_compress(args: CompressArgs) -> dict:
+    import jaxlm
+    from jaxlm.checkpoint import load_model
+    from jaxlm.compress import A3Config, compress_with, kv_cache_bytes
+    from trainers.evaluate import task_accuracy
+
+    a3 = A3Config(components=args.components, budget=args.budget, qk_head_dim=args.qk_head_dim,
+                  v_head_dim=args.v_head_dim, ffn_dim=args.ffn_dim)
+    if args.out.exists() and not args.overwrite:
+        raise SystemExit(f"{args.out} exists; pass --overwrite to replace it")
+    model = load_model(args.model)
+    if model.tokenizer is None:
+        raise SystemExit(f"{args.model} has no tokenizer; cannot encode calibration texts")
+    texts = [e["prompt"] + e["completion"] for e in (args.task.example(i, "train") for i in range(args.calib))]
+    small = compress_with(model, args.method, texts, a3)
+    held = [args.task.example(i, "eval") for i in range(args.eval_n)]
+    before = task_accuracy(model, held, args.task.verify, tokenizer=model.tokenizer, max_new_tokens=8).accuracy
+    after = task_accuracy(small, held, args.task.verify, tokenizer=model.tokenizer, max_new_tokens=8).accuracy
+    jaxlm.save_checkpoint(small, args.out, overwrite=args.overwrite)
+    c0, c1 = model.config, small.config
+    kv = kv_cache_bytes(c1, 1, 1) / kv_cache_bytes(c0, 1, 1)
+    print(f"{args.method} ({','.join(a3.components)}, budget {args.budget}): qk_head_dim {c0.qk_head_dim}->"
+          f"{c1.qk_head_dim}, v_head_dim {c0.v_head_dim}->{c1.v_head_dim}, ffn_dim {c0.ffn_dim}->{c1.ffn_dim}; "
+          f"parameters {c0.num_params():,} -> {c1.num_params():,}; KV cache x{kv:.3f}")
+    print(f"held-out accuracy {before:.1%} -> {after:.1%} ({args.eval_n} problems) -> {args.out}")
+    return {"before": before, "after": after, "kv_cache_ratio": kv}
 
 
 def run_quantize(args: QuantizeArgs) -> dict:
@@ -286,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         | Annotated[GenerateArgs, tyro.conf.subcommand("generate")]
         | Annotated[ConvertArgs, tyro.conf.subcommand("convert")]
         | Annotated[QuantizeArgs, tyro.conf.subcommand("quantize")]
+        | Annotated[CompressArgs, tyro.conf.subcommand("compress")]
         | Annotated[EditArgs, tyro.conf.subcommand("edit")],
         args=argv,
         prog="jaxlm",
@@ -313,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
             run_edit(cmd)
         elif isinstance(cmd, QuantizeArgs):
             run_quantize(cmd)
+        elif isinstance(cmd, CompressArgs):
+            run_compress(cmd)
         else:
             run_convert(cmd)
     except (CheckpointError, ValueError, FileExistsError, FileNotFoundError) as e:

@@ -1,6 +1,8 @@
 """The KV cache: an explicit pytree returned by every forward pass that takes one.
 
-Layout: keys and values stacked over layers, ``[L, B, K, S, H]`` (a scanned model
+Layout: keys and values stacked over layers, ``[L, B, K, S, H]`` (``H`` is
+``qk_head_dim`` for keys and ``v_head_dim`` for values: both ``head_dim`` unless the
+heads were compressed, `jaxlm.compress`; a scanned model
 scans over the leading axis; heads before slots keeps each head's keys contiguous
 for the decode-time attention matmuls), plus per-slot validity ``[B, S]``, the next
 write slot ``end_index`` (shared by the batch: prompts are left-padded) and the
@@ -17,8 +19,8 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, K, S, H]
-    v: jax.Array  # [L, B, K, S, H]
+    k: jax.Array  # [L, B, K, S, qk_head_dim]
+    v: jax.Array  # [L, B, K, S, v_head_dim]
     valid: jax.Array  # [B, S] bool: slot holds a real token
     end_index: jax.Array  # [] int32: next slot to write
     lengths: jax.Array  # [B] int32: real tokens so far per sequence
@@ -31,10 +33,10 @@ class KVCache:
                 f"cache max_len={max_len} exceeds ModelConfig.max_seq_len={config.max_seq_len}"
             )
         dtype = jnp.dtype(dtype or config.dtype)
-        shape = (config.n_layers, batch_size, config.n_kv_heads, max_len, config.head_dim)
+        shape = (config.n_layers, batch_size, config.n_kv_heads, max_len)
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=jnp.zeros((*shape, config.qk_head_dim), dtype),
+            v=jnp.zeros((*shape, config.v_head_dim), dtype),
             valid=jnp.zeros((batch_size, max_len), bool),
             end_index=jnp.zeros((), jnp.int32),
             lengths=jnp.zeros((batch_size,), jnp.int32),

@@ -87,8 +87,8 @@ def head_contributions(model, tokens, mask, direction, layer: int) -> jax.Array:
     layer = _check_layer("layer", layer, c.n_layers)
     v = _direction_at(direction, layer, c)
     ctx = capture(model, tokens, mask, sites=("attn_ctx",))["attn_ctx"][layer]  # [B, N*H]
-    g = _read_back(_kernel(model, layer, ("attn", "o_proj")), v, c.n_heads * c.head_dim)
-    out = (ctx * g[None]).reshape(ctx.shape[0], c.n_heads, c.head_dim).sum(-1)
+    g = _read_back(_kernel(model, layer, ("attn", "o_proj")), v, c.o_dim)
+    out = (ctx * g[None]).reshape(ctx.shape[0], c.n_heads, c.v_head_dim).sum(-1)
     chex.assert_shape(out, (ctx.shape[0], c.n_heads))
     return out
 

@@ -82,6 +82,8 @@ class ModelConfig:
     n_heads: int = 4
     n_kv_heads: int | None = None  # None -> n_heads (plain multi-head attention)
     head_dim: int | None = None  # None -> d_model // n_heads
+    qk_head_dim: int | None = None  # None -> head_dim (query/key width per head; smaller after A^3-QK)
+    v_head_dim: int | None = None  # None -> head_dim (value width per head; smaller after A^3-OV)
     ffn_dim: int = 128
     norm_eps: float = 1e-6
     rope_theta: float = 10_000.0
@@ -122,6 +124,9 @@ class ModelConfig:
                         f"n_heads={self.n_heads}; set head_dim explicitly"
                     )
                 object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        for name in ("qk_head_dim", "v_head_dim"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.head_dim)
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         self.validate()
@@ -129,7 +134,7 @@ class ModelConfig:
     def validate(self) -> None:
         for name in (
             "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-            "ffn_dim", "max_seq_len",
+            "qk_head_dim", "v_head_dim", "ffn_dim", "max_seq_len",
         ):
             _check_positive_int("ModelConfig", name, getattr(self, name))
         if self.n_heads % self.n_kv_heads:
@@ -139,6 +144,19 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise _err("head_dim", self.head_dim, "must be even (RoPE rotates pairs)")
+        if self.qk_head_dim % 2 and self.rope != "none":
+            raise _err("qk_head_dim", self.qk_head_dim, "must be even with RoPE (it rotates pairs)")
+        if self.qk_head_dim != self.head_dim:
+            if self.rope != "none" and self.qk_head_dim > self.head_dim:
+                raise _err("qk_head_dim", self.qk_head_dim,
+                           f"must be <= head_dim={self.head_dim} with RoPE (the kept pairs are a subset)")
+            if self.rope not in ("default", "none"):
+                raise _err("qk_head_dim", self.qk_head_dim,
+                           f"must equal head_dim={self.head_dim} with rope={self.rope!r} (compressed "
+                           "query/key heads support rope='default' or 'none')")
+            if self.qk_norm:
+                raise _err("qk_head_dim", self.qk_head_dim,
+                           f"must equal head_dim={self.head_dim} with qk_norm=True (the norm is over head_dim)")
         for name in ("norm_eps", "rope_theta", "init_std"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -163,8 +181,9 @@ class ModelConfig:
         for name in ("qat_format", "kv_quant"):
             if getattr(self, name) is not None and getattr(self, name) not in quant_formats:
                 raise _err(name, getattr(self, name), f"must be None or one of {quant_formats}")
-        if self.kv_quant is not None and self.head_dim % 16:
-            raise _err("kv_quant", self.kv_quant, f"needs head_dim divisible by 16, got {self.head_dim}")
+        if self.kv_quant is not None and (self.qk_head_dim % 16 or self.v_head_dim % 16):
+            raise _err("kv_quant", self.kv_quant, "needs qk_head_dim and v_head_dim divisible by 16, got "
+                       f"{self.qk_head_dim} and {self.v_head_dim}")
         if self.remat not in _REMAT:
             raise _err("remat", self.remat, f"must be one of {_REMAT}")
         for name in ("qkv_bias", "qk_norm", "tie_embeddings", "scan_layers"):
@@ -184,11 +203,39 @@ class ModelConfig:
     # ---------------------------------------------------------------- derived
     @property
     def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
+        """Width of the queries (q_proj output): ``n_heads * qk_head_dim``."""
+        return self.n_heads * self.qk_head_dim
+
+    @property
+    def k_dim(self) -> int:
+        """Width of the keys (k_proj output): ``n_kv_heads * qk_head_dim``."""
+        return self.n_kv_heads * self.qk_head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Width of the values (v_proj output): ``n_kv_heads * v_head_dim``."""
+        return self.n_kv_heads * self.v_head_dim
+
+    @property
+    def o_dim(self) -> int:
+        """Width of the attention context (o_proj input): ``n_heads * v_head_dim``."""
+        return self.n_heads * self.v_head_dim
 
     @property
     def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
+        """Width of keys and of values when they agree (``k_dim == v_dim``)."""
+        if self.k_dim != self.v_dim:
+            raise ValueError(
+                f"ModelConfig.kv_dim is ambiguous: qk_head_dim={self.qk_head_dim} != "
+                f"v_head_dim={self.v_head_dim}; use k_dim / v_dim"
+            )
+        return self.k_dim
+
+    @property
+    def rope_pairs_selected(self) -> bool:
+        """Compressed query/key heads under RoPE: each layer stores the frequencies of the
+        pairs it kept (`jaxlm.models.layers.rope.RopeFrequencies`)."""
+        return self.rope != "none" and self.qk_head_dim != self.head_dim
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -208,6 +255,10 @@ class ModelConfig:
         if "head_dim" not in changes and ({"d_model", "n_heads"} & changes.keys()):
             if self.head_dim == self.d_model // self.n_heads:
                 changes["head_dim"] = None
+        if "head_dim" in changes:
+            for name in ("qk_head_dim", "v_head_dim"):
+                if name not in changes and getattr(self, name) == self.head_dim:
+                    changes[name] = None
         if "n_kv_heads" not in changes and "n_heads" in changes and self.n_kv_heads == self.n_heads:
             changes["n_kv_heads"] = None
         return dataclasses.replace(self, **changes)
@@ -215,9 +266,9 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count implied by the shapes (embeddings counted once when tied)."""
         d, l = self.d_model, self.n_layers
-        attn = d * self.q_dim + 2 * d * self.kv_dim + self.q_dim * d
+        attn = d * (self.q_dim + self.k_dim + self.v_dim) + self.o_dim * d
         if self.qkv_bias:
-            attn += self.q_dim + 2 * self.kv_dim
+            attn += self.q_dim + self.k_dim + self.v_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
         mlp = 3 * d * self.ffn_dim

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxlm.models.layers.rope import RopeFrequencies
 from jaxlm.models.transformer import Transformer, abstract_model
 
 
@@ -22,8 +23,9 @@ def _path_name(path) -> str:
 
 
 def _walk(model: Transformer):
-    """Yield (name, layer index or None, variable) over the model's Params."""
-    state = nnx.state(model, nnx.Param)
+    """Yield (name, variable) over the model's Params and buffers (`RopeFrequencies`, present
+    only in compressed models)."""
+    state = nnx.state(model, nnx.Any(nnx.Param, RopeFrequencies))
     for path, var in nnx.to_flat_state(state):
         yield _path_name(path), var
 
@@ -80,7 +82,7 @@ def model_from_flat(
             value = np.stack([np.asarray(p) for p in parts]) if isinstance(parts[0], np.ndarray) else jax.numpy.stack(parts)
         else:
             value = _fetch(flat, name, var.shape)
-        value = value.astype(dtype)
+        value = value.astype(var.get_value().dtype if isinstance(var, RopeFrequencies) else dtype)
         axes = var.get_metadata().get("out_sharding")
         var.set_value(place(name, axes, value) if place is not None else jax.numpy.asarray(value))
     return nnx.merge(graphdef, nnx.from_flat_state(flat_state))

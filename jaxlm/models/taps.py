@@ -18,6 +18,7 @@ COLLECTABLE: dict[str, str] = {
     "attn_in": "normed input to the q/k/v projections [B, T, D]",
     "q": "queries before RoPE, after qk-norm [B, T, N, H]",
     "k": "keys before RoPE, after qk-norm [B, T, K, H]",
+    "q_rot": "queries after RoPE (what the scores use) [B, T, N, H]",
     "k_rot": "keys after RoPE (what the KV cache stores) [B, T, K, H]",
     "v": "values [B, T, K, H]",
     "attn_probs": "attention probabilities, float32 [B, N, T, S]",

@@ -95,6 +95,9 @@ def qfit_calibrate(model, batches: Iterable[tuple[np.ndarray, np.ndarray]], *, f
     calibration batches (concatenated; keep the calibration set small)."""
     fmt = get_format(fmt)
     c = model.config
+    if c.qk_head_dim != c.head_dim or c.v_head_dim != c.head_dim:
+        raise ValueError(f"qfit_calibrate: compressed heads (qk_head_dim={c.qk_head_dim}, v_head_dim="
+                         f"{c.v_head_dim}, head_dim={c.head_dim}) are not supported")
     if c.head_dim % 2 or c.head_dim % fmt.block:
         raise ValueError(f"head_dim={c.head_dim} must be even and a multiple of the {fmt.name} block {fmt.block}")
     toks, vals = zip(*batches)

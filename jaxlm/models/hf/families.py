@@ -193,6 +193,10 @@ def config_to_hf(config, family: Family) -> dict[str, Any]:
         problems.append(f"qkv_bias={config.qkv_bias} (the family has {family.qkv_bias})")
     if config.qk_norm != family.qk_norm:
         problems.append(f"qk_norm={config.qk_norm} (the family has {family.qk_norm})")
+    for name in ("qk_head_dim", "v_head_dim"):
+        if getattr(config, name) != config.head_dim:
+            problems.append(f"{name}={getattr(config, name)} != head_dim={config.head_dim} (compressed heads; "
+                            "HF attention has one head width)")
     if config.sliding_window is not None and not family.sliding_window:
         problems.append(f"sliding_window={config.sliding_window} (the family has none)")
     for name, default in (("attention", "softmax"), ("mlp", "swiglu"), ("rope", "default")):

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxlm.inference.cache import LayerKV
 from jaxlm.models.layers.linear import Linear
 from jaxlm.models.layers.norms import RMSNorm
-from jaxlm.models.layers.rope import ROPE
+from jaxlm.models.layers.rope import ROPE, RopeFrequencies, inv_frequencies, rotate_per_head
 from jaxlm.models.taps import Taps
 from jaxlm.registry import Registry
 
@@ -71,9 +72,17 @@ class Attention(nnx.Module):
         c = self.config = config
         kw = dict(std=c.init_std, param_dtype=c.weight_dtype, fake_quant=c.qat_format, rngs=rngs)
         self.q_proj = Linear(c.d_model, c.q_dim, axes=("embed", "q_heads"), use_bias=c.qkv_bias, **kw)
-        self.k_proj = Linear(c.d_model, c.kv_dim, axes=("embed", "kv_heads"), use_bias=c.qkv_bias, **kw)
-        self.v_proj = Linear(c.d_model, c.kv_dim, axes=("embed", "kv_heads"), use_bias=c.qkv_bias, **kw)
-        self.o_proj = Linear(c.q_dim, c.d_model, axes=("q_heads", "embed"), **kw)
+        self.k_proj = Linear(c.d_model, c.k_dim, axes=("embed", "kv_heads"), use_bias=c.qkv_bias, **kw)
+        self.v_proj = Linear(c.d_model, c.v_dim, axes=("embed", "kv_heads"), use_bias=c.qkv_bias, **kw)
+        self.o_proj = Linear(c.o_dim, c.d_model, axes=("q_heads", "embed"), **kw)
+        if c.rope_pairs_selected:
+            # compressed heads (A^3-QK): the original frequencies of the kept pairs, per KV head;
+            # a placeholder (the first pairs) until a compression or a checkpoint sets them
+            first = np.asarray(inv_frequencies(c))[: c.qk_head_dim // 2]
+            freq = jnp.asarray(np.tile(first, (c.n_kv_heads, 1)), jnp.float32)
+            self.rope_inv_freq = RopeFrequencies(freq, out_sharding=("kv_heads", None), eager_sharding=False)
+        else:
+            self.rope_inv_freq = None
         if c.qk_norm:  # Qwen3: RMSNorm over head_dim on q and k before RoPE
             self.q_norm = RMSNorm(c.head_dim, eps=c.norm_eps, axis_name="head_dim", param_dtype=c.weight_dtype)
             self.k_norm = RMSNorm(c.head_dim, eps=c.norm_eps, axis_name="head_dim", param_dtype=c.weight_dtype)
@@ -96,14 +105,20 @@ class Attention(nnx.Module):
         """Returns the output ``[B,T,D]`` and the cache with this step's keys/values written."""
         c = self.config
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, c.n_heads, c.head_dim)
-        k = self.k_proj(x).reshape(B, T, c.n_kv_heads, c.head_dim)
-        v = self.v_proj(x).reshape(B, T, c.n_kv_heads, c.head_dim)
+        q = self.q_proj(x).reshape(B, T, c.n_heads, c.qk_head_dim)
+        k = self.k_proj(x).reshape(B, T, c.n_kv_heads, c.qk_head_dim)
+        v = self.v_proj(x).reshape(B, T, c.n_kv_heads, c.v_head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = taps.put("q", q), taps.put("k", k), taps.put("v", v)
-        rope = ROPE[c.rope]
-        q, k = rope(q, positions, c), taps.put("k_rot", rope(k, positions, c))
+        if self.rope_inv_freq is not None:
+            freq = jax.lax.stop_gradient(self.rope_inv_freq[...])  # [K, qk_head_dim/2]
+            q = rotate_per_head(q, positions, jnp.repeat(freq, c.n_heads // c.n_kv_heads, axis=0))
+            k = rotate_per_head(k, positions, freq)
+        else:
+            rope = ROPE[c.rope]
+            q, k = rope(q, positions, c), rope(k, positions, c)
+        q, k = taps.put("q_rot", q), taps.put("k_rot", k)
         if c.kv_quant is not None:  # a low-bit KV cache, simulated (straight-through)
             from jaxlm.quant.formats import fake_quant
 
@@ -114,5 +129,5 @@ class Attention(nnx.Module):
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         ctx, probs = self.attend(q, k, v, mask, inputs=x)
         taps.put("attn_probs", probs)
-        ctx = taps.put("attn_ctx", ctx.reshape(B, T, c.q_dim))
+        ctx = taps.put("attn_ctx", ctx.reshape(B, T, c.o_dim))
         return self.o_proj(ctx), kv

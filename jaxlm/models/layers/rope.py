@@ -6,6 +6,10 @@ Two registries:
 - ``ROPE`` maps ``ModelConfig.rope`` to ``fn(x, positions, config) -> x`` applied to
   per-head queries/keys ``[B, T, N, H]`` (``default``: rotate-half layout as in HF
   Llama/Qwen/Mistral checkpoints; ``none``: no positional rotation, NoPE).
+
+Compressed query/key heads (A^3-QK, `jaxlm.compress.a3`) keep a subset of each KV head's
+frequency pairs; their original inverse frequencies live in the attention layer as a
+`RopeFrequencies` variable ``[n_kv_heads, qk_head_dim/2]`` and `rotate_per_head` applies them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxlm.registry import Registry
 
@@ -63,6 +68,23 @@ def rotate_half(x: jax.Array) -> jax.Array:
 def rotate(x: jax.Array, angles: jax.Array) -> jax.Array:
     """Rotate ``x [B, T, N, H]`` by per-pair ``angles [B, T, H/2]`` (rotate-half layout)."""
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class RopeFrequencies(nnx.Variable):
+    """Per-head RoPE inverse frequencies of a compressed attention layer ``[K, qk_head_dim/2]``
+    (float32). A buffer, not a parameter: the forward stops its gradient, the trainer's
+    weight decay skips it, and HF export refuses models that have one."""
+
+
+def rotate_per_head(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate ``x [B, T, N, H]`` (rotate-half layout) with per-head inverse frequencies
+    ``inv_freq [N, H/2]``; two-axis positions use their sequential coordinate."""
+    if positions.ndim == 3:
+        positions = positions[..., 0]
+    angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq.astype(jnp.float32)  # [B, T, N, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     return x * cos + rotate_half(x) * sin
 
