@@ -9,7 +9,7 @@ the held-out accuracy is on unprefixed problems.
     jaxlm train configs/prefix_rl.py           # init_from=runs/prefix_rl_base/model
 
 Measured on 2 CPU cores (~30 s + ~45 s): unprefixed held-out greedy accuracy 0 -> 0.23 after
-60 iterations; plain GRPO (the same config with prefix=None) gets reward 0 throughout.
+60 iterations; plain GRPO (`algorithm.prefix=None`) gets reward 0 throughout.
 """
 
 from configs.prefix_rl_base import MODEL

@@ -314,16 +314,74 @@ def _load_module(name_or_path: str):
         raise ConfigError(f"no config named {name_or_path!r}; known: {known} (or pass a .py path)") from None
 
 
+def _optional_section(obj: Any, name: str) -> type | None:
+    """The dataclass ``X`` when field ``name`` of dataclass ``obj`` is declared ``X | None``."""
+    import types
+    import typing
+
+    hint = typing.get_type_hints(type(obj)).get(name)
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if type(None) in typing.get_args(hint) and len(args) == 1 and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
+def _replace_path(obj: Any, parts: list[str], value: Any) -> Any:
+    if not parts:
+        return value
+    head = getattr(obj, parts[0])
+    return dataclasses.replace(obj, **{parts[0]: _replace_path(head, parts[1:], value)})
+
+
+def _switch_optional_sections(config: ExperimentConfig, items: list[tuple[str, str]]):
+    """Optional sections (``algorithm.prefix``, ``algorithm.environment``: ``X | None``) are
+    switched here, before tyro sees the rest: ``algorithm.prefix=None`` turns one off, and an
+    override of a field inside a section that is None (``algorithm.prefix.problems=32``) turns it
+    on with its defaults first. Returns the config and the overrides still to apply."""
+    rest = []
+    for key, value in items:
+        parts = key.split(".")
+        obj, consumed = config, False
+        for i, name in enumerate(parts):
+            if not dataclasses.is_dataclass(obj) or not hasattr(obj, name):
+                break
+            section = _optional_section(obj, name)
+            if section is not None and i == len(parts) - 1 and value in ("None", "none", "null"):
+                config, consumed = _replace_path(config, parts, None), True
+                break
+            if section is not None and i < len(parts) - 1 and getattr(obj, name) is None:
+                config = _replace_path(config, parts[: i + 1], section())
+            obj = _walk(config, parts[: i + 1])
+        if not consumed:
+            rest.append((key, value))
+    return config, rest
+
+
+def _walk(obj: Any, parts: list[str]) -> Any:
+    for name in parts:
+        obj = getattr(obj, name)
+    return obj
+
+
 def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:
     """``["model.n_layers=4", ...]`` -> a new config, parsed and type-checked by tyro."""
-    args: list[str] = []
+    items: list[tuple[str, str]] = []
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is invalid: expected key=value (e.g. trainer.steps=100)")
+        items.append((key.strip(), value))
+    try:
+        config, items = _switch_optional_sections(config, items)
+    except ValueError as e:  # a section's own validation
+        raise ConfigError(str(e)) from None
+    args: list[str] = []
+    for key, value in items:
         if value.lower() in ("true", "false"):
             value = value.capitalize()
-        args += [f"--{key.strip()}", value]
+        args += [f"--{key}", value]
     if not args:
         return config
     err = io.StringIO()

@@ -58,3 +58,20 @@ def test_unknown_config_and_paths(tmp_path):
 def test_unknown_token_weights():
     with pytest.raises(ValueError, match="algorithm.token_weights='pear2' is invalid"):
         apply_overrides(ExperimentConfig(), ["algorithm.token_weights=pear2"])
+
+
+def test_optional_sections_switch_on_and_off_from_the_command_line():
+    """``X | None`` sections: ``=None`` turns one off; setting a field inside a None section
+    turns it on with its defaults; a bad value inside still names the field."""
+    from trainers.config import PrefixConfig
+
+    prefixed = load_config("prefix_rl")
+    assert prefixed.algorithm.prefix is not None
+    off = apply_overrides(prefixed, ["algorithm.prefix=None", "trainer.steps=3"])
+    assert off.algorithm.prefix is None and off.trainer.steps == 3
+    on = apply_overrides(load_config("grpo_arithmetic"), ["algorithm.prefix.problems=32"])
+    assert on.algorithm.prefix == PrefixConfig(problems=32)
+    with pytest.raises(ConfigError, match="problems"):
+        apply_overrides(load_config("grpo_arithmetic"), ["algorithm.prefix.problems=-1"])
+    with pytest.raises(ConfigError, match="algorithm.prefix.problems"):
+        apply_overrides(load_config("grpo_arithmetic"), ["algorithm.prefix.problemz=32"])
