@@ -86,10 +86,14 @@ class QuickstartArgs:
     """Train, evaluate and summarise a tiny model on 2-digit addition (CPU, minutes)."""
 
     steps: int | None = None
-    """Training steps (default: the config's 1000)."""
+    """SFT steps (default: the config's 1000)."""
+    rl_steps: int | None = None
+    """GRPO iterations after SFT (default: configs/grpo_arithmetic.py's 30; 0 skips the stage)."""
     out: Path = Path("runs/quickstart")
     overrides: tuple[str, ...] = ()
-    """Extra key=value config overrides."""
+    """Extra key=value overrides of the SFT config."""
+    rl_overrides: tuple[str, ...] = ()
+    """Extra key=value overrides of the GRPO config."""
     progress: bool = True
 
 
@@ -353,7 +357,10 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(cmd, QuickstartArgs):
             from trainers.quickstart import run_quickstart
 
-            run_quickstart(steps=cmd.steps, out_dir=cmd.out, overrides=cmd.overrides, progress=cmd.progress)
+            if cmd.rl_steps is not None and cmd.rl_steps < 0:
+                raise SystemExit(f"jaxlm quickstart: --rl-steps={cmd.rl_steps} must be >= 0 (0 skips GRPO)")
+            run_quickstart(steps=cmd.steps, out_dir=cmd.out, overrides=cmd.overrides, progress=cmd.progress,
+                           rl_steps=cmd.rl_steps, rl_overrides=cmd.rl_overrides)
         elif isinstance(cmd, TrainArgs):
             from trainers.config import load_config
             from trainers.loop import train

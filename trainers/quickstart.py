@@ -1,11 +1,16 @@
 """`jaxlm quickstart`: the main job on the embedded default (no downloads, CPU, minutes).
 
-Trains a tiny byte-level model with SFT on held-out-split 2-digit addition
-(`configs/quickstart.py`), evaluates exact-match accuracy on problems it never saw,
-prints sampled answers and a summary table, and leaves a checkpoint, ``metrics.jsonl``
-and ``curves.png`` in the output directory. The quantization stage then runs the model's
-projections in NVFP4 W4A4 with plain RTN and with WUSH transforms (`jaxlm.quant`) and
-reports held-out accuracy before and after; the WUSH model is saved to ``model_w4a4``.
+1. SFT of a tiny byte-level model on held-out-split 2-digit addition (`configs/quickstart.py`)
+   whose demonstrations come from a flawed teacher: 60% of the problems with a carry out of
+   the ones digit are shown with that carry dropped (57+68= "115"). The model imitates it.
+2. GRPO (`configs/grpo_arithmetic.py`) from the SFT model with the exact-match verifier as the
+   reward: it visibly raises held-out accuracy, fixing what imitation learned.
+3. Quantization: the final model's projections in NVFP4 W4A4 with plain RTN and with WUSH
+   transforms (`jaxlm.quant`), held-out accuracy before and after; the WUSH model is saved
+   to ``model_w4a4``.
+
+It prints sampled answers and a summary table and leaves checkpoints, ``metrics.jsonl`` and
+``curves.png`` in the output directory (the GRPO stage's own in ``grpo/``).
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ from trainers.loop import TrainResult, train
 
 def run_quickstart(
     *, steps: int | None = None, out_dir: str | Path = "runs/quickstart", overrides: Sequence[str] = (),
-    progress: bool = True, console=None, quantize: bool = True,
+    progress: bool = True, console=None, quantize: bool = True, rl_steps: int | None = None,
+    rl_overrides: Sequence[str] = (),
 ) -> TrainResult:
+    """The three stages; ``rl_steps=0`` skips GRPO (None: the config's iterations). Returns
+    the last training stage's result."""
     from rich.console import Console
     from rich.table import Table
 
@@ -38,6 +46,9 @@ def run_quickstart(
         f"[bold]jaxlm quickstart[/bold]: SFT of a {cfg.model.num_params() / 1e6:.2f}M-parameter model "
         f"(byte tokenizer) on {task.digits}-digit {'/'.join(task.ops)} for {cfg.trainer.steps} steps "
         f"-> {cfg.trainer.out_dir}"
+        + (f"\n  the demonstrations drop the ones carry in {task.carry_slip:.0%} of the problems that have "
+           "one (a flawed teacher); held-out answers and the verifier are correct"
+           if getattr(task, "carry_slip", 0) else "")
     )
     start = time.perf_counter()
     result = train(cfg)
@@ -54,31 +65,57 @@ def run_quickstart(
     summary = Table(title="Summary")
     summary.add_column("metric")
     summary.add_column("value", justify="right")
-    summary.add_row("steps", str(result.step))
-    summary.add_row("wall time", f"{elapsed:.0f} s")
+    summary.add_row("SFT steps", str(result.step))
+    summary.add_row("SFT wall time", f"{elapsed:.0f} s")
     summary.add_row("held-out loss (nats/token)", f"{result.final_eval.get('loss', float('nan')):.4f}")
-    summary.add_row("held-out exact-match accuracy", f"{result.final_eval.get('accuracy', float('nan')):.1%}")
+    summary.add_row("held-out exact-match accuracy, SFT", f"{result.final_eval.get('accuracy', float('nan')):.1%}")
     summary.add_row("chance accuracy", f"{chance:.2%}")
     out = Path(cfg.trainer.out_dir)
+    final_model = out / "model"
+    names = ["model", "metrics.jsonl", "curves.png", "checkpoints"]
+    if rl_steps != 0:
+        result = _grpo_stage(out, rl_steps, rl_overrides, progress, console, summary)
+        final_model = out / "grpo" / "model"
+        names += ["grpo/model", "grpo/curves.png"]
     if quantize:
-        for method, acc in _quantization_stage(cfg, out, console).items():
+        for method, acc in _quantization_stage(cfg, final_model, out, console).items():
             summary.add_row(f"held-out accuracy, NVFP4 W4A4 {method}", f"{acc:.1%}")
-    names = ("model", "model_w4a4", "metrics.jsonl", "curves.png", "checkpoints") if quantize else (
-        "model", "metrics.jsonl", "curves.png", "checkpoints")
+        names.append("model_w4a4")
     for name in names:
         summary.add_row(name, str(out / name))
     console.print(summary)
     return result
 
 
-def _quantization_stage(cfg, out: Path, console) -> dict[str, float]:
-    """Quantize the trained model (NVFP4 W4A4: RTN and WUSH) and re-measure accuracy."""
+def _grpo_stage(out: Path, rl_steps, rl_overrides, progress, console, summary) -> TrainResult:
+    """GRPO from the SFT model (`configs/grpo_arithmetic.py`) into ``out/grpo``."""
+    extra = [f"init_from={out / 'model'}", f"trainer.out_dir={out / 'grpo'}", f"trainer.progress={progress}"]
+    if rl_steps is not None:
+        every = max(rl_steps // 3, 1)
+        extra += [f"trainer.steps={rl_steps}", f"trainer.eval_every={every}", f"trainer.save_every={every}",
+                  f"trainer.log_every={max(min(5, rl_steps // 3), 1)}"]
+    cfg = load_config("grpo_arithmetic", [*extra, *rl_overrides])
+    a = cfg.algorithm
+    console.print(
+        f"[bold]GRPO stage[/bold]: {cfg.trainer.steps} iterations of {cfg.data.batch_size} prompts x "
+        f"{a.num_generations} samples, reward = the exact-match verifier -> {cfg.trainer.out_dir}"
+    )
+    start = time.perf_counter()
+    result = train(cfg)
+    summary.add_row("GRPO iterations", str(result.step))
+    summary.add_row("GRPO wall time", f"{time.perf_counter() - start:.0f} s")
+    summary.add_row("held-out exact-match accuracy, GRPO", f"{result.final_eval.get('accuracy', float('nan')):.1%}")
+    return result
+
+
+def _quantization_stage(cfg, model_dir: Path, out: Path, console) -> dict[str, float]:
+    """Quantize the final model (NVFP4 W4A4: RTN and WUSH) and re-measure accuracy."""
     import jaxlm
     from jaxlm.quant.apply import quantize_with
     from trainers.evaluate import task_accuracy
 
     task = cfg.data.source
-    model = jaxlm.load_checkpoint(out / "model")
+    model = jaxlm.load_checkpoint(model_dir)
     texts = [e["prompt"] + e["completion"] for e in (task.example(i, "train") for i in range(256))]
     held = [task.example(i, "eval") for i in range(cfg.trainer.eval_generate)]
     accs = {}

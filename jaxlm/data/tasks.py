@@ -71,10 +71,17 @@ class Task:
 @TASKS.register("arithmetic")
 @dataclasses.dataclass(frozen=True)
 class Arithmetic(Task):
-    """``a op b =`` with ``digits``-digit operands; the answer is the integer result."""
+    """``a op b =`` with ``digits``-digit operands; the answer is the integer result.
+
+    ``carry_slip`` makes the *training demonstrations* come from a flawed teacher: with that
+    probability a ``+`` problem's completion drops the carry out of the ones digit
+    (57+68= -> "115", not "125"). The ``answer`` field, the eval split and `verify` stay
+    correct, so a verifier-driven method (GRPO) can fix what imitation learned.
+    """
 
     digits: int = 2
     ops: tuple[str, ...] = ("+",)
+    carry_slip: float = 0.0
 
     _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
@@ -85,13 +92,26 @@ class Arithmetic(Task):
         bad = [o for o in self.ops if o not in self._OPS]
         if not self.ops or bad:
             raise ValueError(f"arithmetic.ops={self.ops!r} is invalid: each must be one of {sorted(self._OPS)}")
+        if isinstance(self.carry_slip, bool) or not isinstance(self.carry_slip, (int, float)) or not (
+            0 <= self.carry_slip <= 1
+        ):
+            raise ValueError(f"arithmetic.carry_slip={self.carry_slip!r} must be a number in [0, 1]")
+
+    def example(self, index: int, split: str = "train") -> dict[str, Any]:
+        ex = super().example(index, split)
+        if split == "train" and self.carry_slip and ex["op"] == "+":
+            a, b = ex["operands"]
+            carry = (a % 10 + b % 10) >= 10
+            if carry and np.random.default_rng([self.seed, index, 0x511B]).random() < self.carry_slip:
+                ex = {**ex, "completion": str(ex["answer"] - 10)}
+        return ex
 
     def _draw(self, rng):
         hi = 10**self.digits
         a, b = int(rng.integers(0, hi)), int(rng.integers(0, hi))
         op = self.ops[int(rng.integers(0, len(self.ops)))]
         answer = self._OPS[op](a, b)
-        return {"prompt": f"{a}{op}{b}=", "completion": str(answer), "answer": answer}
+        return {"prompt": f"{a}{op}{b}=", "completion": str(answer), "answer": answer, "op": op, "operands": (a, b)}
 
     def verify(self, example, completion):
         return float(completion.strip() == str(example["answer"]))

@@ -50,3 +50,21 @@ def test_sorting_and_bad_options():
         make_task("sorting", digits=3)
     with pytest.raises(KeyError, match=r"unknown task 'arithmetc' \(did you mean \['arithmetic'\]\?\)"):
         TASKS["arithmetc"]
+
+
+def test_carry_slip_is_a_flawed_teacher_on_train_demonstrations_only():
+    """``carry_slip``: train completions drop the ones carry with that probability; eval
+    completions, ``answer`` and `verify` stay correct; other problems are untouched."""
+    task = Arithmetic(digits=2, carry_slip=0.6)
+    clean = Arithmetic(digits=2)
+    train = [task.example(i, "train") for i in range(3000)]
+    carry = [e for e in train if e["operands"][0] % 10 + e["operands"][1] % 10 >= 10]
+    slipped = [e for e in carry if e["completion"] != str(e["answer"])]
+    assert abs(len(slipped) / len(carry) - 0.6) < 0.04  # binomial sd ~0.014 at n ~1350
+    assert all(e["completion"] == str(e["answer"] - 10) for e in slipped)  # 57+68= -> "115"
+    assert all(e["completion"] == str(e["answer"]) for e in train if e not in carry)
+    assert all(task.verify(e, str(e["answer"])) == 1.0 and task.verify(e, e["completion"]) == 0.0 for e in slipped)
+    assert [task.example(i, "eval") for i in range(200)] == [clean.example(i, "eval") for i in range(200)]
+    assert [e["prompt"] for e in train[:200]] == [clean.example(i, "train")["prompt"] for i in range(200)]
+    with pytest.raises(ValueError, match="carry_slip"):
+        Arithmetic(carry_slip=1.5)

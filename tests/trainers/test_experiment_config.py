@@ -16,7 +16,7 @@ def test_overrides_are_typed():
     assert cfg.data.pack is False
     assert cfg.trainer.eval_every == 7
     assert cfg.optimizer.clip_norm is None
-    assert cfg.data.source == Arithmetic(digits=3, ops=("+",))
+    assert cfg.data.source == Arithmetic(digits=3, ops=("+",), carry_slip=0.6)  # the quickstart's flawed teacher
 
 
 def test_unknown_key_suggests_closest():

@@ -8,12 +8,16 @@ from trainers.cli import main
 
 def test_quickstart_small_variant(tmp_path, capsys):
     out = tmp_path / "qs"
-    main(["quickstart", "--steps", "12", "--out", str(out), "--no-progress",
-          "--overrides", "trainer.eval_generate=16", "data.batch_size=16"])
+    main(["quickstart", "--steps", "12", "--rl-steps", "1", "--out", str(out), "--no-progress",
+          "--overrides", "trainer.eval_generate=16", "data.batch_size=16",
+          "--rl-overrides", "trainer.eval_generate=8", "data.batch_size=2"])
     printed = capsys.readouterr().out
-    assert "Summary" in printed and "held-out exact-match accuracy" in printed
+    assert "Summary" in printed and "held-out exact-match accuracy, SFT" in printed
     assert "chance accuracy" in printed and "Sampled answers" in printed
-    for name in ("model", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard", "config.json"):
+    assert "GRPO stage" in printed and "held-out exact-match accuracy, GRPO" in printed
+    assert "NVFP4 W4A4 wush" in printed
+    for name in ("model", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard", "config.json",
+                 "grpo/model", "grpo/metrics.jsonl", "model_w4a4"):
         assert (out / name).exists(), name
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["kind"] == "eval" and records[-1]["step"] == 12
