@@ -38,11 +38,13 @@ def result(tmp_path_factory):
     return steering_demo.run(model, layer=0, doses=(0.0, DOSE))
 
 
+@pytest.mark.slow
 def test_the_model_solves_the_task(result):
     assert result.base_accuracy >= 0.99  # measured 1.000 on 256 held-out prompts
     assert result.n_negative >= 100
 
 
+@pytest.mark.slow
 def test_steering_along_v_pos_flips_negative_prompts(result):
     assert result.flip["none"][0] <= 0.02  # unsteered: measured 0.000
     assert result.chosen_dose == DOSE
@@ -52,6 +54,7 @@ def test_steering_along_v_pos_flips_negative_prompts(result):
     assert exact >= 0.9  # measured 0.973: the greedy completion is exactly "pos"
 
 
+@pytest.mark.slow
 def test_ablating_the_direction_removes_the_effect(result):
     for mode in ("same", "next"):
         assert max(result.flip[mode]) <= 0.05, mode  # measured 0.000 at both doses

@@ -222,12 +222,14 @@ def miniature(base):
     return out
 
 
+@pytest.mark.slow
 def test_miniature_base_cannot_solve_the_hard_problems(miniature):
     # pass@16 = 0 on every problem: the pool holds only the reference traces (another source)
     assert all(miniature["pool"][i] == [TOK.encode(e["completion"])] for i, e in enumerate(miniature["problems"]))
     assert miniature["base"]["greedy"] == 0 and miniature["base"]["sampled"] == 0
 
 
+@pytest.mark.slow
 def test_miniature_plain_grpo_gets_no_reward_prefix_rl_does(miniature):
     assert miniature["plain_rewards"] == [0.0] * len(miniature["plain_rewards"])
     assert not miniature["plain_moved"]  # every group ties at 0: no advantage, no update
@@ -237,6 +239,7 @@ def test_miniature_plain_grpo_gets_no_reward_prefix_rl_does(miniature):
     assert np.mean(f[-8:]) < np.mean(f[:8])
 
 
+@pytest.mark.slow
 def test_miniature_back_generalisation_to_unprefixed_problems(miniature):
     """Trained only on prefixed problems, the policy now solves some unprefixed held-out ones."""
     assert miniature["prefix"]["greedy"] >= 3 / 64  # base: 0 of 64 (seeds 0-4: 5-16 of 64)
