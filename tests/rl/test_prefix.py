@@ -244,3 +244,22 @@ def test_miniature_back_generalisation_to_unprefixed_problems(miniature):
     """Trained only on prefixed problems, the policy now solves some unprefixed held-out ones."""
     assert miniature["prefix"]["greedy"] >= 3 / 64  # base: 0 of 64 (seeds 0-4: 5-16 of 64)
     assert miniature["prefix"]["sampled"] >= 0.02  # base: 0 of 1024 samples (seeds 0-4: 0.04-0.14)
+
+
+def test_resume_between_recalibrations_is_bit_identical(base, tmp_path):
+    """The chosen cuts travel in the checkpoint: a run stopped at iteration 3 (cuts chosen at
+    iteration 2, recalibrate_every=2) and resumed ends with the same parameters as an
+    uninterrupted run, and both recalibrated at 2 and 4."""
+    common = ["trainer.steps=5", "trainer.save_every=1", "trainer.eval_every=0", "trainer.log_every=1",
+              "trainer.async_checkpoint=false", "data.batch_size=4", "algorithm.num_generations=4",
+              "algorithm.prefix.problems=16", "algorithm.prefix.trace_source=reference",
+              "algorithm.prefix.pass_rate_samples=4", "algorithm.prefix.recalibrate_every=2",
+              "algorithm.prefix.band_lo=0", "algorithm.prefix.band_hi=1"]  # any cut: this tests resume
+    train(_cfg(base, f"trainer.out_dir={tmp_path / 'full'}", *common))
+    part = [f"trainer.out_dir={tmp_path / 'part'}", *common]
+    assert train(_cfg(base, *part, "trainer.stop_after=3")).stopped_early
+    assert train(_cfg(base, *part)).step == 5
+    a = jax.tree.leaves(jaxlm.load_checkpoint(tmp_path / "full" / "model"))
+    b = jax.tree.leaves(jaxlm.load_checkpoint(tmp_path / "part" / "model"))
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

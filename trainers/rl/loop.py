@@ -193,6 +193,8 @@ def train_grpo(cfg: ExperimentConfig):
             _check_resume_config(json.loads(stored.read_text()), config_dict, out_dir)
         state, data_state = ckpt.restore(latest, abstract_like(state))
         start = int(data_state["iteration"])
+        if "collector" in data_state:  # e.g. PrefixRL's current cuts
+            trainer.collector.load_state_dict(data_state["collector"])
         log.info("resumed from iteration %d", start)
     (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2))
 
@@ -233,7 +235,10 @@ def train_grpo(cfg: ExperimentConfig):
             if k % t.log_every == 0 or k == t.steps:
                 logger.log(k, metrics)
             if k % t.save_every == 0 or k == t.steps:
-                ckpt.save(k, state, {"iteration": k}, config_dict)
+                data_state: dict[str, Any] = {"iteration": k}
+                if hasattr(trainer.collector, "state_dict"):  # collectors with state of their own
+                    data_state["collector"] = trainer.collector.state_dict()
+                ckpt.save(k, state, data_state, config_dict)
             if t.eval_every and k % t.eval_every == 0 and k != t.steps:
                 evaluate(k)
             if t.stop_after is not None and k - start >= t.stop_after and k < t.steps:

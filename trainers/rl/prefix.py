@@ -206,10 +206,10 @@ class PrefixRLCollector(SingleTurnCollector):
     At construction: the problems (train examples ``0 .. prefix.problems-1``), the trace pool
     and the cuts, from the base policy ``base_params``, else `trainers.loop.initial_model(cfg)`
     (init_from's weights, as for the reference model). With ``recalibrate_every = R`` the cuts
-    are re-chosen with the current policy at iterations R, 2R, ... (traces stay); a run resumed
-    between two calibrations re-chooses them with the parameters it resumed from, so it is
-    not bit-identical to an uninterrupted one. Iteration k's prompts are prefixed problems
-    ``k*B .. k*B+B-1`` of a fixed per-epoch shuffle."""
+    are re-chosen with the current policy at iterations R, 2R, ... (traces stay). The chosen
+    cuts are part of the checkpoint (`state_dict`), so a run resumed between two calibrations
+    continues with the cuts of the last one, bit-identically. Iteration k's prompts are
+    prefixed problems ``k*B .. k*B+B-1`` of a fixed per-epoch shuffle."""
 
     def __init__(self, cfg, graphdef, tokenizer, *, base_params=None):
         super().__init__(cfg, graphdef, tokenizer, examples=self._prefixed)
@@ -242,6 +242,23 @@ class PrefixRLCollector(SingleTurnCollector):
             self.prefixed = chosen
         self.calibrated_at, self.calibration = iteration, stats
         return stats
+
+    def state_dict(self) -> dict:
+        """The current cuts and when they were chosen (JSON; saved with each checkpoint)."""
+        import json
+
+        def plain(o):
+            return o.tolist() if hasattr(o, "tolist") else str(o)
+
+        return json.loads(json.dumps(
+            {"calibrated_at": self.calibrated_at, "prefixed": self.prefixed, "calibration": self.calibration},
+            default=plain,
+        ))
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calibrated_at = int(state["calibrated_at"])
+        self.prefixed = [dict(e) for e in state["prefixed"]]
+        self.calibration = dict(state["calibration"])
 
     def _prefixed(self, index: int) -> dict:
         n = len(self.prefixed)
