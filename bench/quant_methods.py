@@ -1,4 +1,4 @@
-"""W4A4 under RTN / shared Hadamard / WUSH on a trained model (docs/quantization.md).
+"""W4A4 under RTN / shared Hadamard / WUSH / QuaRot on a trained model (docs/quantization.md).
 
     jaxlm quickstart && python bench/quant_methods.py --model runs/quickstart/model
 
@@ -20,6 +20,7 @@ from jaxlm.data.tasks import Arithmetic  # noqa: E402
 from jaxlm.editing.kfac import token_batches  # noqa: E402
 from jaxlm.editing.metrics import score  # noqa: E402
 from jaxlm.editing.requests import encode_pairs  # noqa: E402
+from jaxlm.quant.quarot import quarot_quantize  # noqa: E402
 from jaxlm.quant.w4a4 import METHODS, transform_quantize_model  # noqa: E402
 
 if __name__ == "__main__":
@@ -27,6 +28,7 @@ if __name__ == "__main__":
     ap.add_argument("--model", default="runs/quickstart/model")
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--calibration", type=int, default=256)
+    ap.add_argument("--methods", nargs="+", default=[*METHODS, "quarot"], choices=[*METHODS, "quarot"])
     a = ap.parse_args()
     model = jaxlm.load_model(a.model)
     tok = model.tokenizer
@@ -44,8 +46,11 @@ if __name__ == "__main__":
     print("| method | format | exact match | answer NLL | time (s) |\n|---|---|---|---|---|")
     print(f"| none (fp32) | - | {acc0:.3f} | {nll0:.3f} | - |")
     for fmt in ("mxfp4", "nvfp4"):
-        for method in METHODS:
+        for method in a.methods:
             t0 = time.perf_counter()
-            q = transform_quantize_model(model, method, fmt, calib)
+            if method == "quarot":  # norms fused, residual + V/O rotated, RTN (needs no calibration)
+                q = quarot_quantize(model, fmt)
+            else:
+                q = transform_quantize_model(model, method, fmt, calib)
             acc, nll = evaluate(q)
             print(f"| {method} | {fmt} | {acc:.3f} | {nll:.3f} | {time.perf_counter() - t0:.1f} |", flush=True)

@@ -5,7 +5,7 @@
     jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--max-new-tokens 32] [--temperature 0]
     jaxlm convert SRC DST [--to orbax|hf]
-    jaxlm quantize MODEL --out DIR [--method rtn|hadamard|wush] [--format mxfp4|nvfp4|int4]
+    jaxlm quantize MODEL --out DIR [--method rtn|hadamard|wush|quarot] [--format mxfp4|nvfp4|int4]
     jaxlm compress MODEL --out DIR [--method a3] [--budget 0.5] [--components qk,ov,mlp] [--calib N]
     jaxlm edit MODEL --requests FILE [--method crispedit|finetune|alphaedit|memit|all] [--batches K]
 
@@ -130,7 +130,7 @@ class QuantizeArgs:
 
     model: Annotated[Path, tyro.conf.Positional]
     out: Path
-    method: Literal["rtn", "hadamard", "wush"] = "wush"
+    method: Literal["rtn", "hadamard", "wush", "quarot"] = "wush"
     format: Literal["mxfp4", "nvfp4", "int4"] = "mxfp4"
     weights_only: bool = False
     """Quantize weights only (activations stay in the model's dtype)."""

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from jaxlm.quant.formats import get_format
 
-PTQ_METHODS = ("rtn", "hadamard", "wush")
+PTQ_METHODS = ("rtn", "hadamard", "wush", "quarot")
 
 
 def calibration_batches(tokenizer, texts: Sequence[str], *, batch_size: int = 64, seq_len: int = 64):
@@ -19,7 +19,9 @@ def calibration_batches(tokenizer, texts: Sequence[str], *, batch_size: int = 64
 
 def quantize_with(model, method: str, fmt: str, calibration_texts: Sequence[str] = (), *,
                   weights_only: bool = False, seq_len: int = 64):
-    """``method`` in `PTQ_METHODS` (W4A4, or W4A16 with ``weights_only``) in format ``fmt``."""
+    """``method`` in `PTQ_METHODS` (W4A4, or W4A16 with ``weights_only``) in format ``fmt``.
+    ``"quarot"``: `jaxlm.quant.quarot.quarot_quantize` (norms fused, residual stream and V/O
+    heads rotated, then RTN; needs no calibration)."""
     from jaxlm.quant.w4a4 import transform_quantize_model
 
     if method not in PTQ_METHODS:
@@ -29,5 +31,9 @@ def quantize_with(model, method: str, fmt: str, calibration_texts: Sequence[str]
         raise ValueError("wush needs calibration texts (second moments of each layer's inputs)")
     if getattr(model, "tokenizer", None) is None and calibration_texts:
         raise ValueError("the model has no tokenizer to encode the calibration texts")
+    if method == "quarot":
+        from jaxlm.quant.quarot import quarot_quantize
+
+        return quarot_quantize(model, fmt, quantize_activations=not weights_only)
     batches = calibration_batches(model.tokenizer, calibration_texts, seq_len=seq_len) if calibration_texts else None
     return transform_quantize_model(model, method, fmt, batches, quantize_activations=not weights_only)
