@@ -28,7 +28,6 @@ from jaxlm.compress import (
     mean_token_nll, mlp_cur, ov_factors, qk_factors, svd_model,
 )
 from jaxlm.compress.a3 import qk_pair_scores, select_rope_pairs
-from jaxlm.data.pipeline import DataConfig
 from jaxlm.data.tasks import Arithmetic
 from jaxlm.editing.kfac import token_batches
 from jaxlm.inference.cache import KVCache
@@ -36,8 +35,7 @@ from jaxlm.models.hf.families import UnsupportedConfigError
 from jaxlm.models.layers.rope import RopeFrequencies
 from jaxlm.models.params import flat_params, model_from_flat
 from jaxlm.models.taps import Taps
-from trainers.config import ExperimentConfig, OptimizerConfig, TrainerConfig
-from trainers.loop import train
+from tiny_training import train_tiny
 
 TASK = Arithmetic(digits=2)
 
@@ -67,18 +65,11 @@ def _random_batches(n=3, B=8, T=20, seed=0):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A NoPE model (all three closed forms apply) trained briefly on 2-digit arithmetic."""
-    out = tmp_path_factory.mktemp("a3")
-    cfg = ExperimentConfig(
+    model = jaxlm.load_checkpoint(train_tiny(
+        tmp_path_factory.mktemp("a3"), TASK, steps=100, eval_examples=16,
         model=jaxlm.ModelConfig.tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64,
                                      rope="none"),
-        data=DataConfig(source=TASK, seq_len=32, batch_size=32, pack=True, eval_examples=16),
-        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=20),
-        trainer=TrainerConfig(steps=100, out_dir=str(out), progress=False, log_every=50, eval_every=0,
-                              save_every=10_000, eval_generate=0),
-        tokenizer="byte",
-    )
-    train(cfg)
-    model = jaxlm.load_checkpoint(out / "model")
+    ))
     examples = lambda split, n: [TASK.example(i, split) for i in range(n)]  # noqa: E731
     cal = example_batches(model.tokenizer, examples("train", 128), batch_size=64, seq_len=16)
     held = example_batches(model.tokenizer, examples("eval", 128), batch_size=128, seq_len=16)

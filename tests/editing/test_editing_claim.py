@@ -9,30 +9,22 @@ import pytest
 
 import jaxlm
 from jaxlm.data.facts import FactWorld
-from jaxlm.data.pipeline import DataConfig
 from jaxlm.data.tasks import Arithmetic
 from jaxlm.editing.benchmark import corpus_texts, run_method
 from jaxlm.editing.crispedit import GradientEditConfig
 from jaxlm.editing.metrics import EditEvaluator
-from trainers.config import ExperimentConfig, OptimizerConfig, TrainerConfig
-from trainers.loop import train
+from tiny_training import train_tiny
 
 WORLD = FactWorld(n_subjects=24, relations=("city", "job"), capability=Arithmetic(digits=1))
 
 
 @pytest.fixture(scope="module")
 def fact_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("facts")
-    cfg = ExperimentConfig(
+    return jaxlm.load_checkpoint(train_tiny(
+        tmp_path_factory.mktemp("facts"), WORLD, steps=400, warmup_steps=30, min_lr_ratio=0.05, batch_size=64,
+        seq_len=48, eval_examples=16,
         model=jaxlm.ModelConfig.tiny(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=64),
-        data=DataConfig(source=WORLD, seq_len=48, batch_size=64, pack=True, eval_examples=16),
-        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=30, min_lr_ratio=0.05),
-        trainer=TrainerConfig(steps=400, out_dir=str(out), progress=False, log_every=50, eval_every=0,
-                              save_every=10_000, eval_generate=0),
-        tokenizer="byte",
-    )
-    train(cfg)
-    return jaxlm.load_checkpoint(out / "model")
+    ))
 
 
 @pytest.mark.slow

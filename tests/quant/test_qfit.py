@@ -7,30 +7,21 @@ import numpy as np
 import pytest
 
 import jaxlm
-from jaxlm.data.pipeline import DataConfig
 from jaxlm.data.tasks import Arithmetic
 from jaxlm.editing.kfac import token_batches
 from jaxlm.interp.interventions import kv_fake_quant
 from jaxlm.quant.qfit import apply_qfit, qfit_calibrate, qfit_shift
-from trainers.config import ExperimentConfig, OptimizerConfig, TrainerConfig
-from trainers.loop import train
+from tiny_training import train_tiny
 
 TASK = Arithmetic(digits=2)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("qfit")
-    cfg = ExperimentConfig(
+    model = jaxlm.load_checkpoint(train_tiny(
+        tmp_path_factory.mktemp("qfit"), TASK, steps=200, eval_examples=16,
         model=jaxlm.ModelConfig.tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64),
-        data=DataConfig(source=TASK, seq_len=32, batch_size=32, pack=True, eval_examples=16),
-        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=20),
-        trainer=TrainerConfig(steps=200, out_dir=str(out), progress=False, log_every=50, eval_every=0,
-                              save_every=10_000, eval_generate=0),
-        tokenizer="byte",
-    )
-    train(cfg)
-    model = jaxlm.load_checkpoint(out / "model")
+    ))
     texts = lambda split, n: [e["prompt"] + e["completion"] for e in (TASK.example(i, split) for i in range(n))]  # noqa: E731
     cal = list(token_batches(model.tokenizer, texts("train", 64), batch_size=64, seq_len=16))
     held = next(token_batches(model.tokenizer, texts("eval", 128), batch_size=128, seq_len=16))
