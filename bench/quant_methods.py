@@ -1,6 +1,7 @@
-"""W4A4 under RTN / shared Hadamard / WUSH / QuaRot on a trained model (docs/quantization.md).
+"""W4A4 under RTN / shared Hadamard / WUSH / QuaRot / TwinQuant on a trained model (docs/quantization.md).
 
     jaxlm quickstart && python bench/quant_methods.py --model runs/quickstart/model
+    python bench/quant_methods.py --methods rtn twinquant --formats nvfp4
 
 Calibrates on training-split prompts, quantizes every attention/MLP projection (weights and
 activations) with each method and format, and reports held-out exact match (answer + EOS
@@ -21,6 +22,7 @@ from jaxlm.editing.kfac import token_batches  # noqa: E402
 from jaxlm.editing.metrics import score  # noqa: E402
 from jaxlm.editing.requests import encode_pairs  # noqa: E402
 from jaxlm.quant.quarot import quarot_quantize  # noqa: E402
+from jaxlm.quant.twinquant import twinquant_quantize_model  # noqa: E402
 from jaxlm.quant.w4a4 import METHODS, transform_quantize_model  # noqa: E402
 
 if __name__ == "__main__":
@@ -28,7 +30,9 @@ if __name__ == "__main__":
     ap.add_argument("--model", default="runs/quickstart/model")
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--calibration", type=int, default=256)
-    ap.add_argument("--methods", nargs="+", default=[*METHODS, "quarot"], choices=[*METHODS, "quarot"])
+    ap.add_argument("--methods", nargs="+", default=[*METHODS, "quarot"],
+                    choices=[*METHODS, "quarot", "twinquant"])
+    ap.add_argument("--formats", nargs="+", default=["mxfp4", "nvfp4"], choices=["mxfp4", "nvfp4", "int4"])
     a = ap.parse_args()
     model = jaxlm.load_model(a.model)
     tok = model.tokenizer
@@ -45,11 +49,13 @@ if __name__ == "__main__":
     acc0, nll0 = evaluate(model)
     print("| method | format | exact match | answer NLL | time (s) |\n|---|---|---|---|---|")
     print(f"| none (fp32) | - | {acc0:.3f} | {nll0:.3f} | - |")
-    for fmt in ("mxfp4", "nvfp4"):
+    for fmt in a.formats:
         for method in a.methods:
             t0 = time.perf_counter()
             if method == "quarot":  # norms fused, residual + V/O rotated, RTN (needs no calibration)
                 q = quarot_quantize(model, fmt)
+            elif method == "twinquant":  # rank 16, model-level default steps (time includes compiling)
+                q = twinquant_quantize_model(model, fmt, calib)
             else:
                 q = transform_quantize_model(model, method, fmt, calib)
             acc, nll = evaluate(q)

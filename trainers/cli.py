@@ -5,7 +5,7 @@
     jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--max-new-tokens 32] [--temperature 0]
     jaxlm convert SRC DST [--to orbax|hf]
-    jaxlm quantize MODEL --out DIR [--method rtn|hadamard|wush|quarot] [--format mxfp4|nvfp4|int4]
+    jaxlm quantize MODEL --out DIR [--method rtn|hadamard|wush|quarot|twinquant] [--format mxfp4|nvfp4|int4]
     jaxlm compress MODEL --out DIR [--method a3] [--budget 0.5] [--components qk,ov,mlp] [--calib N]
     jaxlm edit MODEL --requests FILE [--method crispedit|finetune|alphaedit|memit|all] [--batches K]
 
@@ -130,10 +130,13 @@ class QuantizeArgs:
 
     model: Annotated[Path, tyro.conf.Positional]
     out: Path
-    method: Literal["rtn", "hadamard", "wush", "quarot"] = "wush"
+    method: Literal["rtn", "hadamard", "wush", "quarot", "twinquant"] = "wush"
     format: Literal["mxfp4", "nvfp4", "int4"] = "mxfp4"
     weights_only: bool = False
     """Quantize weights only (activations stay in the model's dtype)."""
+    rank: float | None = None
+    """twinquant: rank of the high-precision part, an integer (e.g. 16) or a fraction of each
+    projection's input width (e.g. 0.125); default 16."""
     task: Arithmetic | Countdown | Sorting | FactWorld = Arithmetic()
     """Calibration texts come from its train split; accuracy from its held-out split."""
     calibration_n: int = 256
@@ -207,7 +210,14 @@ def run_quantize(args: QuantizeArgs) -> dict:
     if args.out.exists() and not args.overwrite:
         raise SystemExit(f"{args.out} exists; pass --overwrite to replace it")
     texts = [e["prompt"] + e["completion"] for e in (args.task.example(i, "train") for i in range(args.calibration_n))]
-    quantized = quantize_with(model, args.method, args.format, texts, weights_only=args.weights_only)
+    rank = args.rank
+    if rank is not None and rank >= 1:
+        if rank != int(rank):
+            raise SystemExit(f"--rank {rank} is invalid: an integer >= 1 or a fraction in (0, 1)")
+        rank = int(rank)
+    if rank is not None and args.method != "twinquant":
+        raise SystemExit(f"--rank applies to --method twinquant only (got --method {args.method})")
+    quantized = quantize_with(model, args.method, args.format, texts, weights_only=args.weights_only, rank=rank)
     held = [args.task.example(i, "eval") for i in range(args.eval_n)]
     before = task_accuracy(model, held, args.task.verify, tokenizer=model.tokenizer, max_new_tokens=8).accuracy
     after = task_accuracy(quantized, held, args.task.verify, tokenizer=model.tokenizer, max_new_tokens=8).accuracy

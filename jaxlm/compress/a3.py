@@ -265,7 +265,7 @@ def qk_pair_scores(stats: A3Statistics, layer: int, n_kv_heads: int, kind: str) 
 
 # ---------------------------------------------------------------------------- the method
 def _np(x) -> np.ndarray:
-    if not hasattr(x, "shape") or type(x).__name__ in ("QArray", "TransformedWeight"):
+    if not hasattr(x, "shape") or type(x).__name__ in ("QArray", "TransformedWeight", "LowRankTransformedWeight"):
         raise ValueError(f"A^3 needs plain weight arrays, got {type(x).__name__}: compress before quantizing")
     return np.asarray(x, np.float64)
 

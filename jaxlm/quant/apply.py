@@ -8,7 +8,7 @@ from typing import Sequence
 
 from jaxlm.quant.formats import get_format
 
-PTQ_METHODS = ("rtn", "hadamard", "wush", "quarot")
+PTQ_METHODS = ("rtn", "hadamard", "wush", "quarot", "twinquant")
 
 
 def calibration_batches(tokenizer, texts: Sequence[str], *, batch_size: int = 64, seq_len: int = 64):
@@ -18,17 +18,19 @@ def calibration_batches(tokenizer, texts: Sequence[str], *, batch_size: int = 64
 
 
 def quantize_with(model, method: str, fmt: str, calibration_texts: Sequence[str] = (), *,
-                  weights_only: bool = False, seq_len: int = 64):
+                  weights_only: bool = False, seq_len: int = 64, rank: int | float | None = None):
     """``method`` in `PTQ_METHODS` (W4A4, or W4A16 with ``weights_only``) in format ``fmt``.
     ``"quarot"``: `jaxlm.quant.quarot.quarot_quantize` (norms fused, residual stream and V/O
-    heads rotated, then RTN; needs no calibration)."""
+    heads rotated, then RTN; needs no calibration). ``"twinquant"``:
+    `jaxlm.quant.twinquant.twinquant_quantize_model` (low-rank high-precision part + 4-bit
+    residual, learned on calibration inputs; ``rank`` an int or a fraction, default 16)."""
     from jaxlm.quant.w4a4 import transform_quantize_model
 
     if method not in PTQ_METHODS:
         raise ValueError(f"method={method!r} is invalid: must be one of {PTQ_METHODS}")
     fmt = get_format(fmt)
-    if method == "wush" and not calibration_texts:
-        raise ValueError("wush needs calibration texts (second moments of each layer's inputs)")
+    if method in ("wush", "twinquant") and not calibration_texts:
+        raise ValueError(f"{method} needs calibration texts (inputs of each layer)")
     if getattr(model, "tokenizer", None) is None and calibration_texts:
         raise ValueError("the model has no tokenizer to encode the calibration texts")
     if method == "quarot":
@@ -36,4 +38,8 @@ def quantize_with(model, method: str, fmt: str, calibration_texts: Sequence[str]
 
         return quarot_quantize(model, fmt, quantize_activations=not weights_only)
     batches = calibration_batches(model.tokenizer, calibration_texts, seq_len=seq_len) if calibration_texts else None
+    if method == "twinquant":
+        from jaxlm.quant.twinquant import twinquant_quantize_model
+
+        return twinquant_quantize_model(model, fmt, batches, rank=rank, quantize_activations=not weights_only)
     return transform_quantize_model(model, method, fmt, batches, quantize_activations=not weights_only)

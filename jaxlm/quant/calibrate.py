@@ -57,3 +57,46 @@ def input_second_moments(
     if sums is None or n == 0:
         raise ValueError("input_second_moments: the calibration set has no valid tokens")
     return {m: sums[INPUT_TAPS[m]] / n for m in modules}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sites"))
+def _taps(graphdef, state, tokens, valid, *, sites):
+    out = nnx.merge(graphdef, state)(tokens, mask=valid, collect=sites)
+    return {s: out.collected[s].astype(jnp.float32) for s in sites}
+
+
+def input_samples(
+    model, batches: Iterable[tuple[np.ndarray, np.ndarray]], modules: Sequence[str] = tuple(INPUT_TAPS), *,
+    n: int = 512, seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """``{module: X [L, n', C]}``: up to ``n`` input rows (valid tokens, the same rows for
+    every layer and module) drawn uniformly without replacement with a seeded generator;
+    what objectives that need input samples, not only second moments, calibrate on
+    (TwinQuant). Each batch keeps at most ``n`` rows before the final draw, so memory stays
+    bounded by ``n`` per batch."""
+    bad = [m for m in modules if m not in INPUT_TAPS]
+    if bad:
+        raise ValueError(f"modules {bad} are invalid: calibratable modules are {sorted(INPUT_TAPS)}")
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"n={n!r} is invalid: must be a positive int")
+    rng = np.random.default_rng(seed)
+    sites = tuple(sorted({INPUT_TAPS[m] for m in modules}))
+    graphdef, state = nnx.split(model)
+    kept: dict[str, list[np.ndarray]] = {s: [] for s in sites}
+    for tokens, valid in batches:
+        valid = np.asarray(valid, bool)
+        got = jax.device_get(_taps(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid), sites=sites))
+        rows = np.flatnonzero(valid.reshape(-1))
+        if len(rows) > n:
+            rows = np.sort(rng.choice(rows, n, replace=False))
+        for s in sites:
+            x = got[s].reshape(got[s].shape[0], -1, got[s].shape[-1])  # [L, B*T, C]
+            kept[s].append(x[:, rows])
+    total = sum(x.shape[1] for x in kept[sites[0]])
+    if total == 0:
+        raise ValueError("input_samples: the calibration set has no valid tokens")
+    out = {s: np.concatenate(v, axis=1) for s, v in kept.items()}
+    if total > n:
+        pick = np.sort(rng.choice(total, n, replace=False))
+        out = {s: x[:, pick] for s, x in out.items()}
+    return {m: out[INPUT_TAPS[m]] for m in modules}

@@ -70,9 +70,10 @@ def _check_supported(model, what: str) -> None:
 
 def _structured(x) -> bool:
     from jaxlm.quant.formats import QArray
+    from jaxlm.quant.twinquant import LowRankTransformedWeight
     from jaxlm.quant.w4a4 import TransformedWeight
 
-    return isinstance(x, (QArray, TransformedWeight))
+    return isinstance(x, (QArray, TransformedWeight, LowRankTransformedWeight))
 
 
 def _split(model):

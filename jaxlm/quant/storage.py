@@ -1,7 +1,8 @@
 """Quantized weights in checkpoints: structured weight leaves (`QArray`,
-`TransformedWeight`, ...) are stored as plain dicts of their arrays plus a JSON spec of
-their types and static fields, so orbax saves them like any parameter and
-`jaxlm.load_checkpoint` rebuilds the exact objects (no re-quantization on load)."""
+`TransformedWeight`, `LowRankTransformedWeight`, ...) are stored as plain dicts of their
+arrays plus a JSON spec of their types and static fields, so orbax saves them like any
+parameter and `jaxlm.load_checkpoint` rebuilds the exact objects (no re-quantization on
+load; nested structured fields nest their specs)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from jaxlm.quant.formats import QArray, QFormat
 
 
 def _types() -> dict[str, type]:
+    from jaxlm.quant.twinquant import LowRankTransformedWeight
     from jaxlm.quant.w4a4 import TransformedWeight
 
-    return {"QArray": QArray, "TransformedWeight": TransformedWeight}
+    return {"QArray": QArray, "TransformedWeight": TransformedWeight,
+            "LowRankTransformedWeight": LowRankTransformedWeight}
 
 
 def _is_structured(x) -> bool:

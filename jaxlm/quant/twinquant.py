@@ -18,6 +18,10 @@ For ``y = x @ W`` (``W [C, R]``, jaxlm's ``[in, out]``), rank ``r``:
 fused kernel `kernels_pallas.lowrank_w4a16` on ``x A`` with ``P' = A^{-1} P``.
 The baseline `svd_split` is SVDQuant's decomposition without smoothing: ``P`` = the top-r
 left singular vectors of ``W``, plain RTN residual (``A = I``).
+
+Model level: `LowRankTransformedWeight` (a weight type ``linear`` dispatches on, stored by
+`jaxlm.quant.storage`) and `twinquant_quantize_model` (per layer and projection, on samples
+of the layer's actual inputs); ``jaxlm quantize --method twinquant``.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxlm.models.layers.linear import linear
 from jaxlm.quant.formats import QFormat, fake_quant, get_format
 from jaxlm.quant.transforms import hadamard_transform, identity_transform, transform_activations
+from jaxlm.quant.w4a4 import TransformedWeight, transformed_linear
 
 
 @jax.tree_util.register_dataclass
@@ -103,6 +109,30 @@ class TwinQuantConfig:
                 raise ValueError(f"{name}={v!r} is invalid: must be a positive int")
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "act", "steps", "batch", "lr_P", "lr_T"))
+def _optimize(W, X, P, T, key, *, fmt, act, steps, batch, lr_P, lr_T):
+    """``steps`` Adam steps on minibatches of ``X``: Riemannian (Stiefel) for ``P``, plain
+    for ``T``; one compiled loop (`lax.scan`), cached per shape and setting."""
+    Y = X @ W
+    opt_P, opt_T = optax.adam(lr_P), optax.adam(lr_T)
+
+    def loss_fn(P, T, xb, yb):
+        d = decompose(W, P, T)
+        return jnp.mean(jnp.sum((forward(xb, d, fmt, act) - yb) ** 2, axis=-1))
+
+    def step(carry, _):
+        P, T, sP, sT, key = carry
+        key, sub = jax.random.split(key)
+        idx = jax.random.choice(sub, X.shape[0], (batch,), replace=False)
+        loss, (gP, gT) = jax.value_and_grad(loss_fn, argnums=(0, 1))(P, T, X[idx], Y[idx])
+        uP, sP = opt_P.update(_stiefel_project(P, gP), sP)
+        uT, sT = opt_T.update(gT, sT)
+        return (_qr_retract(P + uP), T + uT, sP, sT, key), loss
+
+    (P, T, _, _, _), losses = jax.lax.scan(step, (P, T, opt_P.init(P), opt_T.init(T), key), None, length=steps)
+    return P, T, losses
+
+
 def twinquant(W, X_calib, fmt: str | QFormat, cfg: TwinQuantConfig = TwinQuantConfig(), *,
               act_format: str | QFormat | None = "same") -> tuple[LowRankPlusResidual, dict]:
     """Learn ``P`` (Stiefel) and the block transform (GL) for ``W [C, R]`` on calibration
@@ -117,31 +147,9 @@ def twinquant(W, X_calib, fmt: str | QFormat, cfg: TwinQuantConfig = TwinQuantCo
     init = svd_split(W, cfg.rank, fmt.block)
     T0 = hadamard_transform(C, fmt.block) if cfg.init_transform == "hadamard" else identity_transform(C, fmt.block)
     P, T = init.P, T0
-    Y = X @ W
-
-    def loss_fn(P, T, xb, yb):
-        d = decompose(W, P, T)
-        return jnp.mean(jnp.sum((forward(xb, d, fmt, act) - yb) ** 2, axis=-1))
-
-    opt_P = optax.adam(cfg.lr_subspace)
-    opt_T = optax.adam(cfg.lr_transform)
-
-    @functools.partial(jax.jit, donate_argnums=())
-    def step(P, T, sP, sT, key):
-        idx = jax.random.choice(key, X.shape[0], (min(cfg.batch, X.shape[0]),), replace=False)
-        loss, (gP, gT) = jax.value_and_grad(loss_fn, argnums=(0, 1))(P, T, X[idx], Y[idx])
-        uP, sP = opt_P.update(_stiefel_project(P, gP), sP)
-        P = _qr_retract(P + uP)
-        uT, sT = opt_T.update(gT, sT)
-        return P, T + uT, sP, sT, loss
-
-    sP, sT = opt_P.init(P), opt_T.init(T)
-    key = jax.random.key(cfg.seed)
-    losses = []
-    for _ in range(cfg.steps):
-        key, sub = jax.random.split(key)
-        P, T, sP, sT, loss = step(P, T, sP, sT, sub)
-        losses.append(float(loss))
+    P, T, losses = _optimize(W, X, P, T, jax.random.key(cfg.seed), fmt=fmt, act=act, steps=cfg.steps,
+                             batch=min(cfg.batch, X.shape[0]), lr_P=cfg.lr_subspace, lr_T=cfg.lr_transform)
+    losses = [float(v) for v in np.asarray(losses)]
     d = decompose(W, P, T)
     info = {
         "losses": losses,
@@ -161,3 +169,86 @@ def fused_operands(d: LowRankPlusResidual, fmt: str | QFormat):
 
     fmt = get_format(fmt)
     return quantize(d.residual, fmt, axis=-2), _blockwise_left_solve(d.T, d.P), d.L
+
+
+# ---------------------------------------------------------------- model level
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LowRankTransformedWeight:
+    """TwinQuant as a weight type the unchanged model runs: ``linear(x, w) = (x P) L +
+    Q_a(T x) . Q(A^{-1} (I - P P^T) W)``. ``P [C, r]`` and ``L [r, R]`` stay in high
+    precision; ``residual`` is a `TransformedWeight` (block transform ``T``, the residual
+    quantized with ``quantize(..., axis=-2)`` or dense, and the activation format, ``None``
+    for weight-only W4A16). Stacks over layers like any pytree (``scan_layers=True``)."""
+
+    P: jax.Array
+    L: jax.Array
+    residual: TransformedWeight
+
+    @property
+    def T(self) -> jax.Array:
+        return self.residual.T
+
+
+@linear.register(LowRankTransformedWeight)
+def lowrank_transformed_linear(x: jax.Array, w: LowRankTransformedWeight) -> jax.Array:
+    return linear(linear(x, w.P), w.L) + transformed_linear(x, w.residual)
+
+
+def _resolve_rank(rank: int | float, C: int) -> int:
+    if isinstance(rank, float):
+        if not 0 < rank < 1:
+            raise ValueError(f"rank={rank!r} is invalid: a fraction of the input width must be in (0, 1)")
+        return max(1, int(round(rank * C)))
+    return rank
+
+
+#: model-level default: few optimisation steps per projection (the quickstart model's
+#: 21 projections then quantize in about a minute on 2 CPU cores; docs/quantization.md)
+MODEL_CONFIG = TwinQuantConfig(rank=16, steps=40, batch=256)
+
+
+def twinquant_quantize_model(
+    model,
+    fmt: str | QFormat,
+    calibration,
+    *,
+    rank: int | float | None = None,
+    cfg: TwinQuantConfig | None = None,
+    modules: tuple[str, ...] | None = None,
+    samples: int = 512,
+    quantize_weights: bool = True,
+    quantize_activations: bool = True,
+):
+    """A new model whose ``modules`` run TwinQuant (`LowRankTransformedWeight`): per layer
+    and projection, ``twinquant(W, X, fmt, cfg)`` on up to ``samples`` of the layer's actual
+    input rows (`jaxlm.quant.calibrate.input_samples`, seeded by ``cfg.seed``) from the
+    ``calibration`` ``(tokens, valid)`` batches (``cfg=None``: `MODEL_CONFIG`). ``rank``: an int, or a fraction of each
+    projection's input width (``None``: ``cfg.rank``). The objective is W4A4 with
+    ``quantize_activations`` and W4A16 without. ``quantize_weights=quantize_activations=False``
+    keeps the residual dense and unquantized: the model then computes the original function."""
+    from jaxlm.quant.calibrate import INPUT_TAPS, input_samples
+    from jaxlm.quant.formats import quantize
+    from jaxlm.quant.w4a4 import map_projections
+
+    fmt = get_format(fmt)
+    cfg = MODEL_CONFIG if cfg is None else cfg
+    modules = tuple(INPUT_TAPS) if modules is None else tuple(modules)
+    if calibration is None:
+        raise ValueError("twinquant needs calibration batches (input samples of each layer)")
+    X = input_samples(model, calibration, modules, n=samples, seed=cfg.seed)
+    rank = cfg.rank if rank is None else rank
+    act = "same" if quantize_activations else None
+
+    def build(module, layer, W):
+        layer_cfg = dataclasses.replace(cfg, rank=_resolve_rank(rank, W.shape[0]))
+        d, _ = twinquant(W, X[module][layer], fmt, layer_cfg, act_format=act)
+        res = quantize(d.residual, fmt, axis=-2) if quantize_weights else d.residual.astype(W.dtype)
+        return LowRankTransformedWeight(
+            P=d.P.astype(W.dtype), L=d.L.astype(W.dtype),
+            residual=TransformedWeight(d.T, res, fmt if quantize_activations else None),
+        )
+
+    return map_projections(model, modules, build)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,12 +75,26 @@ def transform_quantize_model(
     if method not in METHODS:
         raise ValueError(f"method={method!r} is invalid: must be one of {METHODS}")
     fmt = get_format(fmt)
-    c = model.config
     H = None
     if method == "wush":
         if calibration is None:
             raise ValueError("wush needs calibration batches (second moments of the layer inputs)")
         H = jax.device_get(input_second_moments(model, calibration, modules))
+
+    def build(module, layer, W):
+        T = _transform(method, None if H is None else H[module][layer], W, fmt.block)
+        Wt = transform_weights(jnp.asarray(W, jnp.float32), T)
+        weight = quantize(Wt, fmt, axis=-2) if quantize_weights else Wt.astype(W.dtype)
+        return TransformedWeight(T, weight, fmt if quantize_activations else None)
+
+    return map_projections(model, modules, build)
+
+
+def map_projections(model, modules: Sequence[str], build: Callable[[str, int, jax.Array], Any]):
+    """A new model with each ``layers.(i.)?<module>.kernel`` (unrolled or scan-stacked
+    layers) replaced by ``build(module, layer, W)`` for ``module`` in ``modules``; stacked
+    kernels are split per layer and the built weights (pytrees) stacked again."""
+    c = model.config
     graphdef, state = nnx.split(model)
     pure = nnx.to_pure_dict(state)
     pattern = re.compile(r"^layers\.(?:(\d+)\.)?(" + "|".join(re.escape(m) for m in modules) + r")\.kernel$")
@@ -91,16 +105,9 @@ def transform_quantize_model(
         if m is None:
             return leaf
         module = m.group(2)
-        layers = [int(m.group(1))] if m.group(1) is not None else list(range(c.n_layers))
-        kernels = [leaf] if m.group(1) is not None else [leaf[i] for i in range(c.n_layers)]
-        built = []
-        for layer, W in zip(layers, kernels):
-            T = _transform(method, None if H is None else H[module][layer], W, fmt.block)
-            Wt = transform_weights(jnp.asarray(W, jnp.float32), T)
-            weight = quantize(Wt, fmt, axis=-2) if quantize_weights else Wt.astype(W.dtype)
-            built.append(TransformedWeight(T, weight, fmt if quantize_activations else None))
         if m.group(1) is not None:
-            return built[0]
+            return build(module, int(m.group(1)), leaf)
+        built = [build(module, layer, leaf[layer]) for layer in range(c.n_layers)]
         return jax.tree.map(lambda *xs: jnp.stack(xs), *built)
 
     new = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(one, pure))
