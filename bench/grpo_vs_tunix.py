@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
 
 
-def run_jaxlm(warmup: int, iters: int) -> dict:
+def run_jaxlm(warmup: int, iters: int, shared_prompt_forward: bool = True) -> dict:
     import jax
     import numpy as np
 
@@ -71,7 +71,7 @@ def run_jaxlm(warmup: int, iters: int) -> dict:
             collector="bench_letters", rewards=("bench_lowercase",), num_generations=c["group_size"],
             max_new_tokens=c["max_new_tokens"], temperature=c["temperature"], mu=c["num_iterations"],
             eps_low=c["epsilon"], eps_high=c["epsilon"], beta=c["beta"], aggregation="seq_mean_token_mean",
-            use_sampler_logprobs=True,
+            use_sampler_logprobs=True, shared_prompt_forward=shared_prompt_forward,
         ),
     )
     tokenizer = ByteTokenizer()
@@ -105,9 +105,15 @@ def main() -> None:
     ap.add_argument("--tunix-python", default="/work/tunix-venv/bin/python")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--no-shared-prompt", action="store_true",
+                    help="jaxlm: one forward per rollout row (algorithm.shared_prompt_forward=False)")
+    ap.add_argument("--jaxlm-only", action="store_true", help="skip the peer")
     args = ap.parse_args()
-    ours = run_jaxlm(args.warmup, args.iters)
+    ours = run_jaxlm(args.warmup, args.iters, shared_prompt_forward=not args.no_shared_prompt)
     print(json.dumps(ours), flush=True)
+    if args.jaxlm_only:
+        print(f"jaxlm  {ours['seconds_per_iteration']:.2f} s/iteration ({ours['cpu_seconds_per_iteration']:.2f} CPU-s)")
+        return
     peer = run_peer(args.tunix_python, args.warmup, args.iters)
     print(json.dumps(peer), flush=True)
     print(f"jaxlm  {ours['seconds_per_iteration']:.2f} s/iteration ({ours['cpu_seconds_per_iteration']:.2f} CPU-s)")

@@ -240,6 +240,10 @@ class GRPOConfig:
     """counterfactual_bonus: only rollouts whose verifier reward is >= this get the bonus."""
     logprob_chunk: int = 256
     """Rows of logits materialised at a time in the log-prob / entropy computation."""
+    shared_prompt_forward: bool = True
+    """Log-probs and gradients run each distinct prompt once (its keys/values gathered into the
+    G rollouts that continue it) instead of once per rollout; the same loss, less compute.
+    Used when the collector's rows share a prompt block (single-turn and PrefixRL)."""
     prefix: PrefixConfig | None = None
     """PrefixRL (B.1): train on problems prefixed with part of a correct trace (None: off)."""
     environment: RPSConfig | None = None

@@ -107,7 +107,8 @@ def _select(logits, processed, key, greedy: bool, same: bool = False):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "max_new_tokens", "processors", "greedy", "pad_id", "stop_tokens", "cache_dtype"),
+    static_argnames=("graphdef", "max_new_tokens", "processors", "greedy", "pad_id", "stop_tokens", "cache_dtype",
+                     "samples_per_prompt"),
 )
 def generate_tokens(
     graphdef,
@@ -124,14 +125,19 @@ def generate_tokens(
     cache_dtype: str | None = None,
     condition=None,
     interventions=(),
+    samples_per_prompt: int = 1,
 ) -> SamplingState:
     """The jittable core: left-padded ``prompt_tokens [B, P]`` with ``prompt_mask`` -> final state.
     ``condition`` (ids ``[B, C]`` or ``(ids, mask)``) is passed to every forward (MeGan), and so
-    are ``interventions`` (`jaxlm.interp.Intervention`: steering, ablation, head masks)."""
+    are ``interventions`` (`jaxlm.interp.Intervention`: steering, ablation, head masks).
+    ``samples_per_prompt = G``: each prompt is prefilled once and its cache repeated, giving
+    ``B * G`` rows (row ``b * G + g`` continues prompt ``b``), e.g. GRPO's groups."""
     model = nnx.merge(graphdef, params)
     B, P = prompt_tokens.shape
     N = max_new_tokens
     chex.assert_shape(prompt_mask, (B, P))
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt={samples_per_prompt} must be >= 1")
     process = compose(processors)
     stop = jnp.asarray(stop_tokens, jnp.int32) if stop_tokens else None
 
@@ -139,6 +145,19 @@ def generate_tokens(
     out = model.backbone(
         prompt_tokens, cache=cache, mask=prompt_mask, condition=condition, interventions=interventions
     )
+    last_hidden = out.hidden[:, -1]
+    if samples_per_prompt > 1:
+        G = samples_per_prompt
+        c = out.cache
+        out = out.replace(cache=c.replace(
+            k=jnp.repeat(c.k, G, axis=1), v=jnp.repeat(c.v, G, axis=1),
+            valid=jnp.repeat(c.valid, G, axis=0), lengths=jnp.repeat(c.lengths, G, axis=0),
+        ))
+        last_hidden = jnp.repeat(last_hidden, G, axis=0)
+        prompt_mask = jnp.repeat(prompt_mask, G, axis=0)
+        if condition is not None:
+            condition = jax.tree.map(lambda x: jnp.repeat(x, G, axis=0), condition)
+        B = B * G
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
         tokens=jnp.full((B, N), pad_id, jnp.int32),
@@ -147,7 +166,7 @@ def generate_tokens(
         lengths=jnp.zeros((B,), jnp.int32),
         done=jnp.zeros((B,), bool),
         prompt_lengths=prompt_mask.sum(axis=1, dtype=jnp.int32),
-        logits=model.unembed(out.hidden[:, -1]),
+        logits=model.unembed(last_hidden),
         cache=out.cache,
         rng=rng,
     )

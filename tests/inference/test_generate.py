@@ -96,6 +96,23 @@ def test_same_rng_same_samples_and_text_prompts(model):
     assert a.sequences()[0][:3] == [tok.bos_id] + tok.encode("hi")
 
 
+def test_samples_per_prompt_equals_repeated_prompts(model):
+    """Prefilling each prompt once and repeating its cache G times (GRPO's groups) gives the
+    rows that G copies of each prompt give: same tokens, log-probs to float32 rounding."""
+    from jaxlm.inference import generate_tokens
+
+    graphdef, params = nnx.split(model)
+    G = 3
+    tokens, mask = _left_pad(PROMPTS)
+    kw = dict(max_new_tokens=6, stop_tokens=(7,), processors=(TopK(40),))
+    once = generate_tokens(graphdef, params, tokens, mask, jax.random.key(3), samples_per_prompt=G, **kw)
+    rep = generate_tokens(graphdef, params, jnp.repeat(tokens, G, 0), jnp.repeat(mask, G, 0), jax.random.key(3), **kw)
+    np.testing.assert_array_equal(once.tokens, rep.tokens)
+    np.testing.assert_array_equal(once.lengths, rep.lengths)
+    np.testing.assert_allclose(once.logprobs, rep.logprobs, atol=1e-5)
+    assert len({tuple(r) for r in np.asarray(once.tokens)[:G]}) > 1  # the G rows are distinct samples
+
+
 def test_sampling_matches_softmax_frequencies():
     """Sampling follows softmax(logits) exactly: chi-square against the law, with a vocabulary
     that is not a multiple of the sampler's block and masked (-inf) entries never drawn."""

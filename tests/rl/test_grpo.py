@@ -17,11 +17,11 @@ from trainers.loop import initial_model, make_tokenizer, train
 from trainers.rl.loop import GRPOTrainer
 
 
-def _cfg(tmp_path=None, **algo):
+def _cfg(tmp_path=None, adam_eps=1e-8, lr=1e-3, **algo):
     return ExperimentConfig(
         model=ModelConfig.tiny(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=32),
         data=DataConfig(source=Arithmetic(digits=1), seq_len=16, batch_size=4),
-        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant"),
+        optimizer=OptimizerConfig(lr=lr, warmup_steps=0, schedule="constant", eps=adam_eps),
         trainer=TrainerConfig(steps=4, out_dir=str(tmp_path or "runs/unused"), progress=False, save_every=2,
                               log_every=1, eval_generate=8, async_checkpoint=False),
         algorithm=GRPOConfig(**{"num_generations": 4, "max_new_tokens": 5, "mu": 2, "minibatches": 2, **algo}),
@@ -70,12 +70,16 @@ def test_advantages_reach_every_token_of_their_rollout(trainer, experience):
 
 def test_update_is_exact_under_gradient_accumulation(experience):
     """One minibatch split into 2 micro-batches of unequal token counts gives the same update
-    as the whole minibatch at once (token_mean: sums and counts added, divided once)."""
+    as the whole minibatch at once (token_mean: sums and counts added, divided once).
+    Adam eps = 1 (lr = 1) keeps the step proportional to the gradient (about 0.1 g): with
+    eps = 1e-8 a gradient entry near 0 becomes a step of about +-lr whatever its size, so
+    float32 summation order alone could decide it (measured: 8e-7 apart at lr 1e-3, either
+    path); this compares the gradients, not that rounding."""
     state, exp = experience
     tok = make_tokenizer("byte")
     outs = []
     for accum in (1, 2):
-        cfg = _cfg(mu=1, minibatches=1)
+        cfg = _cfg(adam_eps=1.0, lr=1.0, mu=1, minibatches=1)
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, grad_accum=accum))
         tr = GRPOTrainer(cfg, initial_model(cfg), tok)
         rows = dict(exp.rows)
@@ -90,6 +94,64 @@ def test_update_is_exact_under_gradient_accumulation(experience):
     for a, b in zip(jax.tree.leaves(outs[0][0]), jax.tree.leaves(outs[1][0])):
         np.testing.assert_allclose(a, b, atol=1e-6)
     assert outs[0][1]["loss"] == pytest.approx(outs[1][1]["loss"], rel=1e-5)
+
+
+def test_shared_prompt_forward_equals_the_per_row_forward(trainer, experience):
+    """Each distinct prompt run once, its keys/values gathered into the rows (a resampled,
+    repeated, shuffled selection as Q-PAS draws it): log-probs and parameter gradients equal
+    one forward per row (float32)."""
+    from flax import nnx
+
+    from trainers.rl.rollout import row_logprobs, shared_prompts
+
+    state, exp = experience
+    rows = exp.rows
+    idx = np.random.default_rng(0).choice(len(rows["tokens"]), size=12, replace=True)
+    plain = {k: jnp.asarray(rows[k][idx]) for k in ("tokens", "attend", "positions")}
+    shared = {**plain, "prompts": jax.tree.map(jnp.asarray, shared_prompts(rows, exp.prompt_block)),
+              "prompt_index": jnp.asarray(rows["prompt_index"][idx])}
+    weight = jnp.asarray(np.random.default_rng(1).normal(size=plain["tokens"].shape) * rows["loss_mask"][idx])
+
+    def objective(params, batch):
+        return jnp.sum(row_logprobs(nnx.merge(trainer.graphdef, params), batch) * weight)
+
+    (v0, g0), (v1, g1) = (jax.jit(jax.value_and_grad(objective))(state.params, b) for b in (plain, shared))
+    lp0 = row_logprobs(nnx.merge(trainer.graphdef, state.params), plain)
+    lp1 = row_logprobs(nnx.merge(trainer.graphdef, state.params), shared)
+    m = rows["loss_mask"][idx]
+    np.testing.assert_allclose(np.asarray(lp1)[m], np.asarray(lp0)[m], atol=2e-6)
+    assert float(v1) == pytest.approx(float(v0), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_shared_prompt_update_equals_the_per_row_update(experience):
+    """Two epochs of two shuffled minibatches: the same parameters with and without it
+    (Adam eps = 1, lr = 1: see the accumulation test)."""
+    state, exp = experience
+    tok = make_tokenizer("byte")
+    finals = []
+    for shared in (False, True):
+        cfg = _cfg(adam_eps=1.0, lr=1.0, shared_prompt_forward=shared)
+        tr = GRPOTrainer(cfg, initial_model(cfg), tok)
+        e = dataclasses.replace(exp, rewards=np.arange(16, dtype=np.float32).reshape(4, 4) % 3)
+        st = tr.init_state()
+        prepared, _ = tr.prepare(st, e)
+        assert ("prompts" in prepared) == shared
+        new, _ = tr.update(st, prepared, 0)
+        finals.append(jax.device_get(new.params))
+    for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1])):
+        np.testing.assert_allclose(b, a, atol=1e-6)
+
+
+def test_shared_prompts_refuses_rows_that_do_not_share_their_prompt(experience):
+    from trainers.rl.rollout import shared_prompts
+
+    _, exp = experience
+    rows = {k: v.copy() for k, v in exp.rows.items()}
+    rows["tokens"][1, exp.prompt_block - 1] += 1  # row 1 no longer continues prompt 0
+    with pytest.raises(ValueError, match="shared_prompt_forward.*differ"):
+        shared_prompts(rows, exp.prompt_block)
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ class Experience:
     valid: np.ndarray | None = None  # same shape: rollouts / turns that count
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    prompt_block: int | None = None  # rows with one prompt_index share this many leading columns
 
 
 class SingleTurnCollector:
@@ -76,7 +77,7 @@ class SingleTurnCollector:
                    for e, t, r in zip(flat_examples[::G], texts[::G], total[::G])]
         rewards = total.reshape(B, G)
         return Experience(rows=rows, rewards=np.nan_to_num(rewards, nan=0.0), valid=~np.isnan(rewards),
-                          metrics=metrics, samples=samples)
+                          metrics=metrics, samples=samples, prompt_block=self.prompt_block)
 
 
 @COLLECTORS.register("single_turn")

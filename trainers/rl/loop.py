@@ -38,7 +38,7 @@ from trainers.optim import make_optimizer
 from trainers.rl.advantages import ADVANTAGES
 from trainers.rl.buffer import BUFFER_SAMPLERS
 from trainers.rl.collectors import COLLECTORS, Experience
-from trainers.rl.rollout import make_logprob_fn
+from trainers.rl.rollout import make_logprob_fn, shared_prompts
 from trainers.rl.step import make_rl_step
 from trainers.step import TrainState, init_state
 
@@ -116,6 +116,10 @@ class GRPOTrainer:
             metrics["groups_kept"] = float((~flat).mean())
         rows["loss_mask"] = loss_mask
         device_rows = {k: jnp.asarray(rows[k]) for k in ("tokens", "attend", "positions")}
+        if a.shared_prompt_forward and exp.prompt_block is not None:
+            rows["prompts"] = shared_prompts(rows, exp.prompt_block)
+            device_rows["prompts"] = jax.tree.map(jnp.asarray, rows["prompts"])
+            device_rows["prompt_index"] = jnp.asarray(rows["prompt_index"])
         if a.use_sampler_logprobs:
             rows["old_logp"] = rows["sampler_logp"]
         else:
@@ -147,7 +151,9 @@ class GRPOTrainer:
                 idx = order[j * per : (j + 1) * per]
                 mb = {k: rows[k][idx] for k in keys if k != "weights"}
                 mb["weights"] = weights[j * per : (j + 1) * per]
-                state, m = self.step_fn(state, {k: jnp.asarray(v) for k, v in mb.items()})
+                if "prompts" in rows:  # every minibatch carries all prompts (static shapes)
+                    mb["prompts"], mb["prompt_index"] = rows["prompts"], rows["prompt_index"][idx]
+                state, m = self.step_fn(state, jax.tree.map(jnp.asarray, mb))
                 m = jax.device_get(m)
                 if not bool(m["finite"]):
                     raise FloatingPointError(

@@ -9,6 +9,13 @@ prompt b's g-th completion), every row ``T`` tokens long::
     loss_mask     bool  [R, T]  token t was produced by the policy: it is a trained target
     sampler_logp  f32   [R, T]  log-prob the sampler gave token t (0 where not sampled)
     turn          int32 [R, T]  turn index of token t (multi-turn; 0 for single-turn)
+    prompt_index  int32 [R]     which prompt the row continues (single-turn rows: ``b``)
+
+Rows that continue the same prompt share their first ``prompt_block`` columns. With
+``algorithm.shared_prompt_forward`` the log-probs are computed from one forward of each
+distinct prompt (its keys/values gathered into every row that continues it) followed by a
+forward of the rows' remaining columns: the same function, with the prompt's share of the
+forward and backward done once per prompt instead of once per rollout.
 
 Environment tokens of multi-turn rollouts and PrefixRL's prefix live in ``tokens`` with
 ``loss_mask = 0``: they are context, never targets and never in an importance ratio.
@@ -49,9 +56,10 @@ def positions_of(attend: np.ndarray) -> np.ndarray:
 
 
 def sample_block(graphdef, params, block, mask, rng, *, max_new_tokens: int, temperature: float,
-                 top_p: float | None, pad_id: int, stop_tokens: tuple[int, ...]):
+                 top_p: float | None, pad_id: int, stop_tokens: tuple[int, ...], samples_per_prompt: int = 1):
     """The KV-cache sampler on a left-padded ``block`` at ``temperature`` (0 = greedy) and
-    ``top_p``: its final `SamplingState`."""
+    ``top_p``: its final `SamplingState` (``samples_per_prompt`` rows per prompt, each prompt
+    prefilled once)."""
     processors = []
     if temperature not in (0, 1):
         processors.append(Temperature(float(temperature)))
@@ -60,6 +68,7 @@ def sample_block(graphdef, params, block, mask, rng, *, max_new_tokens: int, tem
     return generate_tokens(
         graphdef, params, jnp.asarray(block), jnp.asarray(mask), rng, max_new_tokens=max_new_tokens,
         processors=tuple(processors), greedy=temperature == 0, pad_id=pad_id, stop_tokens=stop_tokens,
+        samples_per_prompt=samples_per_prompt,
     )
 
 
@@ -71,10 +80,11 @@ def sample_rollouts(
     """``G`` sampled completions per prompt (``jaxlm``'s KV-cache sampler) as training rows,
     with ``lengths [R]`` (completion tokens, stop token included) and ``completion [R, N]``."""
     G = num_generations
-    repeated = [p for p in prompt_ids for _ in range(G)]
-    block, mask = left_pad(repeated, prompt_block, pad_id)
-    final = sample_block(graphdef, params, block, mask, rng, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_p=top_p, pad_id=pad_id, stop_tokens=stop_tokens)
+    unique, unique_mask = left_pad(prompt_ids, prompt_block, pad_id)
+    final = sample_block(graphdef, params, unique, unique_mask, rng, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_p=top_p, pad_id=pad_id, stop_tokens=stop_tokens,
+                         samples_per_prompt=G)
+    block, mask = np.repeat(unique, G, axis=0), np.repeat(unique_mask, G, axis=0)
     completion, logp, lengths = jax.device_get((final.tokens, final.logprobs, final.lengths))
     N = max_new_tokens
     produced = np.arange(N)[None, :] < lengths[:, None]
@@ -88,18 +98,59 @@ def sample_rollouts(
         "sampler_logp": np.concatenate([np.zeros(mask.shape, np.float32), np.where(produced, logp, 0.0)], 1)
         .astype(np.float32),
         "turn": np.zeros(attend.shape, np.int32),
+        "prompt_index": np.repeat(np.arange(len(prompt_ids)), G).astype(np.int32),
         "lengths": lengths.astype(np.int32),
         "completion": completion.astype(np.int32),
     }
 
 
+def shared_prompts(rows: dict[str, np.ndarray], prompt_block: int) -> dict[str, np.ndarray]:
+    """The distinct prompts of ``rows`` as ``{tokens, attend, positions} [U, prompt_block]``
+    (``U = max(prompt_index) + 1``), checked to be what every row that names them starts with."""
+    idx = rows["prompt_index"]
+    U = int(idx.max()) + 1
+    first = np.zeros(U, np.int64)
+    first[idx[::-1]] = np.arange(len(idx))[::-1]  # first row of each prompt
+    out = {}
+    for k in ("tokens", "attend", "positions"):
+        block = rows[k][:, :prompt_block]
+        out[k] = block[first]
+        if not np.array_equal(out[k][idx], block):
+            raise ValueError(
+                f"algorithm.shared_prompt_forward: rows with the same prompt_index differ in their "
+                f"first {prompt_block} columns of {k!r}; this collector's rows do not share a prompt block"
+            )
+    return out
+
+
+def _shared_prompt_hidden(model, batch):
+    """Final hidden states ``[R, T, D]`` of the rows, with each distinct prompt of
+    ``batch["prompts"]`` run once: its keys/values (a KV cache of ``U`` rows) are gathered
+    by ``batch["prompt_index"]`` and the rows' remaining columns attend to them. Gradients
+    flow back through the gather (summed over the rows of a prompt)."""
+    p, idx = batch["prompts"], batch["prompt_index"]
+    tokens = batch["tokens"]
+    R, T = tokens.shape
+    U, W = p["tokens"].shape
+    pre = model.backbone(p["tokens"], p["positions"], cache=model.init_cache(U, T), mask=p["attend"])
+    c = pre.cache
+    gathered = c.replace(k=jnp.take(c.k, idx, axis=1), v=jnp.take(c.v, idx, axis=1),
+                         valid=jnp.take(c.valid, idx, axis=0), lengths=jnp.take(c.lengths, idx, axis=0))
+    rest = model.backbone(tokens[:, W:], batch["positions"][:, W:], cache=gathered, mask=batch["attend"][:, W:])
+    return jnp.concatenate([jnp.take(pre.hidden, idx, axis=0), rest.hidden], axis=1)
+
+
 def row_logprobs(model, batch, *, chunk: int = 256, entropy: bool = False):
     """``logp [R, T]``: ``log pi(tokens[t] | tokens[<t])`` (0 at t = 0), computed from the
     hidden states ``chunk`` rows of logits at a time (never a whole ``[R, T, V]``); with
-    ``entropy``, also the policy entropy at the positions that predict each token."""
+    ``entropy``, also the policy entropy at the positions that predict each token. A batch
+    with ``prompts`` (`shared_prompts`) runs each distinct prompt once."""
     tokens = batch["tokens"]
-    out = model.backbone(tokens, batch["positions"], mask=batch["attend"])
-    h = out.hidden[:, :-1]
+    if "prompts" in batch:
+        hidden = _shared_prompt_hidden(model, batch)
+    else:
+        hidden = model.backbone(tokens, batch["positions"], mask=batch["attend"]).hidden
+    h = hidden[:, :-1]
     w = unembedding(model)
     lp = token_logprobs(h, w, tokens[:, 1:], chunk=chunk)
     lp = jnp.concatenate([jnp.zeros_like(lp[:, :1]), lp], axis=1)

@@ -60,10 +60,13 @@ def make_rl_step(graphdef, tx: optax.GradientTransformation, schedule, cfg, *, g
             (loss_sum, (count, stats)), g_sum = grad_fn(state.params, batch)
         else:
             R = batch["tokens"].shape[0]
-            micro = jax.tree.map(lambda x: x.reshape(R // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1), batch)
+            per_row = {k: v for k, v in batch.items() if k != "prompts"}  # prompts go to every micro-batch
+            micro = jax.tree.map(lambda x: x.reshape(R // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1), per_row)
 
             def accumulate(carry, mb):
                 g_acc, l_acc, c_acc, s_acc = carry
+                if "prompts" in batch:
+                    mb = {**mb, "prompts": batch["prompts"]}
                 (loss, (n, st)), g = grad_fn(state.params, mb)
                 return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss, c_acc + n,
                         jax.tree.map(jnp.add, s_acc, st)), None
