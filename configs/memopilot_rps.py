@@ -1,5 +1,5 @@
 """MemoPilot on multi-round Rock-Paper-Scissors (card B.3): multi-turn GRPO trains a memory
-writer; a frozen scripted player plays the counter of the move the memory names.
+writer; a frozen player (scripted, or a frozen LM) plays the counter of the move the memory names.
 
 The writer first needs the memory format (a move letter, then EOS), which a random byte
 model almost never produces: a ~10 s SFT warm start on random one-letter memories writes
@@ -12,6 +12,13 @@ it, then GRPO learns what to write::
 number of ``(opponent, seed)`` groups per iteration and ``data.seq_len`` the episode row
 width (`trainers.rl.memopilot.episode_width`). Watch ``win_rate`` (and ``win_rate/<opponent>``)
 in metrics.jsonl; the no-memory baseline is 1/3.
+
+The paper's player is a frozen LLM: ``--player`` on the warm start also trains a frozen
+tiny LM player, and the run uses it with::
+
+    python -m trainers.rl.memopilot_warmstart runs/memopilot_rps_sft --player
+    jaxlm train configs/memopilot_rps.py algorithm.environment.player=lm \
+        algorithm.environment.player_model=runs/memopilot_rps_sft/player
 """
 
 from jaxlm.data.pipeline import DataConfig

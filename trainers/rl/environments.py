@@ -94,6 +94,12 @@ class RPSConfig:
     """``biased`` opponent: probability of its favourite move."""
     switch_every: int = 4
     """``switch`` opponent: rounds between strategy changes."""
+    player: str = "scripted"
+    """The frozen player (`trainers.rl.memopilot`): ``scripted`` (`counter_player`, the
+    counter of the move the memory names) or ``lm`` (a frozen jaxlm model SFT'd to do the same,
+    `player_warm_start`; the paper's player is a frozen LLM)."""
+    player_model: str | None = None
+    """``player="lm"``: the frozen player's checkpoint directory (`jaxlm.load_checkpoint`)."""
 
     def __post_init__(self):
         if not self.opponents:
@@ -111,6 +117,11 @@ class RPSConfig:
             raise ValueError(f"RPSConfig.first_to={self.first_to!r} must be in [1, rounds={self.rounds}] (or None)")
         if not 1 / 3 <= self.bias <= 1:
             raise ValueError(f"RPSConfig.bias={self.bias!r} must be in [1/3, 1]")
+        if self.player not in ("scripted", "lm"):
+            raise ValueError(f"RPSConfig.player={self.player!r} is invalid: must be 'scripted' or 'lm'")
+        if self.player == "lm" and not self.player_model:
+            raise ValueError("RPSConfig.player_model is required with player='lm': the frozen player's checkpoint "
+                             "(python -m trainers.rl.memopilot_warmstart OUT --player writes OUT/player)")
 
 
 # An opponent: (history of (player, opponent) moves, seed's per-episode draws, round rng, cfg) -> move.

@@ -17,12 +17,15 @@ K = rounds - 1). G rollouts play the same ``(opponent, seed)``: the opponent's a
 player's random draws depend only on ``(seed, round)``, so rollouts differ only through
 their memories.
 
-**Player** (a deviation, stated): the paper's player is a frozen LLM. Here it is a frozen
-scripted reader, `counter_player`: it plays the counter of the first move (R/P/S) named in
-the memory, and a seeded random move when the memory names none (the no-memory
-baseline: m = "" every round). A frozen LM player SFT'd to do the same would cost a
-forward pass per round and an extra training stage on CPU, and would measure its own
-compliance along with the writer; the scripted reader isolates what is trained here.
+**Player**: frozen, one of two (``RPSConfig.player``). ``lm`` is the paper's setting: a
+frozen jaxlm model (`lm_player`) that reads ``"<dice>|<memory>|"`` and answers with a move
+letter, greedily; `player_warm_start` SFTs it to play the counter of the first move the
+memory names and, when it names none, the move its dice digit gives (the dice depends only
+on ``(seed, round)``, so G rollouts of a group still differ only through their memories); an
+answer naming no move forfeits the round. ``scripted`` (`counter_player`) is that rule
+written as code, the player a perfectly compliant LM would be: it isolates what is trained
+(the writer) and costs no forward pass. The no-memory baseline is either player with
+``m = ""`` every round.
 
 **Writer context**: one row per episode (`trainers.rl.multiturn`): ``[bos]`` then, per
 turn, the round just played as ``"<+|=|-><ours><theirs>"`` (e.g. ``"-RP"``, context,
@@ -51,20 +54,124 @@ from flax import nnx
 from trainers.rl.collectors import COLLECTORS, Experience
 from trainers.rl.environments import MOVES, RockPaperScissors, RPSConfig, counter, parse_move
 from trainers.rl.multiturn import TurnRows, sample_turn
-from trainers.rl.rollout import row_logprobs
+from trainers.rl.rollout import left_pad, positions_of, row_logprobs, sample_block
 
 SEGMENT = "{obs}"
 """The context the writer reads before writing each memory (obs: ``"-RP"``)."""
 SEGMENT_LEN = 3
 
 
+def player_dice(seed: int, round_index: int) -> int:
+    """The player's random move index when the memory names none; depends only on ``(seed, round)``."""
+    return int(np.random.default_rng([seed, round_index, 0x91A7]).integers(3))
+
+
 def counter_player(memory: str, seed: int, round_index: int) -> str:
-    """The frozen player: the counter of the move the memory names (the opponent's
-    predicted move), else a random move that depends only on ``(seed, round)``."""
+    """The scripted frozen player: the counter of the move the memory names (the opponent's
+    predicted move), else the random move ``player_dice(seed, round)``."""
     predicted = parse_move(memory)
     if predicted is None:
-        return MOVES[int(np.random.default_rng([seed, round_index, 0x91A7]).integers(3))]
+        return MOVES[player_dice(seed, round_index)]
     return MOVES[counter(predicted)]
+
+
+Player = Callable[[Sequence[str], Sequence[int], int], list[str]]
+"""``player(memories, seeds, round) -> move texts``, one per active episode."""
+
+
+def scripted_player(memories: Sequence[str], seeds: Sequence[int], round_index: int) -> list[str]:
+    return [counter_player(m, s, round_index) for m, s in zip(memories, seeds)]
+
+
+PLAYER_PROMPT = "{dice}|{memory}|"
+"""What the LM player reads (after BOS): its dice digit and the memory."""
+
+
+def player_prompt(memory: str, seed: int, round_index: int) -> str:
+    return PLAYER_PROMPT.format(dice=player_dice(seed, round_index), memory=memory)
+
+
+def lm_player(graphdef, params, tokenizer, *, bucket: int = 8) -> Player:
+    """A frozen jaxlm model as the player: greedy, one token per round, prompts left-padded
+    to a multiple of ``bucket`` tokens (few compiled shapes)."""
+
+    def play(memories, seeds, round_index):
+        ids = [tokenizer.encode(player_prompt(m, s, round_index), add_bos=True) for m, s in zip(memories, seeds)]
+        width = -(-max(map(len, ids)) // bucket) * bucket
+        block, mask = left_pad(ids, width, tokenizer.pad_id)
+        final = sample_block(graphdef, params, block, mask, jax.random.key(0), max_new_tokens=1, temperature=0,
+                             top_p=None, pad_id=tokenizer.pad_id, stop_tokens=())
+        return [tokenizer.decode([t]) for t in np.asarray(final.tokens[:, 0])]
+
+    return play
+
+
+def random_memory(rng: np.random.Generator) -> str:
+    """A memory as a writer might leave it: empty, a move letter, or 1-2 characters of which
+    any may be a move letter or another printable byte (the player's SFT inputs)."""
+    kind = rng.random()
+    if kind < 0.2:
+        return ""
+    if kind < 0.5:
+        return MOVES[int(rng.integers(3))]
+    chars = [MOVES[int(rng.integers(3))] if rng.random() < 0.4 else chr(int(rng.integers(32, 127)))
+             for _ in range(int(rng.integers(1, 3)))]
+    return "".join(chars)
+
+
+def player_warm_start(config, tokenizer, *, steps: int = 400, batch_size: int = 64, lr: float = 3e-3,
+                      seed: int = 0):
+    """A frozen LM player: a ``config`` model SFT'd on ``"<dice>|<memory>|" -> move`` with the
+    target `counter_player`'s move, on `random_memory` memories and random ``(seed, round)``."""
+    import jaxlm
+
+    rng = np.random.default_rng([seed, 0x5EED])
+    n = 64 * batch_size
+    memories = [random_memory(rng) for _ in range(n)]
+    seeds, rounds = rng.integers(0, 2**31, n), rng.integers(0, 64, n)
+    texts = [player_prompt(m, int(s), int(t)) for m, s, t in zip(memories, seeds, rounds)]
+    targets = [counter_player(m, int(s), int(t)) for m, s, t in zip(memories, seeds, rounds)]
+    ids = [tokenizer.encode(x, add_bos=True) + tokenizer.encode(y) for x, y in zip(texts, targets)]
+    width = max(map(len, ids))
+    block, attend = left_pad(ids, width, tokenizer.pad_id)
+    loss_mask = np.zeros_like(attend)
+    loss_mask[:, -1] = True  # the move letter is the only target
+    data = {"tokens": jnp.asarray(block), "attend": jnp.asarray(attend),
+            "positions": jnp.asarray(positions_of(attend)), "loss_mask": jnp.asarray(loss_mask)}
+    model = jaxlm.build_model(config, seed=seed, tokenizer=tokenizer)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    tx = optax.adam(lr)
+
+    def loss_fn(p, batch):
+        lp = row_logprobs(nnx.merge(graphdef, p), batch)
+        m = batch["loss_mask"].astype(jnp.float32)
+        return -(lp * m).sum() / jnp.maximum(m.sum(), 1.0)
+
+    @jax.jit
+    def step(p, opt, batch):
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        upd, opt = tx.update(g, opt, p)
+        return optax.apply_updates(p, upd), opt, loss
+
+    opt = tx.init(params)
+    for _ in range(steps):
+        idx = rng.choice(n, batch_size, replace=False)
+        params, opt, _ = step(params, opt, {k: v[idx] for k, v in data.items()})
+    model = nnx.merge(graphdef, params)
+    model.tokenizer = tokenizer
+    return model
+
+
+def load_player(cfg: RPSConfig, tokenizer) -> Player:
+    """The player ``cfg`` names (``lm``: its checkpoint loaded once, frozen)."""
+    if cfg.player == "scripted":
+        return scripted_player
+    import jaxlm
+
+    model = jaxlm.load_checkpoint(cfg.player_model)
+    graphdef, params = nnx.split(model)
+    return lm_player(graphdef, params, getattr(model, "tokenizer", None) or tokenizer)
 
 
 def episode_width(cfg: RPSConfig, max_new_tokens: int) -> int:
@@ -124,7 +231,7 @@ def lm_writer(graphdef, params, tokenizer, *, width: int, max_new_tokens: int, t
 
 
 def play_rps(cfg: RPSConfig, specs: Sequence[tuple[str, int]], *, tokenizer, writer: Writer | None,
-             num_generations: int = 1, rng: jax.Array | None = None) -> Episodes:
+             num_generations: int = 1, rng: jax.Array | None = None, player: Player = scripted_player) -> Episodes:
     """Play ``num_generations`` episodes per ``(opponent, seed)`` (rollout ``i*G + g``).
     ``writer=None``: the no-memory baseline (the player always sees ``m = ""``)."""
     G = num_generations
@@ -140,10 +247,12 @@ def play_rps(cfg: RPSConfig, specs: Sequence[tuple[str, int]], *, tokenizer, wri
     stream = TurnRows(R, bos) if writer is not None else None
     rng = jax.random.key(0) if rng is None else rng
     for t in range(cfg.rounds):
-        for i in np.flatnonzero(active):
+        playing = np.flatnonzero(active)
+        moves = player([memory[i] for i in playing], [envs[i][1] for i in playing], t)
+        for i, move in zip(playing, moves):
             env, seed = envs[i]
             memories[i].append(memory[i])
-            obs[i], reward, done = env.step(counter_player(memory[i], seed, t))
+            obs[i], reward, done = env.step(move)
             observations[i].append(obs[i])
             outcomes[i, t] = reward
             active[i] = not done
@@ -171,6 +280,7 @@ class MemoPilotCollector:
                 f"GRPOConfig.environment={env!r} is invalid for collector='rps_memory': must be an RPSConfig"
             )
         self.cfg, self.env, self.graphdef, self.tokenizer = cfg, env, graphdef, tokenizer
+        self.player = load_player(env, tokenizer)
         self.width = cfg.data.seq_len
         need = episode_width(env, a.max_new_tokens)
         if need > self.width:
@@ -190,7 +300,8 @@ class MemoPilotCollector:
         specs = self.specs(iteration)
         writer = lm_writer(self.graphdef, params, self.tokenizer, width=self.width - a.max_new_tokens,
                            max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p)
-        ep = play_rps(self.env, specs, tokenizer=self.tokenizer, writer=writer, num_generations=G, rng=rng)
+        ep = play_rps(self.env, specs, tokenizer=self.tokenizer, writer=writer, num_generations=G, rng=rng,
+                      player=self.player)
         rows = ep.stream.rows(self.width, self.tokenizer.pad_id)
         rewards, valid = turn_rewards(ep.outcomes, self.env.reward_horizon)
         K = rewards.shape[1]
@@ -217,10 +328,10 @@ def rps_memory(cfg, graphdef, tokenizer):
 
 
 def win_rates(cfg: RPSConfig, opponents: Sequence[str], seeds: Sequence[int], *, tokenizer,
-              writer: Writer | None, rng: jax.Array | None = None) -> dict[str, float]:
+              writer: Writer | None, rng: jax.Array | None = None, player: Player = scripted_player) -> dict[str, float]:
     """The player's win rate per opponent (rounds >= 1) over ``seeds``, and ``"all"``."""
     specs = [(o, s) for o in opponents for s in seeds]
-    ep = play_rps(cfg, specs, tokenizer=tokenizer, writer=writer, rng=rng)
+    ep = play_rps(cfg, specs, tokenizer=tokenizer, writer=writer, rng=rng, player=player)
     names = np.asarray([o for o, _ in specs])
     out = {o: ep.win_rate(names == o) for o in opponents}
     out["all"] = ep.win_rate()
