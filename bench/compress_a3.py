@@ -10,7 +10,8 @@ per projection (dense reconstruction), and reports on held-out problems: each co
 relative output error (on the original model's layer inputs), exact match (answer + EOS
 under teacher forcing = greedy decoding) and answer NLL, plus the compressed model's
 parameter count and KV-cache size. The ratio printed last is SVD's answer NLL increase over
-A^3's at the first budget (all components).
+A^3's at the first budget (all components). With ``--allocation global`` each budget also gets
+an "A^3 global" row: mixed per-layer ranks at the same parameter count (widths printed per layer).
 """
 
 import argparse
@@ -39,6 +40,8 @@ if __name__ == "__main__":
     ap.add_argument("--budgets", default="0.75,0.5")
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--calibration", type=int, default=256)
+    ap.add_argument("--allocation", choices=("uniform", "global"), default="uniform",
+                    help="global: also report A^3 with mixed per-layer ranks at the same budget")
     a = ap.parse_args()
     model = jaxlm.load_model(a.model)
     tok, c0 = model.tokenizer, model.config
@@ -70,16 +73,24 @@ if __name__ == "__main__":
             a3 = model_from_flat(c1, flat)
             a3.tokenizer = tok
             svd = svd_model(model, c1, comps)
-            kv = kv_cache_bytes(c1, 1, 1) / kv_cache_bytes(c0, 1, 1)
             row = {}
-            for name, m in (("A^3", a3), ("SVD", svd)):
+            methods = [("A^3", a3, c1), ("SVD", svd, c1)]
+            if a.allocation == "global":
+                flat_g, c_g = a3_compress(flat_params(model), c0, stats,
+                                          A3Config(components=comps, budget=budget, allocation="global"))
+                mixed = model_from_flat(c_g, flat_g)
+                mixed.tokenizer = tok
+                methods.insert(1, ("A^3 global", mixed, c_g))
+            for name, m, c in methods:
+                w = {n: "(" + ",".join(str(getattr(c.layer_config(i), n)) for i in range(c.n_layers)) + ")"
+                     if getattr(c, f"layer_{n}s") else str(getattr(c, n)) for n in ("qk_head_dim", "v_head_dim", "ffn_dim")}
                 err = component_errors(model, m, held_batches, comps)
                 acc, nll = evaluate(m)
                 row[name] = nll
                 errs = " | ".join(f"{err[k]:.2e}" if k in err else "-" for k in ("qk", "ov", "mlp"))
-                size = f"{c1.num_params():,}" if name == "A^3" else f"~{c1.num_params():,} (dense)"
-                cache = f"{kv:.3f}" if name == "A^3" else "1.000"
-                print(f"| {','.join(comps)} | {budget} | {name} | {c1.qk_head_dim}/{c1.v_head_dim}/{c1.ffn_dim} "
+                size = f"{c.num_params():,}" if name != "SVD" else f"~{c.num_params():,} (dense)"
+                cache = f"{kv_cache_bytes(c, 1, 1) / kv_cache_bytes(c0, 1, 1):.3f}" if name != "SVD" else "1.000"
+                print(f"| {','.join(comps)} | {budget} | {name} | {w['qk_head_dim']}/{w['v_head_dim']}/{w['ffn_dim']} "
                       f"| {size} | {cache} | {errs} | {acc:.3f} | {nll:.4f} |", flush=True)
             if first is None:
                 first = row

@@ -2,10 +2,13 @@
 
     jaxlm quickstart && python bench/quant_methods.py --model runs/quickstart/model
     python bench/quant_methods.py --methods rtn twinquant --formats nvfp4
+    python bench/quant_methods.py --methods rtn wush --inner rtn gptq --formats mxfp4 nvfp4 int4:group=32,scale=rms
 
 Calibrates on training-split prompts, quantizes every attention/MLP projection (weights and
 activations) with each method and format, and reports held-out exact match (answer + EOS
 under teacher forcing = greedy decoding) and answer NLL against the bf16/fp32 model.
+``--inner gptq``: the rtn / hadamard / wush transforms with GPTQ-style inner rounding
+(WUSH's GPTQ mode, `jaxlm.quant.gptq`). Formats take options: ``int4:group=32,scale=rms``.
 """
 
 import argparse
@@ -21,6 +24,8 @@ from jaxlm.data.tasks import Arithmetic  # noqa: E402
 from jaxlm.editing.kfac import token_batches  # noqa: E402
 from jaxlm.editing.metrics import score  # noqa: E402
 from jaxlm.editing.requests import encode_pairs  # noqa: E402
+from jaxlm.quant.formats import get_format  # noqa: E402
+from jaxlm.quant.gptq import INNER  # noqa: E402
 from jaxlm.quant.quarot import quarot_quantize  # noqa: E402
 from jaxlm.quant.twinquant import twinquant_quantize_model  # noqa: E402
 from jaxlm.quant.w4a4 import METHODS, transform_quantize_model  # noqa: E402
@@ -32,8 +37,13 @@ if __name__ == "__main__":
     ap.add_argument("--calibration", type=int, default=256)
     ap.add_argument("--methods", nargs="+", default=[*METHODS, "quarot"],
                     choices=[*METHODS, "quarot", "twinquant"])
-    ap.add_argument("--formats", nargs="+", default=["mxfp4", "nvfp4"], choices=["mxfp4", "nvfp4", "int4"])
+    ap.add_argument("--formats", nargs="+", default=["mxfp4", "nvfp4"],
+                    help="mxfp4 | nvfp4 | int4, options after a colon (int4:group=32,scale=rms)")
+    ap.add_argument("--inner", nargs="+", default=["rtn"], choices=list(INNER),
+                    help="inner rounding of the rtn / hadamard / wush transforms")
     a = ap.parse_args()
+    for fmt in a.formats:
+        get_format(fmt)  # fail on a bad format before loading anything
     model = jaxlm.load_model(a.model)
     tok = model.tokenizer
     task = Arithmetic(digits=2)
@@ -47,16 +57,18 @@ if __name__ == "__main__":
         return float(s["exact"].mean()), float(-s["logprob"].mean())
 
     acc0, nll0 = evaluate(model)
-    print("| method | format | exact match | answer NLL | time (s) |\n|---|---|---|---|---|")
-    print(f"| none (fp32) | - | {acc0:.3f} | {nll0:.3f} | - |")
+    print("| method | inner | format | exact match | answer NLL | time (s) |\n|---|---|---|---|---|---|")
+    print(f"| none (fp32) | - | - | {acc0:.3f} | {nll0:.3f} | - |")
     for fmt in a.formats:
         for method in a.methods:
-            t0 = time.perf_counter()
-            if method == "quarot":  # norms fused, residual + V/O rotated, RTN (needs no calibration)
-                q = quarot_quantize(model, fmt)
-            elif method == "twinquant":  # rank 16, model-level default steps (time includes compiling)
-                q = twinquant_quantize_model(model, fmt, calib)
-            else:
-                q = transform_quantize_model(model, method, fmt, calib)
-            acc, nll = evaluate(q)
-            print(f"| {method} | {fmt} | {acc:.3f} | {nll:.3f} | {time.perf_counter() - t0:.1f} |", flush=True)
+            for inner in a.inner if method in METHODS else ["-"]:
+                t0 = time.perf_counter()
+                if method == "quarot":  # norms fused, residual + V/O rotated, RTN (needs no calibration)
+                    q = quarot_quantize(model, fmt)
+                elif method == "twinquant":  # rank 16, model-level default steps (time includes compiling)
+                    q = twinquant_quantize_model(model, fmt, calib)
+                else:
+                    q = transform_quantize_model(model, method, fmt, calib, inner=inner)
+                acc, nll = evaluate(q)
+                print(f"| {method} | {inner} | {fmt} | {acc:.3f} | {nll:.3f} | {time.perf_counter() - t0:.1f} |",
+                      flush=True)

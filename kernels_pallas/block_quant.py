@@ -10,8 +10,9 @@ broadcast over blocks in-kernel), so a per-block transform whose blocks all equa
 shared one gives bit-identical codes and scales (tested).
 
 Formats: ``mxfp4`` (E2M1 + E8M0, exponent rule ``ocp | ceil | alpha3``) and ``nvfp4``
-(E2M1 + E4M3 with a given FP32 tensor scale). Outputs are packed like weights (even
-element in the low nibble) and are consumed by `kernels_pallas.w4a4`.
+(E2M1 + E4M3 with a given FP32 tensor scale: one scalar, or one per row ``[M]`` so rows of
+different tensors, e.g. the sequences of a batch, quantize in one call). Outputs are packed
+like weights (even element in the low nibble) and are consumed by `kernels_pallas.w4a4`.
 
 Grid over row-blocks; each program holds whole rows (full-width blocks keep Mosaic's
 (8, 128) tiling rule satisfied). Interpret mode run here; GPU/TPU lowering not run.
@@ -59,6 +60,16 @@ def _transform(xb, t, mode):
     return jnp.einsum("mnb,nbc->mnc", xb, t, preferred_element_type=jnp.float32)
 
 
+def _row_scales(global_scale, M):
+    """A scalar or per-row ``[M]`` tensor scale -> ``[M, 1]`` float32."""
+    g = jnp.asarray(global_scale, jnp.float32)
+    if g.ndim == 0:
+        return jnp.broadcast_to(g, (M, 1))
+    if g.shape != (M,):
+        raise ValueError(f"global_scale has shape {g.shape}: expected a scalar or one per row ({M},)")
+    return g.reshape(M, 1)
+
+
 def reference(x, transform=None, *, fmt="mxfp4", rule="ocp", global_scale=1.0, block=None):
     """jnp reference: ``(codes [M, K/2] uint8, scales [M, K/B])``."""
     block = block or (32 if fmt == "mxfp4" else 16)
@@ -66,7 +77,7 @@ def reference(x, transform=None, *, fmt="mxfp4", rule="ocp", global_scale=1.0, b
     xb = x.astype(jnp.float32).reshape(M, K // block, block)
     mode, tt = _mode_and_tt(transform, K, block)
     y = _transform(xb, tt, mode)
-    codes, scales = _quantize_blocks(y, jnp.float32(global_scale), fmt=fmt, rule=rule)
+    codes, scales = _quantize_blocks(y, _row_scales(global_scale, M), fmt=fmt, rule=rule)
     return _pack_last(codes.reshape(M, K)), scales
 
 
@@ -88,7 +99,7 @@ def _kernel(x_ref, t_ref, g_ref, c_ref, s_ref, *, block, mode, fmt, rule):
     x = x_ref[...].astype(jnp.float32)
     bm, K = x.shape
     y = _transform(x.reshape(bm, K // block, block), t_ref[...], mode)
-    codes, scales = _quantize_blocks(y, g_ref[0, 0], fmt=fmt, rule=rule)
+    codes, scales = _quantize_blocks(y, g_ref[...], fmt=fmt, rule=rule)  # g: [bm, 1]
     c_ref[...] = _pack_last(codes.reshape(bm, K))
     s_ref[...] = scales
 
@@ -96,7 +107,8 @@ def _kernel(x_ref, t_ref, g_ref, c_ref, s_ref, *, block, mode, fmt, rule):
 @functools.partial(jax.jit, static_argnames=("fmt", "rule", "block", "bm", "interpret"))
 def transform_quantize(x, transform=None, global_scale=1.0, *, fmt="mxfp4", rule="ocp", block=None, bm=16, interpret=False):
     """Transform each ``block`` of every row of ``x [M, K]`` and quantize it.
-    Returns ``(codes [M, K/2] uint8, scales [M, K/block])``."""
+    ``global_scale``: the NVFP4 tensor scale, a scalar or one per row ``[M]`` (ignored by
+    MXFP4). Returns ``(codes [M, K/2] uint8, scales [M, K/block])``."""
     block = block or (32 if fmt == "mxfp4" else 16)
     M, K = x.shape
     if K % block:
@@ -104,7 +116,7 @@ def transform_quantize(x, transform=None, global_scale=1.0, *, fmt="mxfp4", rule
     mode, tt = _mode_and_tt(transform, K, block)
     Mp = -(-M // bm) * bm
     xp = jnp.pad(x, ((0, Mp - M), (0, 0)))
-    g = jnp.asarray(global_scale, jnp.float32).reshape(1, 1)
+    g = jnp.pad(_row_scales(global_scale, M), ((0, Mp - M), (0, 0)), constant_values=1.0)  # [Mp, 1]
     scale_dtype = jnp.uint8 if fmt == "mxfp4" else jnp.float8_e4m3fn
     zero = (0,) * tt.ndim
     codes, scales = pl.pallas_call(
@@ -117,7 +129,7 @@ def transform_quantize(x, transform=None, global_scale=1.0, *, fmt="mxfp4", rule
         in_specs=[
             pl.BlockSpec((bm, K), lambda i: (i, 0)),
             pl.BlockSpec(tt.shape, lambda i: zero),
-            pl.BlockSpec((1, 1), lambda i: (0, 0)),
+            pl.BlockSpec((bm, 1), lambda i: (i, 0)),
         ],
         out_specs=(
             pl.BlockSpec((bm, K // 2), lambda i: (i, 0)),

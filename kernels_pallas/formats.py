@@ -7,7 +7,8 @@ the even code (IEEE RTNE), and saturates at 6.
 
 E1M2 (the KV-cache grid of ReQAT): magnitudes {0, 0.5, ..., 3.5}, a uniform grid.
 
-INT4: two's complement in [-8, 7].
+INT4: two's complement in [-8, 7]. INT4 midrise (``int4m``): the same codes ``q`` stand for
+``q + 0.5`` (the RMS-scaled INT quantizer of WUSH, arXiv 2512.00956).
 
 Packing: two codes per byte along the packed axis, **even element in the low nibble**
 (the layout of WUSH/qutlass and NeMo/ModelOpt checkpoints).
@@ -79,8 +80,19 @@ def int4_decode(codes: jax.Array) -> jax.Array:
     return jnp.where(codes >= 8, codes - 16, codes).astype(jnp.float32)
 
 
-ENCODERS = {"e2m1": e2m1_encode, "e1m2": e1m2_encode, "int4": int4_encode}
-DECODERS = {"e2m1": e2m1_decode, "e1m2": e1m2_decode, "int4": int4_decode}
+def int4m_encode(x: jax.Array) -> jax.Array:
+    """Midrise INT4 (WUSH's ``pseudoquantize_int``): ``q = clamp(floor(x), -8, 7)`` stored as
+    4-bit two's complement; it stands for ``q + 0.5`` (grid {-7.5, ..., 7.5}, no zero)."""
+    q = jnp.clip(jnp.floor(x.astype(jnp.float32)), -8, 7).astype(jnp.int32)
+    return (q & 0xF).astype(jnp.uint8)
+
+
+def int4m_decode(codes: jax.Array) -> jax.Array:
+    return int4_decode(codes) + 0.5
+
+
+ENCODERS = {"e2m1": e2m1_encode, "e1m2": e1m2_encode, "int4": int4_encode, "int4m": int4m_encode}
+DECODERS = {"e2m1": e2m1_decode, "e1m2": e1m2_decode, "int4": int4_decode, "int4m": int4m_decode}
 
 
 def pack_nibbles(codes: jax.Array, axis: int = -1) -> jax.Array:

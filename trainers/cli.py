@@ -5,8 +5,10 @@
     jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--max-new-tokens 32] [--temperature 0]
     jaxlm convert SRC DST [--to orbax|hf]
-    jaxlm quantize MODEL --out DIR [--method rtn|hadamard|wush|quarot|twinquant] [--format mxfp4|nvfp4|int4]
+    jaxlm quantize MODEL --out DIR [--method rtn|hadamard|wush|quarot|twinquant|qat] [--format mxfp4|nvfp4|int4]
+                   [--inner rtn|gptq]
     jaxlm compress MODEL --out DIR [--method a3] [--budget 0.5] [--components qk,ov,mlp] [--calib N]
+        [--allocation uniform|global]
     jaxlm edit MODEL --requests FILE [--method crispedit|finetune|alphaedit|memit|all] [--batches K]
 
 ``--model`` takes a HuggingFace directory or a jaxlm (orbax) checkpoint; without it
@@ -130,8 +132,15 @@ class QuantizeArgs:
 
     model: Annotated[Path, tyro.conf.Positional]
     out: Path
-    method: Literal["rtn", "hadamard", "wush", "quarot", "twinquant"] = "wush"
-    format: Literal["mxfp4", "nvfp4", "int4"] = "mxfp4"
+    method: Literal["rtn", "hadamard", "wush", "quarot", "twinquant", "qat"] = "wush"
+    """Post-training methods, or qat: store the trained weights of a model trained with
+    model.qat_format (required for such a model; --format must be that format)."""
+    format: str = "mxfp4"
+    """mxfp4 | nvfp4 | int4, with options after a colon, e.g. int4:group=32,scale=rms (WUSH's
+    RMS-scaled midrise INT4) or mxfp4:rule=alpha3."""
+    inner: Literal["rtn", "gptq"] = "rtn"
+    """rtn / hadamard / wush: rounding of the transformed weights, rtn (each block on its own)
+    or gptq (WUSH's GPTQ mode: error feedback through the calibration Hessian's Cholesky factor)."""
     weights_only: bool = False
     """Quantize weights only (activations stay in the model's dtype)."""
     rank: float | None = None
@@ -162,6 +171,9 @@ class CompressArgs:
     """Explicit value width per head (overrides --budget for ov)."""
     ffn_dim: int | None = None
     """Explicit MLP width (overrides --budget for mlp)."""
+    allocation: Literal["uniform", "global"] = "uniform"
+    """uniform: every layer the same width; global: the same total width per component split over
+    layers by A^3's closed-form error curves (mixed ranks; the saved model has unrolled layers)."""
     task: Arithmetic | Countdown | Sorting | FactWorld = Arithmetic()
     """Calibration texts come from its train split; accuracy from its held-out split."""
     calib: int = 256
@@ -177,7 +189,7 @@ def run_compress(args: CompressArgs) -> dict:
     from trainers.evaluate import task_accuracy
 
     a3 = A3Config(components=args.components, budget=args.budget, qk_head_dim=args.qk_head_dim,
-                  v_head_dim=args.v_head_dim, ffn_dim=args.ffn_dim)
+                  v_head_dim=args.v_head_dim, ffn_dim=args.ffn_dim, allocation=args.allocation)
     if args.out.exists() and not args.overwrite:
         raise SystemExit(f"{args.out} exists; pass --overwrite to replace it")
     model = load_model(args.model)
@@ -191,8 +203,10 @@ def run_compress(args: CompressArgs) -> dict:
     jaxlm.save_checkpoint(small, args.out, overwrite=args.overwrite)
     c0, c1 = model.config, small.config
     kv = kv_cache_bytes(c1, 1, 1) / kv_cache_bytes(c0, 1, 1)
-    print(f"{args.method} ({','.join(a3.components)}, budget {args.budget}): qk_head_dim {c0.qk_head_dim}->"
-          f"{c1.qk_head_dim}, v_head_dim {c0.v_head_dim}->{c1.v_head_dim}, ffn_dim {c0.ffn_dim}->{c1.ffn_dim}; "
+    w = lambda c, n: getattr(c, f"layer_{n}s") or getattr(c, n)  # noqa: E731 (per-layer widths when mixed)
+    print(f"{args.method} ({','.join(a3.components)}, budget {args.budget}, {args.allocation}): qk_head_dim "
+          f"{c0.qk_head_dim}->{w(c1, 'qk_head_dim')}, v_head_dim {c0.v_head_dim}->{w(c1, 'v_head_dim')}, "
+          f"ffn_dim {c0.ffn_dim}->{w(c1, 'ffn_dim')}; "
           f"parameters {c0.num_params():,} -> {c1.num_params():,}; KV cache x{kv:.3f}")
     print(f"held-out accuracy {before:.1%} -> {after:.1%} ({args.eval_n} problems) -> {args.out}")
     return {"before": before, "after": after, "kv_cache_ratio": kv}
@@ -204,6 +218,11 @@ def run_quantize(args: QuantizeArgs) -> dict:
     from jaxlm.quant.apply import quantize_with
     from trainers.evaluate import task_accuracy
 
+    from jaxlm.quant.formats import get_format
+
+    get_format(args.format)  # a bad --format fails before the model is loaded
+    if args.inner != "rtn" and args.method not in ("rtn", "hadamard", "wush"):
+        raise SystemExit(f"--inner {args.inner} applies to --method rtn|hadamard|wush (got --method {args.method})")
     model = load_model(args.model)
     if model.tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer; cannot encode calibration texts")
@@ -217,13 +236,15 @@ def run_quantize(args: QuantizeArgs) -> dict:
         rank = int(rank)
     if rank is not None and args.method != "twinquant":
         raise SystemExit(f"--rank applies to --method twinquant only (got --method {args.method})")
-    quantized = quantize_with(model, args.method, args.format, texts, weights_only=args.weights_only, rank=rank)
+    quantized = quantize_with(model, args.method, args.format, texts, weights_only=args.weights_only, rank=rank,
+                              inner=args.inner)
     held = [args.task.example(i, "eval") for i in range(args.eval_n)]
     before = task_accuracy(model, held, args.task.verify, tokenizer=model.tokenizer, max_new_tokens=8).accuracy
     after = task_accuracy(quantized, held, args.task.verify, tokenizer=model.tokenizer, max_new_tokens=8).accuracy
     jaxlm.save_checkpoint(quantized, args.out, overwrite=args.overwrite)
     mode = "W4A16" if args.weights_only else "W4A4"
-    print(f"{args.method} {args.format} {mode}: held-out accuracy {before:.1%} -> {after:.1%} "
+    inner = f" (inner {args.inner})" if args.inner != "rtn" else ""
+    print(f"{args.method}{inner} {args.format} {mode}: held-out accuracy {before:.1%} -> {after:.1%} "
           f"({args.eval_n} problems) -> {args.out}")
     return {"before": before, "after": after}
 

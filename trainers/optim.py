@@ -30,11 +30,12 @@ def param_names(params) -> Any:
 
 def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with decoupled weight decay on matrices only (not norms, biases, nor the RoPE
-    frequency buffers of compressed models, whose gradient the forward stops); parameters not
-    matching ``cfg.trainable`` (when set) are frozen."""
+    frequency buffers of compressed models or the Q-FIT key shift, whose gradient the forward
+    stops unless ``k_shift_trainable``); parameters not matching ``cfg.trainable`` (when set)
+    are frozen."""
     schedule = learning_rate_schedule(cfg, total_steps)
     decay_mask = lambda params: jax.tree.map(
-        lambda p, name: p.ndim >= 2 and not name.endswith("rope_inv_freq"), params, param_names(params)
+        lambda p, name: p.ndim >= 2 and not name.endswith(("rope_inv_freq", "k_shift")), params, param_names(params)
     )
     adamw = optax.adamw(
         schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask

@@ -44,9 +44,18 @@ A3-MLP (SwiGLU intermediate width; CUR)
   ``H_kk ||W_down[k, :]||^2``; ``"greedy"`` adds, one at a time, the neuron that most lowers
   the refit output error ``tr(W^T (H - H_:S H_SS^-1 H_S:) W)``.
 
-Budgets are uniform over layers (scanned layers need equal shapes): ``budget`` is the kept
-fraction of each compressed component's parameters (rounded to whole pairs / heads /
-neurons), or explicit widths. Per-layer (mixed) ranks are not supported.
+Budgets: ``budget`` is the kept fraction of each compressed component's parameters (rounded
+to whole pairs / heads / neurons), or explicit widths. ``allocation="uniform"`` (default) gives
+every layer that width. ``allocation="global"`` (mixed ranks) keeps the same total width per
+component, hence the same parameter count, but distributes it over layers to minimise the
+summed calibration error of that component: each layer's closed form gives its error as a
+function of its width (`a3_error_curves`: the discarded squared singular values for QK without
+RoPE and for OV, the dropped pair scores for RoPE QK, the refit error along the selection order
+for the MLP), and `allocate_widths` adds one unit (a pair / a head column / a neuron) at a time
+where it lowers the summed error most (optimal for the convex QK/OV curves; for the MLP the
+uniform split is kept if it scores better). The result has per-layer widths
+(``ModelConfig.layer_qk_head_dims`` ...), which need unrolled layers: a scanned input model is
+returned unrolled (``scan_layers=False``; flat parameters do not depend on the layout).
 """
 
 from __future__ import annotations
@@ -61,6 +70,10 @@ from jaxlm.compress.calibrate import A3Statistics, check_components
 QK_SCORES = ("score_energy", "norm_product")
 OV_GROUPS = ("average", "average_refit")
 MLP_SELECTS = ("energy", "greedy")
+ALLOCATIONS = ("uniform", "global")
+#: compressed width -> (component, per-layer config field)
+_WIDTHS = {"qk_head_dim": ("qk", "layer_qk_head_dims"), "v_head_dim": ("ov", "layer_v_head_dims"),
+           "ffn_dim": ("mlp", "layer_ffn_dims")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +84,9 @@ class A3Config:
     budget: kept fraction of each compressed component's parameters, in (0, 1].
     qk_head_dim / v_head_dim / ffn_dim: explicit target widths (override ``budget`` for that
       component).
+    allocation: ``"uniform"`` (every layer the same width) or ``"global"`` (the same total
+      width per component, split over layers by greedy marginal gains of the closed-form
+      error curves; the model gets per-layer widths and unrolled layers).
     """
 
     components: tuple[str, ...] = ("qk", "ov", "mlp")
@@ -83,6 +99,7 @@ class A3Config:
     mlp_select: str = "energy"
     mlp_ridge: float = 1e-6
     eig_floor: float = 1e-10  # relative floor of the Gram eigenvalues in the pseudo-inverses
+    allocation: str = "uniform"
 
     def __post_init__(self):
         object.__setattr__(self, "components", check_components(self.components))
@@ -92,7 +109,8 @@ class A3Config:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ValueError(f"A3Config.{name}={v!r} is invalid: must be a positive int or None")
-        for name, allowed in (("qk_score", QK_SCORES), ("ov_group", OV_GROUPS), ("mlp_select", MLP_SELECTS)):
+        for name, allowed in (("qk_score", QK_SCORES), ("ov_group", OV_GROUPS), ("mlp_select", MLP_SELECTS),
+                              ("allocation", ALLOCATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"A3Config.{name}={getattr(self, name)!r} is invalid: must be one of {allowed}")
         if not self.mlp_ridge >= 0:
@@ -136,6 +154,9 @@ def check_compressible(config, components) -> None:
             )
         if config.rope not in ("default", "none"):
             raise ValueError(f"A3-QK: ModelConfig.rope={config.rope!r} is not supported: must be 'default' or 'none'")
+        if config.k_shift:
+            raise ValueError("A3-QK: ModelConfig.k_shift=True (a Q-FIT key shift) is not supported: compress "
+                             "before Q-FIT, or with components=('ov', 'mlp')")
     if "ov" in components and config.attention not in ("softmax", "sink"):
         raise ValueError(
             f"A3-OV: ModelConfig.attention={config.attention!r} is not supported: must be 'softmax' or 'sink'"
@@ -207,6 +228,11 @@ def mlp_selection_scores(h: np.ndarray, w_down: np.ndarray) -> np.ndarray:
 
 
 def _greedy_neurons(h: np.ndarray, w_down: np.ndarray, m: int) -> np.ndarray:
+    """The first ``m`` neurons of `_greedy_order`, sorted."""
+    return np.sort(np.asarray(_greedy_order(h, w_down, m), np.int64))
+
+
+def _greedy_order(h: np.ndarray, w_down: np.ndarray, m: int) -> list[int]:
     """Forward selection on the refit error: the Schur complement ``R = H - H_:S H_SS^-1 H_S:``
     is updated by one rank-one step per added neuron; adding ``k`` lowers the error by
     ``||W^T R_:k||^2 / R_kk``."""
@@ -227,7 +253,7 @@ def _greedy_neurons(h: np.ndarray, w_down: np.ndarray, m: int) -> np.ndarray:
         col = res[:, k] / np.sqrt(diag[k])
         res -= np.outer(col, col)
         proj -= np.outer(col, proj[k] / np.sqrt(diag[k]))
-    return np.sort(np.asarray(chosen, np.int64))
+    return chosen
 
 
 def mlp_cur(h: np.ndarray, w_down: np.ndarray, m: int, *, select: str = "energy", ridge: float = 1e-6):
@@ -360,6 +386,94 @@ def _compress_mlp(params, out, config, stats, a3, layer, width):
     out[p + "down_proj.kernel"] = w_down.astype(np.float32)
 
 
+# --------------------------------------------------------- mixed ranks (allocation="global")
+def _tail(values: np.ndarray) -> np.ndarray:
+    """``[n]`` per-unit error shares, largest first -> ``err[r] = sum_{i >= r} values[i]``, r = 0..n."""
+    return np.concatenate([np.cumsum(values[::-1])[::-1], [0.0]])
+
+
+def mlp_order(h: np.ndarray, w_down: np.ndarray, select: str = "energy") -> np.ndarray:
+    """All ``F`` neurons in the order `mlp_cur` adds them (its first ``m`` are the kept set)."""
+    if select == "energy":
+        return np.argsort(-mlp_selection_scores(h, w_down), kind="stable")
+    return np.asarray(_greedy_order(h, w_down, h.shape[0]), np.int64)
+
+
+def mlp_error_curve(h: np.ndarray, w_down: np.ndarray, select: str = "energy", ridge: float = 1e-6) -> np.ndarray:
+    """``err[m]``, m = 0..F: the least-squares refit output error ``tr(W^T (H - H_:S H_SS^-1 H_S:) W)``
+    of the first ``m`` neurons of `mlp_order` (Cholesky of ``H`` in that order; a ridge of
+    ``max(ridge, 1e-9) * mean(diag H)`` keeps it defined for rank-deficient ``H``)."""
+    order = mlp_order(h, w_down, select)
+    hp = h[np.ix_(order, order)]
+    lam = max(ridge, 1e-9) * float(np.mean(np.diag(h)))
+    chol = np.linalg.cholesky(hp + lam * np.eye(len(order)))
+    y = np.linalg.solve(chol, h[order] @ w_down)  # row j: the error drop of the j-th added neuron
+    gains = np.sum(y * y, axis=1)
+    err = float(np.trace(w_down.T @ h @ w_down)) - np.concatenate([[0.0], np.cumsum(gains)])
+    return np.minimum.accumulate(np.clip(err, 0.0, None))
+
+
+def a3_error_curves(params: Mapping[str, object], config, stats: A3Statistics, a3: A3Config) -> dict[str, list]:
+    """``{width field: [err_l]}`` for the compressed components: ``err_l[w]`` is layer ``l``'s
+    calibration error of that component at width ``w`` (0..current; under RoPE only even
+    ``w`` are reachable, odd entries repeat the lower even one). Same units across layers, so
+    sums over layers are the component's total error."""
+    N, K = config.n_heads, config.n_kv_heads
+    G = N // K
+    out = {}
+    for name, (comp, _) in _WIDTHS.items():
+        if comp not in a3.components:
+            continue
+        curves = []
+        for layer in range(config.n_layers):
+            p = f"layers.{layer}."
+            if comp == "qk" and config.rope != "none":
+                score = qk_pair_scores(stats, layer, K, a3.qk_score)  # [K, P]
+                pairs = _tail(np.sort(score, axis=-1)[:, ::-1].sum(0))  # err at n kept pairs per head
+                curves.append(np.repeat(pairs, 2)[: config.qk_head_dim + 1])
+            elif comp == "qk":
+                wq, wk = _augmented(params, p + "attn.q_proj", N), _augmented(params, p + "attn.k_proj", K)
+                c = np.asarray(stats.attn_in[layer], np.float64)
+                s2 = sum(qk_factors(wq[k * G:(k + 1) * G], wk[k], c, 1, eig_floor=a3.eig_floor)[2] ** 2
+                         for k in range(K))
+                curves.append(_tail(s2))
+            elif comp == "ov":
+                wv = _augmented(params, p + "attn.v_proj", K)
+                wo = _np(params[p + "attn.o_proj.kernel"]).reshape(N, config.v_head_dim, -1)
+                cz = np.asarray(stats.attn_z[layer], np.float64)
+                per_head = cz.shape[0] == N
+                s2 = sum(ov_factors(wv[k], wo[k * G:(k + 1) * G], cz[k * G:(k + 1) * G] if per_head else cz[k][None],
+                                    1, eig_floor=a3.eig_floor)[2] ** 2 for k in range(K))
+                curves.append(_tail(np.pad(s2, (0, config.v_head_dim - len(s2)))))
+            else:
+                curves.append(mlp_error_curve(np.asarray(stats.mlp_act[layer], np.float64),
+                                              _np(params[p + "mlp.down_proj.kernel"]), a3.mlp_select, a3.mlp_ridge))
+        out[name] = curves
+    return out
+
+
+def allocate_widths(curves, total: int, step: int = 1) -> list[int]:
+    """Per-layer widths (multiples of ``step``, at least ``step``, summing to ``total``) that
+    minimise ``sum_l curves[l][w_l]``: greedy, one ``step`` at a time to the layer whose error
+    drops most (optimal when every curve is convex, as the discarded-spectrum curves are).
+    The uniform split ``total / L`` is returned instead when it scores lower."""
+    L = len(curves)
+    units = [np.asarray(c, np.float64)[::step] for c in curves]  # error at 0, step, 2 step, ...
+    n = total // step
+    if total % step or not L <= n <= sum(len(u) - 1 for u in units):
+        raise ValueError(f"allocate_widths: total={total} must be a multiple of step={step} between "
+                         f"{L * step} and the full width")
+    kept = [1] * L
+    for _ in range(n - L):
+        gains = [u[r] - u[r + 1] if r + 1 < len(u) else -np.inf for u, r in zip(units, kept)]
+        kept[int(np.argmax(gains))] += 1
+    if n % L == 0:
+        uniform = [n // L] * L
+        if sum(u[r] for u, r in zip(units, uniform)) < sum(u[r] for u, r in zip(units, kept)):
+            kept = uniform
+    return [r * step for r in kept]
+
+
 def a3_compress(params: Mapping[str, object], config, stats: A3Statistics, a3: A3Config = A3Config()):
     """``(flat params, ModelConfig, statistics) -> (flat params, compressed ModelConfig)``.
 
@@ -369,6 +483,9 @@ def a3_compress(params: Mapping[str, object], config, stats: A3Statistics, a3: A
     compressed model.
     """
     check_compressible(config, a3.components)
+    if config.per_layer_dims:
+        raise ValueError("a3_compress: the model already has per-layer widths (ModelConfig.layer_*_dims); "
+                         "compress the uncompressed model instead")
     widths = a3_widths(config, a3)
     need = {"qk": "attn_in" if config.rope == "none" else
             ("pair_score_energy" if a3.qk_score == "score_energy" else "q_pair_energy"),
@@ -377,16 +494,29 @@ def a3_compress(params: Mapping[str, object], config, stats: A3Statistics, a3: A
         if getattr(stats, need[comp]) is None:
             raise ValueError(f"A3Statistics.{need[comp]} is missing: collect the statistics with {comp!r} "
                              "in components")
-    new_config = config.replace(**widths)
+    L = config.n_layers
+    if a3.allocation == "global":
+        curves = a3_error_curves(params, config, stats, a3)
+        layer_widths = {name: [widths[name]] * L for name in widths}
+        for name, c in curves.items():
+            step = 1 if name != "qk_head_dim" or config.rope == "none" else 2
+            if config.kv_quant is not None and name != "ffn_dim":
+                step = np.lcm(step, 16)  # a low-bit KV cache quantizes blocks of 16
+            layer_widths[name] = allocate_widths(c, L * widths[name], int(step))
+        new_config = config.replace(scan_layers=False, **{
+            _WIDTHS[name][1]: tuple(int(w) for w in layer_widths[name]) for name in curves})
+    else:
+        layer_widths = {name: [widths[name]] * L for name in widths}
+        new_config = config.replace(**widths)
     out = dict(params)
-    for layer in range(config.n_layers):
+    for layer in range(L):
         if "qk" in a3.components:
-            _compress_qk(params, out, config, stats, a3, layer, widths["qk_head_dim"])
+            _compress_qk(params, out, config, stats, a3, layer, layer_widths["qk_head_dim"][layer])
         if "ov" in a3.components:
-            _compress_ov(params, out, config, stats, a3, layer, widths["v_head_dim"])
+            _compress_ov(params, out, config, stats, a3, layer, layer_widths["v_head_dim"][layer])
         if "mlp" in a3.components:
-            _compress_mlp(params, out, config, stats, a3, layer, widths["ffn_dim"])
+            _compress_mlp(params, out, config, stats, a3, layer, layer_widths["ffn_dim"][layer])
         name = f"layers.{layer}.attn.rope_inv_freq"
-        if not new_config.rope_pairs_selected:
+        if not new_config.layer_config(layer).rope_pairs_selected:
             out.pop(name, None)
     return out, new_config

@@ -152,4 +152,4 @@ def kv_cache_bytes(config, batch_size: int = 1, max_len: int | None = None) -> i
     from jaxlm.inference.cache import KVCache
 
     cache = jax.eval_shape(lambda: KVCache.init(config, batch_size, max_len or config.max_seq_len))
-    return int(cache.k.size * cache.k.dtype.itemsize + cache.v.size * cache.v.dtype.itemsize)
+    return cache.nbytes  # stacked [L, ...] or per layer (mixed widths): the sum over layers

@@ -37,17 +37,17 @@ def svd_baseline(params: Mapping[str, object], config, compressed_config, compon
     """Flat params with every projection of ``components`` replaced by its truncated SVD at
     the parameter count of the same projection in ``compressed_config`` (A^3's shapes).
     Returns the new flat params (original shapes) and ``{projection: rank}``."""
-    old_out = {"attn.q_proj": config.q_dim, "attn.k_proj": config.k_dim, "attn.v_proj": config.v_dim,
-               "attn.o_proj": config.o_dim, "mlp.gate_proj": config.ffn_dim, "mlp.up_proj": config.ffn_dim,
-               "mlp.down_proj": config.ffn_dim}
-    new_out = {"attn.q_proj": compressed_config.q_dim, "attn.k_proj": compressed_config.k_dim,
-               "attn.v_proj": compressed_config.v_dim, "attn.o_proj": compressed_config.o_dim,
-               "mlp.gate_proj": compressed_config.ffn_dim, "mlp.up_proj": compressed_config.ffn_dim,
-               "mlp.down_proj": compressed_config.ffn_dim}
+    def widths(c):
+        return {"attn.q_proj": c.q_dim, "attn.k_proj": c.k_dim, "attn.v_proj": c.v_dim, "attn.o_proj": c.o_dim,
+                "mlp.gate_proj": c.ffn_dim, "mlp.up_proj": c.ffn_dim, "mlp.down_proj": c.ffn_dim}
+
     out, ranks = dict(params), {}
     for comp in components:
         for proj, _axis in PROJECTIONS[comp]:
             for layer in range(config.n_layers):
+                # per-layer widths (A^3 mixed ranks): each layer at its own parameter count
+                old_out = widths(config.layer_config(layer))
+                new_out = widths(compressed_config.layer_config(layer))
                 name = f"layers.{layer}.{proj}.kernel"
                 w = np.asarray(params[name], np.float64)
                 kept = w.size // old_out[proj] * new_out[proj]

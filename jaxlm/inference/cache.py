@@ -8,6 +8,11 @@ for the decode-time attention matmuls), plus per-slot validity ``[B, S]``, the n
 write slot ``end_index`` (shared by the batch: prompts are left-padded) and the
 per-sequence count of real tokens ``lengths [B]`` (the next RoPE position).
 Writes are `lax.dynamic_update_slice` at ``end_index``.
+
+With per-layer key/value widths (``ModelConfig.layer_qk_head_dims`` / ``layer_v_head_dims``,
+A^3 with mixed ranks; unrolled layers only) ``k`` and ``v`` are instead tuples of ``L`` arrays
+``[B, K, S, H_i]``, so the cache holds exactly each layer's width. Code that touches the batch
+axis of ``k`` / ``v`` maps over both layouts with `jax.tree.map` and `batch_axis`.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, K, S, qk_head_dim]
-    v: jax.Array  # [L, B, K, S, v_head_dim]
+    k: jax.Array | tuple[jax.Array, ...]  # [L, B, K, S, qk_head_dim], or per layer [B, K, S, H_i]
+    v: jax.Array | tuple[jax.Array, ...]  # [L, B, K, S, v_head_dim], or per layer [B, K, S, H_i]
     valid: jax.Array  # [B, S] bool: slot holds a real token
     end_index: jax.Array  # [] int32: next slot to write
     lengths: jax.Array  # [B] int32: real tokens so far per sequence
@@ -33,6 +38,16 @@ class KVCache:
                 f"cache max_len={max_len} exceeds ModelConfig.max_seq_len={config.max_seq_len}"
             )
         dtype = jnp.dtype(dtype or config.dtype)
+        if config.per_layer_kv:  # one array per layer, each of its own width
+            layers = [config.layer_config(i) for i in range(config.n_layers)]
+            shape = (batch_size, config.n_kv_heads, max_len)
+            return cls(
+                k=tuple(jnp.zeros((*shape, c.qk_head_dim), dtype) for c in layers),
+                v=tuple(jnp.zeros((*shape, c.v_head_dim), dtype) for c in layers),
+                valid=jnp.zeros((batch_size, max_len), bool),
+                end_index=jnp.zeros((), jnp.int32),
+                lengths=jnp.zeros((batch_size,), jnp.int32),
+            )
         shape = (config.n_layers, batch_size, config.n_kv_heads, max_len)
         return cls(
             k=jnp.zeros((*shape, config.qk_head_dim), dtype),
@@ -44,11 +59,22 @@ class KVCache:
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0] if isinstance(self.k, tuple) else self.k.shape[1]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2] if isinstance(self.k, tuple) else self.k.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the keys and values (all layers)."""
+        return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves((self.k, self.v)))
+
+
+def batch_axis(x) -> int:
+    """The batch axis of a cache key/value array: 1 stacked ``[L, B, K, S, H]``, 0 per layer
+    ``[B, K, S, H]`` (use with ``jax.tree.map`` over ``cache.k`` / ``cache.v``)."""
+    return x.ndim - 4
 
 
 @struct.dataclass
@@ -60,14 +86,19 @@ class LayerKV:
     the cache to keep an old version alive.
     """
 
-    k: jax.Array  # [L, B, K, S, H]
+    k: jax.Array  # [L, B, K, S, H]; or this layer's own [B, K, S, H] when ``layer`` is None
     v: jax.Array
-    layer: jax.Array  # [] int32
+    layer: jax.Array | None  # [] int32; None: k / v are this layer's arrays (per-layer cache)
     index: jax.Array  # [] int32: first slot to write
 
     def write(self, k_new: jax.Array, v_new: jax.Array) -> tuple["LayerKV", jax.Array, jax.Array]:
         """Store ``[B, K, T, H]`` keys/values; return the updated cache and this layer's
         full ``[B, K, S, H]`` keys and values."""
+        if self.layer is None:
+            start = (0, 0, self.index, 0)
+            k = jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), start)
+            v = jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), start)
+            return self.replace(k=k, v=v), k, v
         start = (self.layer, 0, 0, self.index, 0)
         k = jax.lax.dynamic_update_slice(self.k, k_new[None].astype(self.k.dtype), start)
         v = jax.lax.dynamic_update_slice(self.v, v_new[None].astype(self.v.dtype), start)

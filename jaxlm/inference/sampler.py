@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxlm.inference.cache import KVCache
+from jaxlm.inference.cache import KVCache, batch_axis
 from jaxlm.inference.logits_processors import LogitsProcessor, Temperature, TopK, TopP, compose
 
 
@@ -150,7 +150,8 @@ def generate_tokens(
         G = samples_per_prompt
         c = out.cache
         out = out.replace(cache=c.replace(
-            k=jnp.repeat(c.k, G, axis=1), v=jnp.repeat(c.v, G, axis=1),
+            k=jax.tree.map(lambda x: jnp.repeat(x, G, axis=batch_axis(x)), c.k),
+            v=jax.tree.map(lambda x: jnp.repeat(x, G, axis=batch_axis(x)), c.v),
             valid=jnp.repeat(c.valid, G, axis=0), lengths=jnp.repeat(c.lengths, G, axis=0),
         ))
         last_hidden = jnp.repeat(last_hidden, G, axis=0)

@@ -74,8 +74,9 @@ def neuron_contributions(model, tokens, mask, direction, layer: int) -> jax.Arra
     layer = _check_layer("layer", layer, c.n_layers)
     v = _direction_at(direction, layer, c)
     act = capture(model, tokens, mask, sites=("mlp_act",))["mlp_act"][layer]  # [B, F]
-    out = act * _read_back(_kernel(model, layer, ("mlp", "down_proj")), v, c.ffn_dim)[None]
-    chex.assert_shape(out, (act.shape[0], c.ffn_dim))
+    F = c.layer_config(layer).ffn_dim  # this layer's width (per-layer widths after A^3 mixed ranks)
+    out = act * _read_back(_kernel(model, layer, ("mlp", "down_proj")), v, F)[None]
+    chex.assert_shape(out, (act.shape[0], F))
     return out
 
 
@@ -87,8 +88,9 @@ def head_contributions(model, tokens, mask, direction, layer: int) -> jax.Array:
     layer = _check_layer("layer", layer, c.n_layers)
     v = _direction_at(direction, layer, c)
     ctx = capture(model, tokens, mask, sites=("attn_ctx",))["attn_ctx"][layer]  # [B, N*H]
-    g = _read_back(_kernel(model, layer, ("attn", "o_proj")), v, c.o_dim)
-    out = (ctx * g[None]).reshape(ctx.shape[0], c.n_heads, c.v_head_dim).sum(-1)
+    lc = c.layer_config(layer)  # this layer's widths (per-layer widths after A^3 mixed ranks)
+    g = _read_back(_kernel(model, layer, ("attn", "o_proj")), v, lc.o_dim)
+    out = (ctx * g[None]).reshape(ctx.shape[0], c.n_heads, lc.v_head_dim).sum(-1)
     chex.assert_shape(out, (ctx.shape[0], c.n_heads))
     return out
 

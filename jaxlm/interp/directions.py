@@ -62,7 +62,9 @@ def _collect_at(graphdef, state, tokens, mask, index, interventions, *, names):
     model = nnx.merge(graphdef, state)
     out = model.backbone(tokens, mask=mask, collect=names, interventions=interventions)
     rows = jnp.arange(tokens.shape[0])
-    return {n: v[:, rows, index] for n, v in out.collected.items()}
+    # a tuple of per-layer arrays where widths differ per layer (A^3 mixed ranks)
+    return {n: tuple(x[rows, index] for x in v) if isinstance(v, tuple) else v[:, rows, index]
+            for n, v in out.collected.items()}
 
 
 def capture(model, tokens, mask=None, sites: Sequence[str] | str = ("hidden",), position="last",
@@ -96,7 +98,10 @@ def capture(model, tokens, mask=None, sites: Sequence[str] | str = ("hidden",), 
     out = {}
     for s in sites:
         out[s] = got["hidden"] - got["mlp_out"] if s == "resid_mid" else got[s]
-        chex.assert_shape(out[s], (model.config.n_layers, B, ...))
+        if isinstance(out[s], tuple):  # per-layer widths: one [B, ...] array per layer
+            assert len(out[s]) == model.config.n_layers and all(x.shape[0] == B for x in out[s])
+        else:
+            chex.assert_shape(out[s], (model.config.n_layers, B, ...))
     return out
 
 

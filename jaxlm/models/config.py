@@ -21,6 +21,8 @@ import jax.numpy as jnp
 _DTYPES = ("float32", "bfloat16", "float16")
 _ROPE_SCALINGS = ("none", "linear", "llama3")
 _REMAT = ("none", "full", "dots")
+#: per-layer field -> the scalar field it overrides
+_LAYER_FIELDS = {"layer_qk_head_dims": "qk_head_dim", "layer_v_head_dims": "v_head_dim", "layer_ffn_dims": "ffn_dim"}
 
 
 def _err(field: str, value: Any, allowed: str) -> ValueError:
@@ -85,6 +87,12 @@ class ModelConfig:
     qk_head_dim: int | None = None  # None -> head_dim (query/key width per head; smaller after A^3-QK)
     v_head_dim: int | None = None  # None -> head_dim (value width per head; smaller after A^3-OV)
     ffn_dim: int = 128
+    # Per-layer widths (A^3 with mixed ranks): None = every layer uses the scalar field; a tuple of
+    # n_layers ints overrides it layer by layer (unrolled layers only; `layer_config` is the view
+    # each Block is built from, and the KV cache then stores keys/values per layer).
+    layer_qk_head_dims: tuple[int, ...] | None = None
+    layer_v_head_dims: tuple[int, ...] | None = None
+    layer_ffn_dims: tuple[int, ...] | None = None
     norm_eps: float = 1e-6
     rope_theta: float = 10_000.0
     rope_scaling: RopeScaling = RopeScaling()
@@ -107,6 +115,8 @@ class ModelConfig:
     graph_rope_band: str = "low"  # graph: those pairs are the lowest ("low") or highest frequencies
     qat_format: str | None = None  # fake-quantize attention/MLP projections (inputs + weights, STE): QAT
     kv_quant: str | None = None  # fake-quantize post-RoPE keys and values (a low-bit KV cache)
+    k_shift: bool = False  # a per-layer post-RoPE key shift parameter [n_kv_heads, qk_head_dim] (Q-FIT)
+    k_shift_trainable: bool = False  # train the shift (default frozen: ReQAT applies a fixed calibrated shift)
     scan_layers: bool = False
     remat: str = "none"
     family: str = "llama"  # HF family this model maps to: llama | qwen2 | qwen3 | mistral
@@ -129,7 +139,11 @@ class ModelConfig:
                 object.__setattr__(self, name, self.head_dim)
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        for name in _LAYER_FIELDS:  # JSON gives lists
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         self.validate()
+        self._validate_layer_dims()
 
     def validate(self) -> None:
         for name in (
@@ -186,9 +200,11 @@ class ModelConfig:
                        f"{self.qk_head_dim} and {self.v_head_dim}")
         if self.remat not in _REMAT:
             raise _err("remat", self.remat, f"must be one of {_REMAT}")
-        for name in ("qkv_bias", "qk_norm", "tie_embeddings", "scan_layers"):
+        for name in ("qkv_bias", "qk_norm", "tie_embeddings", "scan_layers", "k_shift", "k_shift_trainable"):
             if not isinstance(getattr(self, name), bool):
                 raise _err(name, getattr(self, name), "must be a bool")
+        if self.k_shift_trainable and not self.k_shift:
+            raise _err("k_shift_trainable", self.k_shift_trainable, "needs k_shift=True (there is no shift to train)")
         # Registry keys are checked lazily to keep this module import-light.
         from jaxlm.models.layers import ATTENTION, MLP, ROPE
 
@@ -199,6 +215,51 @@ class ModelConfig:
 
         if self.family not in FAMILIES:
             raise _err("family", self.family, f"must be one of {sorted(FAMILIES)}")
+
+    def _validate_layer_dims(self) -> None:
+        """Per-layer widths: a tuple of ``n_layers`` values, each valid where the scalar field is."""
+        for name, scalar in _LAYER_FIELDS.items():
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if not isinstance(values, tuple) or len(values) != self.n_layers:
+                raise _err(name, values, f"must be None or a tuple of n_layers={self.n_layers} ints")
+            if self.scan_layers:
+                raise _err(name, values, "needs scan_layers=False (scanned layers share one shape; per-layer "
+                           "widths need unrolled layers)")
+            if name == "layer_ffn_dims" and self.mlp != "swiglu":
+                raise _err(name, values, f"needs mlp='swiglu' (mlp={self.mlp!r} shares ffn_dim-wide weights "
+                           "across layers)")
+            for i, v in enumerate(values):
+                try:
+                    dataclasses.replace(self, **{n: None for n in _LAYER_FIELDS}, **{scalar: v})
+                except ValueError as e:
+                    raise ValueError(f"ModelConfig.{name}[{i}]={v!r} is invalid: {e}") from None
+        if self.per_layer_dims:
+            for i in range(self.n_layers):
+                try:
+                    self.layer_config(i)
+                except ValueError as e:
+                    raise ValueError(f"ModelConfig per-layer widths of layer {i} are invalid together: {e}") from None
+
+    @property
+    def per_layer_dims(self) -> bool:
+        """Some width differs per layer (``layer_qk_head_dims`` / ``layer_v_head_dims`` /
+        ``layer_ffn_dims`` set)."""
+        return any(getattr(self, name) is not None for name in _LAYER_FIELDS)
+
+    @property
+    def per_layer_kv(self) -> bool:
+        """Key or value widths are per layer: the KV cache holds one array per layer."""
+        return self.layer_qk_head_dims is not None or self.layer_v_head_dims is not None
+
+    def layer_config(self, layer: int) -> "ModelConfig":
+        """The uniform config layer ``layer`` is built from (``self`` without per-layer widths)."""
+        if not self.per_layer_dims:
+            return self
+        widths = {scalar: getattr(self, name)[layer] for name, scalar in _LAYER_FIELDS.items()
+                  if getattr(self, name) is not None}
+        return dataclasses.replace(self, **{name: None for name in _LAYER_FIELDS}, **widths)
 
     # ---------------------------------------------------------------- derived
     @property
@@ -271,10 +332,16 @@ class ModelConfig:
             attn += self.q_dim + self.k_dim + self.v_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
+        if self.k_shift:
+            attn += self.k_dim
         mlp = 3 * d * self.ffn_dim
         per_layer = attn + mlp + 2 * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.vocab_size * d + l * per_layer + d + head
+        total = self.vocab_size * d + l * per_layer + d + head
+        if self.per_layer_dims:  # every layer with its own widths
+            outer = total - l * per_layer
+            return outer + sum((self.layer_config(i).num_params() - outer) // l for i in range(l))
+        return total
 
     # ---------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:

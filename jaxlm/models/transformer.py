@@ -95,7 +95,8 @@ class Transformer(nnx.Module):
 
             self.layers = stacked(rngs)
         else:
-            self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.n_layers)])
+            # c.layer_config(i) is c itself unless widths differ per layer (A^3 mixed ranks)
+            self.layers = nnx.List([Block(c.layer_config(i), rngs=rngs) for i in range(c.n_layers)])
         self.final_norm = RMSNorm(c.d_model, eps=c.norm_eps, param_dtype=pd)
         # MeGan: one hypernetwork shared by all layers (None for other MLPs)
         self.meta_gate = MetaGate(c, rngs=rngs) if c.mlp == "meta_swiglu" else None
@@ -248,6 +249,8 @@ class Transformer(nnx.Module):
         def layer_kv(k_all, v_all, i):
             if k_all is None:
                 return None
+            if isinstance(k_all, tuple):  # per-layer widths: this layer's own arrays
+                return LayerKV(k=k_all[i], v=v_all[i], layer=None, index=write_index)
             return LayerKV(k=k_all, v=v_all, layer=i, index=write_index)
 
         if c.scan_layers:
@@ -275,11 +278,23 @@ class Transformer(nnx.Module):
                 graphdef, state, x, positions, mask, layer_kv(k_all, v_all, i), names,
                 {**aux, "layer": jnp.asarray(i, jnp.int32)},
             )
-            if kv is not None:
+            if kv is not None and isinstance(k_all, tuple):
+                k_all = k_all[:i] + (kv.k,) + k_all[i + 1:]
+                v_all = v_all[:i] + (kv.v,) + v_all[i + 1:]
+            elif kv is not None:
                 k_all, v_all = kv.k, kv.v
             per_layer.append(taps)
-        collected = {n: jnp.stack([t[n] for t in per_layer]) for n in names if n in per_layer[0]}
+        collected = {n: _stack_layers([t[n] for t in per_layer]) for n in names if n in per_layer[0]}
         return x, k_all, v_all, collected
+
+
+def _stack_layers(values: list[jax.Array]):
+    """Per-layer tap values ``[L, ...]``; a tuple of per-layer arrays where their shapes differ
+    (per-layer widths: e.g. ``mlp_act`` with ``layer_ffn_dims``), so ``collected[name][layer]``
+    reads the same in both cases."""
+    if len({v.shape for v in values}) > 1:
+        return tuple(values)
+    return jnp.stack(values)
 
 
 def build_model(config: ModelConfig, *, seed: int = 0, tokenizer=None) -> Transformer:

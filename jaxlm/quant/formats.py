@@ -9,7 +9,12 @@ Formats (``QFormat``), each a 4-bit element code plus a per-block scale along on
 - ``nvfp4()``: E2M1, block 16, E4M3 block scales and an FP32 tensor scale:
   ``s_g = amax_tensor / (6 * 448)``, ``s_b = e4m3(amax_block / (6 s_g))``,
   ``q = RTN_E2M1(x / (s_b s_g))``.
-- ``int4(group)``: symmetric two's complement [-8, 7], ``s = amax / 7`` per group, float16.
+- ``int4(group, scale)``: two's complement codes [-8, 7] per group, float16 scales.
+  ``scale="absmax"`` (default): ``s = amax / 7``, ``q = RTN(x / s)``. ``scale="rms"``: the
+  Gaussian-optimal RMS-scaled midrise quantizer of WUSH (arXiv 2512.00956; reference
+  ``wush_utils.pseudoquantize_int``): ``s = c_4 * 2 / 15 * ||x_g|| / sqrt(G)`` with
+  ``c_4 = 2.5139``, ``q = clamp(floor(x / s), -8, 7)``, ``x^ = (q + 0.5) s`` (element
+  ``int4m``, rule ``rms``).
 - ``e1m2(block)``: the uniform {0, .5, ..., 3.5} grid (ReQAT's KV cache), E4M3 scale
   ``amax / 3.5`` per 16.
 
@@ -31,9 +36,9 @@ from kernels_pallas import formats as F
 class QFormat:
     name: str
     block: int
-    element: str  # e2m1 | int4 | e1m2
+    element: str  # e2m1 | int4 | int4m (midrise) | e1m2
     scale_kind: str  # e8m0 | e4m3 | float16
-    rule: str = "none"  # mxfp4 exponent rule
+    rule: str = "none"  # mxfp4 exponent rule; "rms" for int4m
     two_level: bool = False  # nvfp4 fp32 tensor scale
 
     @property
@@ -57,10 +62,18 @@ def nvfp4() -> QFormat:
     return QFormat("nvfp4", 16, "e2m1", "e4m3", two_level=True)
 
 
-def int4(group: int = 128) -> QFormat:
+#: Gaussian-optimal clipping scale of the 4-bit RMS quantizer (WUSH ``optimal_gaussian_scales[4]``)
+INT4_RMS_C = 2.513930578568423
+
+
+def int4(group: int = 128, scale: str = "absmax") -> QFormat:
     if not isinstance(group, int) or group < 2 or group % 2:
         raise ValueError(f"int4 group={group!r} is invalid: must be an even int >= 2")
-    return QFormat("int4", group, "int4", "float16")
+    if scale == "absmax":
+        return QFormat("int4", group, "int4", "float16")
+    if scale == "rms":
+        return QFormat("int4", group, "int4m", "float16", rule="rms")
+    raise ValueError(f"int4 scale={scale!r} is invalid: must be 'absmax' or 'rms'")
 
 
 def e1m2(block: int = 16) -> QFormat:
@@ -71,12 +84,24 @@ FORMATS = {"mxfp4": mxfp4, "nvfp4": nvfp4, "int4": int4, "e1m2": e1m2}
 
 
 def get_format(name: str | QFormat, **options: Any) -> QFormat:
-    """``get_format("mxfp4", rule="ceil")``, ``get_format("int4", group=64)``."""
+    """``get_format("mxfp4", rule="ceil")``, ``get_format("int4", group=64)``, or the same as
+    one string (what the command line takes): ``"int4:group=32,scale=rms"``."""
     if isinstance(name, QFormat):
         return name
+    spec = name
+    if isinstance(name, str) and ":" in name:
+        name, _, opts = name.partition(":")
+        for item in filter(None, opts.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                raise ValueError(f"format {spec!r}: option {item!r} is not key=value")
+            options.setdefault(key.strip(), int(value) if value.strip().isdigit() else value.strip())
     if name not in FORMATS:
         raise ValueError(f"unknown quantization format {name!r}; available: {sorted(FORMATS)}")
-    return FORMATS[name](**options)
+    try:
+        return FORMATS[name](**options)
+    except TypeError as e:
+        raise ValueError(f"format {spec!r}: invalid options {sorted(options)} ({e})") from None
 
 
 @jax.tree_util.register_dataclass
@@ -128,9 +153,11 @@ def _blocks_last(x: jax.Array, axis: int, block: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], K // block, block)
 
 
-def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2) -> QArray:
+def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2, global_scale=None) -> QArray:
     """Quantize ``x`` with blocks along ``axis`` (the reduction axis of a matmul: -2 for a
-    ``[in, out]`` weight, -1 for activations ``[M, K]``)."""
+    ``[in, out]`` weight, -1 for activations ``[M, K]``). ``global_scale``: the FP32 tensor
+    scale of a two-level format (NVFP4) to use instead of ``amax / (6 * 448)`` (GPTQ-style
+    rounding fixes it before the blocks are rounded); ignored by one-level formats."""
     fmt = get_format(fmt)
     if x.ndim < 2:
         raise ValueError(f"quantize needs an array with >= 2 dims, got shape {x.shape}")
@@ -149,7 +176,9 @@ def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2) -> QArray:
         scales = F.e8m0_encode(e)
     elif fmt.scale_kind == "e4m3":
         top = F.E2M1_MAX if fmt.element == "e2m1" else F.E1M2_MAX
-        if fmt.two_level:
+        if fmt.two_level and global_scale is not None:
+            gscale = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32), gscale.shape)
+        elif fmt.two_level:
             t_amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(-2, -1), keepdims=True)
             gscale = jnp.where(t_amax > 0, t_amax / (top * F.E4M3_MAX), 1.0)
         g_blocks = jnp.moveaxis(gscale, axis, -1)  # broadcast over [..., nb]
@@ -163,6 +192,13 @@ def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2) -> QArray:
         s32 = s.astype(jnp.float32)
         v = jnp.where(s32[..., None] > 0, xb / jnp.where(s32 > 0, s32, 1.0)[..., None], 0.0)
         codes = F.int4_encode(v)
+        scales = s
+    elif fmt.element == "int4m":  # RMS-scaled midrise (WUSH): s = c_4 * 2/15 * rms(x_g)
+        rms = jnp.sqrt(jnp.mean(jnp.square(xb), axis=-1))
+        s = (INT4_RMS_C * 2.0 / 15.0 * rms).astype(jnp.float16)
+        s32 = s.astype(jnp.float32)
+        v = jnp.where(s32[..., None] > 0, xb / jnp.where(s32 > 0, s32, 1.0)[..., None], 0.0)
+        codes = F.int4m_encode(v)
         scales = s
     else:
         raise ValueError(f"unsupported format {fmt}")

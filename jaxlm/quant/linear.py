@@ -1,9 +1,10 @@
 """`linear(x, w)` for `QArray` weights: the Pallas W4A16 kernel on GPU/TPU, its jnp
 reference elsewhere. Registered on import of `jaxlm.quant`.
 
-The backend is read when a function is traced (set it before jitting):
-``auto`` (kernel on GPU/TPU, reference on CPU), ``kernel``, ``interpret`` (the kernel in
-Pallas interpret mode: slow, for tests) or ``reference``.
+The backend is read when a function is traced: ``auto`` (kernel on GPU/TPU, reference on
+CPU), ``kernel``, ``interpret`` (the kernel in Pallas interpret mode: slow, for tests) or
+``reference``. It is part of every ``jax.jit`` cache key (a `jax.make_user_context`), so a
+function jitted under one backend is traced again, not reused, under another.
 """
 
 from __future__ import annotations
@@ -20,20 +21,21 @@ from jaxlm.quant.formats import QArray, dequantize
 from kernels_pallas import w4a16
 
 _MODES = ("auto", "kernel", "interpret", "reference")
-_mode = "auto"
+# in the jit cache key: without it, a function jitted under one backend (e.g. `generate`'s
+# compiled loop) would silently reuse that trace under another
+_mode = jax.make_user_context("auto")
 
 
 def set_backend(mode: str) -> None:
-    global _mode
     if mode not in _MODES:
         raise ValueError(f"quantized linear backend {mode!r} is invalid: must be one of {_MODES}")
-    _mode = mode
+    _mode.set_global(mode)
 
 
 @contextlib.contextmanager
 def backend(mode: str):
     """``with jaxlm.quant.backend("interpret"): ...``"""
-    previous = _mode
+    previous = _mode.get_global()
     set_backend(mode)
     try:
         yield
@@ -42,9 +44,10 @@ def backend(mode: str):
 
 
 def resolved_backend() -> str:
-    if _mode == "auto":
+    mode = _mode.value
+    if mode == "auto":
         return "kernel" if jax.default_backend() in ("gpu", "tpu") else "reference"
-    return _mode
+    return mode
 
 
 def _forward(x2, w: QArray, mode: str):

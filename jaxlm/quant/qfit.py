@@ -9,7 +9,10 @@ Per layer, from calibration pre-RoPE keys ``k [T, K, H]`` (rotate-half pairs ``(
   commutes with RoPE: the scale is folded into the columns of ``W_q`` / ``W_k`` (and biases);
 * shift ``m = mean_t k_t`` (pre-RoPE, unscaled, as the reference computes it) subtracted
   from the *post-RoPE* keys: ``q . (k - a_m m)`` changes every score of a query by the same
-  amount, so softmax is unchanged (applied as an intervention at the ``k_rot`` tap);
+  amount, so softmax is unchanged. `fold_qfit` stores ``a_m m`` in the model's ``k_shift``
+  parameter (``ModelConfig.k_shift``: subtracted before the KV fake quant and the cache write,
+  so QAT, checkpoints and cached decoding carry it); `qfit_shift` applies it instead as an
+  intervention at the ``k_rot`` tap;
 * ``(a_s, a_m)`` by grid search over ``{0, 1/grid, ..., (grid-1)/grid}^2`` minimising the
   mean squared attention-output error with keys and values fake-quantized in ``fmt``
   (E1M2 / E4M3 / 16 in ReQAT). The reference computes this error without a causal mask;
@@ -98,6 +101,9 @@ def qfit_calibrate(model, batches: Iterable[tuple[np.ndarray, np.ndarray]], *, f
     if c.qk_head_dim != c.head_dim or c.v_head_dim != c.head_dim:
         raise ValueError(f"qfit_calibrate: compressed heads (qk_head_dim={c.qk_head_dim}, v_head_dim="
                          f"{c.v_head_dim}, head_dim={c.head_dim}) are not supported")
+    if c.per_layer_kv:
+        raise ValueError(f"qfit_calibrate: per-layer head widths (layer_qk_head_dims={c.layer_qk_head_dims}, "
+                         f"layer_v_head_dims={c.layer_v_head_dims}) are not supported")
     if c.head_dim % 2 or c.head_dim % fmt.block:
         raise ValueError(f"head_dim={c.head_dim} must be even and a multiple of the {fmt.name} block {fmt.block}")
     toks, vals = zip(*batches)
@@ -147,3 +153,30 @@ def qfit_shift(result: QFitResult) -> Intervention:
     L = result.shift.shape[0]
     return Intervention(vector=-(result.alpha_m[:, None, None] * result.shift), alpha=jnp.ones((), jnp.float32),
                         layers=_layer_mask(None, L), site="k_rot", kind="add")
+
+
+def fold_qfit(model, result: QFitResult):
+    """A new model with Q-FIT applied in its weights: ``s^a_s`` folded into ``W_q`` / ``W_k``
+    (`apply_qfit`) and the shift ``a_m m`` stored in each layer's ``k_shift`` parameter
+    (config ``k_shift=True``; the model's other config fields, e.g. ``kv_quant``, are kept).
+    Before quantization it computes the original function (softmax is shift-invariant), so
+    ``attention="sink"`` (a fixed sink logit the shift does not move) is refused."""
+    from jaxlm.models.params import flat_params, model_from_flat
+
+    c = model.config
+    if c.k_shift:
+        raise ValueError("fold_qfit: the model already has ModelConfig.k_shift=True; fit Q-FIT on a model "
+                         "without a key shift")
+    if c.attention == "sink":
+        raise ValueError("fold_qfit: ModelConfig.attention='sink' is not shift-invariant (the sink logit "
+                         "does not move with q . m)")
+    L = c.n_layers
+    if result.shift.shape != (L, c.n_kv_heads, c.qk_head_dim):
+        raise ValueError(f"fold_qfit: result.shift has shape {tuple(result.shift.shape)}, expected "
+                         f"{(L, c.n_kv_heads, c.qk_head_dim)} for this model")
+    flat = flat_params(apply_qfit(model, result))
+    m = result.alpha_m[:, None, None] * result.shift
+    flat.update({f"layers.{i}.attn.k_shift": m[i] for i in range(L)})
+    new = model_from_flat(c.replace(k_shift=True), flat)
+    new.tokenizer = getattr(model, "tokenizer", None)
+    return new

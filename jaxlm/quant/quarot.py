@@ -70,10 +70,11 @@ def _check_supported(model, what: str) -> None:
 
 def _structured(x) -> bool:
     from jaxlm.quant.formats import QArray
+    from jaxlm.quant.qat_export import ActQuantWeight
     from jaxlm.quant.twinquant import LowRankTransformedWeight
     from jaxlm.quant.w4a4 import TransformedWeight
 
-    return isinstance(x, (QArray, TransformedWeight, LowRankTransformedWeight))
+    return isinstance(x, (QArray, TransformedWeight, LowRankTransformedWeight, ActQuantWeight))
 
 
 def _split(model):
@@ -216,6 +217,9 @@ def rotate_heads(model, H=None, *, seed: int = 0):
     fake-quantized value cache sees the rotated values)."""
     _check_supported(model, "rotate_heads")
     c = model.config
+    if c.layer_v_head_dims is not None:
+        raise ValueError(f"rotate_heads: ModelConfig.layer_v_head_dims={c.layer_v_head_dims} (per-layer value "
+                         "widths) is not supported")
     if c.kv_quant is not None:
         raise ValueError(f"rotate_heads: ModelConfig.kv_quant={c.kv_quant!r} is not supported: the quantized "
                          "value cache would see rotated values (set it to None)")

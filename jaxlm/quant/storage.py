@@ -1,5 +1,5 @@
 """Quantized weights in checkpoints: structured weight leaves (`QArray`,
-`TransformedWeight`, `LowRankTransformedWeight`, ...) are stored as plain dicts of their
+`TransformedWeight`, `LowRankTransformedWeight`, `ActQuantWeight`, ...) are stored as plain dicts of their
 arrays plus a JSON spec of their types and static fields, so orbax saves them like any
 parameter and `jaxlm.load_checkpoint` rebuilds the exact objects (no re-quantization on
 load; nested structured fields nest their specs)."""
@@ -16,11 +16,12 @@ from jaxlm.quant.formats import QArray, QFormat
 
 
 def _types() -> dict[str, type]:
+    from jaxlm.quant.qat_export import ActQuantWeight
     from jaxlm.quant.twinquant import LowRankTransformedWeight
     from jaxlm.quant.w4a4 import TransformedWeight
 
     return {"QArray": QArray, "TransformedWeight": TransformedWeight,
-            "LowRankTransformedWeight": LowRankTransformedWeight}
+            "LowRankTransformedWeight": LowRankTransformedWeight, "ActQuantWeight": ActQuantWeight}
 
 
 def _is_structured(x) -> bool:

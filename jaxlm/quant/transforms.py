@@ -79,11 +79,18 @@ def wush_transform(H, W, block: int, *, hadamard: bool = True, damp: float = 0.0
     for i in range(n):
         sl = slice(i * block, (i + 1) * block)
         Uii = U[sl, sl]
-        V, s, _ = np.linalg.svd(Uii @ W[sl], full_matrices=False)
-        s = s / np.sqrt(R)
-        s = s + 0.01 * s.mean()
-        out[i] = Hb @ np.diag(np.sqrt(s)) @ V.T @ np.linalg.inv(Uii).T
+        out[i] = wush_block(Uii, Uii @ W[sl], Hb)
     return jnp.asarray(out, jnp.float32)
+
+
+def wush_block(Uii: np.ndarray, y: np.ndarray, Hb: np.ndarray) -> np.ndarray:
+    """One WUSH block (float64): SVD ``y = V diag(s) Uh^T`` of the block target ``y [B, R]``,
+    ``s <- s / sqrt(R) + 0.01 mean(s / sqrt(R))``, ``T_i = Hb diag(s)^{1/2} V^T U_ii^{-T}``.
+    ``y = U_ii W_i`` in RTN mode; GPTQ mode (`jaxlm.quant.gptq`) adds the propagated error."""
+    V, s, _ = np.linalg.svd(y, full_matrices=False)
+    s = s / np.sqrt(y.shape[1])
+    s = s + 0.01 * s.mean()
+    return Hb @ np.diag(np.sqrt(s)) @ V.T @ np.linalg.inv(Uii).T
 
 
 def transform_activations(x: jax.Array, T: jax.Array) -> jax.Array:

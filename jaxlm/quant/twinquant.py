@@ -21,13 +21,17 @@ left singular vectors of ``W``, plain RTN residual (``A = I``).
 
 Model level: `LowRankTransformedWeight` (a weight type ``linear`` dispatches on, stored by
 `jaxlm.quant.storage`) and `twinquant_quantize_model` (per layer and projection, on samples
-of the layer's actual inputs); ``jaxlm quantize --method twinquant``.
+of the layer's actual inputs); ``jaxlm quantize --method twinquant``. Under the ``kernel`` /
+``interpret`` backend W4A4 runs the low-rank branch in jnp plus the residual through the
+fused W4A4 kernels, and weight-only runs `kernels_pallas.lowrank_w4a16` (interpret mode
+verified; compiled lowering not run).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +40,11 @@ import optax
 
 from jaxlm.models.layers.linear import linear
 from jaxlm.quant.formats import QFormat, fake_quant, get_format
+from jaxlm.quant.linear import resolved_backend
 from jaxlm.quant.transforms import hadamard_transform, identity_transform, transform_activations
-from jaxlm.quant.w4a4 import TransformedWeight, transformed_linear
+from jaxlm.quant.w4a4 import (
+    TransformedWeight, kernel_weight, kernel_with_jnp_gradient, transformed_linear,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -194,7 +201,51 @@ class LowRankTransformedWeight:
 
 @linear.register(LowRankTransformedWeight)
 def lowrank_transformed_linear(x: jax.Array, w: LowRankTransformedWeight) -> jax.Array:
+    """``(x P) L + Q_a(T x) . R``. Under the ``kernel``/``interpret`` backend: W4A4 runs the
+    low-rank branch in jnp plus the residual through the fused W4A4 kernels
+    (`transformed_linear`); weight-only with a kernel `QArray` residual runs the fused
+    low-rank + residual kernel `kernels_pallas.lowrank_w4a16` (`fused_lowrank_supported`).
+    Under ``reference`` (CPU ``auto``): the jnp path `jnp_lowrank_linear`."""
+    mode = resolved_backend()
+    if mode != "reference" and fused_lowrank_supported(x, w):
+        return _fused_lowrank(x, w, mode)
+    return jnp_lowrank_linear(x, w)
+
+
+def jnp_lowrank_linear(x: jax.Array, w: LowRankTransformedWeight) -> jax.Array:
     return linear(linear(x, w.P), w.L) + transformed_linear(x, w.residual)
+
+
+def fused_lowrank_supported(x: jax.Array, w: LowRankTransformedWeight) -> bool:
+    """Weight-only (``act_format=None``), a 2-D kernel-format `QArray` residual
+    (`jaxlm.quant.w4a4.kernel_weight`) and 2-D ``P``/``L``."""
+    q = w.residual.weight
+    return (w.residual.act_format is None and kernel_weight(q) and w.P.ndim == 2 and w.L.ndim == 2
+            and x.shape[-1] == q.shape[0] == w.P.shape[0] and w.L.shape == (w.P.shape[1], q.shape[1]))
+
+
+def _fused_lowrank_forward(x: jax.Array, w: LowRankTransformedWeight, mode: str) -> jax.Array:
+    """The kernel sees ``x' = T x`` (blockwise, rounded to ``x.dtype`` as the jnp path
+    rounds the residual's input), so the down-projection is ``P' = A^{-1} P`` (``x' P' =
+    x P``, `fused_operands`). ``P'`` is solved per call (``C/B`` ``B x B`` solves, ``O(C B r)``
+    flops, small next to the ``C N`` residual when ``r << N``): storing it would change the
+    checkpoint format."""
+    from kernels_pallas import lowrank_w4a16
+
+    q = w.residual.weight
+    C, N = q.shape
+    xt = transform_activations(x, w.T).astype(x.dtype).reshape(-1, C)
+    P_t = _blockwise_left_solve(w.T, w.P.astype(jnp.float32))
+    f = q.fmt
+    y = lowrank_w4a16.lowrank_w4a16_matmul(
+        xt, q.codes, q.scales, q.global_scale.reshape(()), P_t, w.L, element=f.element, block=f.block,
+        scale_kind=f.scale_kind, alpha=f.alpha, bk=math.lcm(256, f.block), interpret=mode == "interpret",
+        out_dtype=x.dtype,
+    )
+    return y.reshape(*x.shape[:-1], N)
+
+
+_fused_lowrank = kernel_with_jnp_gradient(_fused_lowrank_forward, jnp_lowrank_linear)
 
 
 def _resolve_rank(rank: int | float, C: int) -> int:

@@ -12,9 +12,9 @@ MODEL = jaxlm.ModelConfig.tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, 
 
 
 def test_qat_model_fake_quantizes_projections_and_kv_with_straight_through_gradients():
-    """A ``qat_format`` model's projection equals fake_quant(x) @ fake_quant(W); the gradient
-    reaches the full-precision weight as if the quantizer were the identity (STE); and
-    ``kv_quant`` changes the model's output."""
+    """A ``qat_format`` model's projection equals fake_quant(x) @ fake_quant(W) (x per token);
+    the gradient reaches the full-precision weight as if the quantizer were the identity
+    (STE); and ``kv_quant`` changes the model's output."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -25,13 +25,16 @@ def test_qat_model_fake_quantizes_projections_and_kv_with_straight_through_gradi
 
     plain = jaxlm.build_model(MODEL, seed=0)
     qat = model_from_flat(dataclasses.replace(MODEL, qat_format="nvfp4"), flat_params(plain))
-    x = jax.random.normal(jax.random.key(0), (3, 64))
+    x = jax.random.normal(jax.random.key(0), (3, 64)) * jnp.asarray([[1.0], [10.0], [0.1]])
     proj = qat.layers[0].mlp.up_proj
-    want = fake_quant(x, "nvfp4", axis=-1) @ fake_quant(proj.kernel[...], "nvfp4", axis=-2)
+    # activations: NVFP4 tensor scale per token (row), weights: one per matrix
+    xq = jnp.concatenate([fake_quant(x[i:i + 1], "nvfp4", axis=-1) for i in range(3)])
+    assert float(jnp.abs(xq - fake_quant(x, "nvfp4", axis=-1)).max()) > 0  # per token != per call
+    want = xq @ fake_quant(proj.kernel[...], "nvfp4", axis=-2)
     np.testing.assert_allclose(np.asarray(proj(x)), np.asarray(want), rtol=1e-5, atol=1e-5)
     layer = Linear(64, 32, axes=("embed", "mlp"), fake_quant="nvfp4", rngs=nnx.Rngs(0))
     g = nnx.grad(lambda m: m(x).sum())(layer).kernel[...]
-    xq = fake_quant(x, "nvfp4", axis=-1)  # STE: d/dW sum(xq @ Wq) = xq^T 1
+    # STE: d/dW sum(xq @ Wq) = xq^T 1
     np.testing.assert_allclose(np.asarray(g), np.asarray(xq.sum(0)[:, None] * jnp.ones((1, 32))), rtol=1e-5, atol=1e-5)
     tokens = jnp.asarray([[1, 50, 60, 70, 80, 90]])
     kv = model_from_flat(dataclasses.replace(MODEL, kv_quant="e1m2"), flat_params(plain))

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlm.inference.cache import batch_axis
 from jaxlm.inference.logits_processors import Temperature, TopP
 from jaxlm.inference.sampler import generate_tokens
 from jaxlm.models.logprobs import token_entropy, token_logprobs, unembedding
@@ -134,7 +135,8 @@ def _shared_prompt_hidden(model, batch):
     U, W = p["tokens"].shape
     pre = model.backbone(p["tokens"], p["positions"], cache=model.init_cache(U, T), mask=p["attend"])
     c = pre.cache
-    gathered = c.replace(k=jnp.take(c.k, idx, axis=1), v=jnp.take(c.v, idx, axis=1),
+    take = lambda x: jnp.take(x, idx, axis=batch_axis(x))  # noqa: E731 (stacked or per-layer cache)
+    gathered = c.replace(k=jax.tree.map(take, c.k), v=jax.tree.map(take, c.v),
                          valid=jnp.take(c.valid, idx, axis=0), lengths=jnp.take(c.lengths, idx, axis=0))
     rest = model.backbone(tokens[:, W:], batch["positions"][:, W:], cache=gathered, mask=batch["attend"][:, W:])
     return jnp.concatenate([jnp.take(pre.hidden, idx, axis=0), rest.hidden], axis=1)

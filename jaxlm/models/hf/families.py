@@ -197,6 +197,12 @@ def config_to_hf(config, family: Family) -> dict[str, Any]:
         if getattr(config, name) != config.head_dim:
             problems.append(f"{name}={getattr(config, name)} != head_dim={config.head_dim} (compressed heads; "
                             "HF attention has one head width)")
+    for name in ("layer_qk_head_dims", "layer_v_head_dims", "layer_ffn_dims"):
+        if getattr(config, name) is not None:
+            problems.append(f"{name}={getattr(config, name)} (per-layer widths from A^3 mixed ranks; HF configs "
+                            "have one width for all layers)")
+    if config.k_shift:
+        problems.append("k_shift=True (HF attention has no post-RoPE key shift)")
     if config.sliding_window is not None and not family.sliding_window:
         problems.append(f"sliding_window={config.sliding_window} (the family has none)")
     for name, default in (("attention", "softmax"), ("mlp", "swiglu"), ("rope", "default")):

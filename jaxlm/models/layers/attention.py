@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.inference.cache import LayerKV
-from jaxlm.models.layers.linear import Linear
+from jaxlm.models.layers.linear import Linear, param
 from jaxlm.models.layers.norms import RMSNorm
 from jaxlm.models.layers.rope import ROPE, RopeFrequencies, inv_frequencies, rotate_per_head
 from jaxlm.models.taps import Taps
@@ -83,6 +83,10 @@ class Attention(nnx.Module):
             self.rope_inv_freq = RopeFrequencies(freq, out_sharding=("kv_heads", None), eager_sharding=False)
         else:
             self.rope_inv_freq = None
+        if c.k_shift:  # Q-FIT's post-RoPE key shift (ReQAT): zeros, i.e. no shift, at init
+            self.k_shift = param(jnp.zeros((c.n_kv_heads, c.qk_head_dim), c.weight_dtype), ("kv_heads", "head_dim"))
+        else:
+            self.k_shift = None
         if c.qk_norm:  # Qwen3: RMSNorm over head_dim on q and k before RoPE
             self.q_norm = RMSNorm(c.head_dim, eps=c.norm_eps, axis_name="head_dim", param_dtype=c.weight_dtype)
             self.k_norm = RMSNorm(c.head_dim, eps=c.norm_eps, axis_name="head_dim", param_dtype=c.weight_dtype)
@@ -118,6 +122,13 @@ class Attention(nnx.Module):
         else:
             rope = ROPE[c.rope]
             q, k = rope(q, positions, c), rope(k, positions, c)
+        if self.k_shift is not None:
+            # k - m: every score of a query moves by the same q.m, so softmax attention is
+            # unchanged; the shifted keys are what the (quantized) cache stores
+            shift = self.k_shift[...]
+            if not c.k_shift_trainable:
+                shift = jax.lax.stop_gradient(shift)
+            k = k - shift.astype(k.dtype)
         q, k = taps.put("q_rot", q), taps.put("k_rot", k)
         if c.kv_quant is not None:  # a low-bit KV cache, simulated (straight-through)
             from jaxlm.quant.formats import fake_quant

@@ -56,6 +56,52 @@ def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
+def fake_quant_tokens(x: jax.Array, fmt) -> jax.Array:
+    """Activations ``[..., K]`` quantize-dequantized per token (straight-through gradient):
+    blocks along ``K`` and, for a two-level format (NVFP4), each token's own tensor scale, so
+    a token's quantization does not depend on the other tokens of the call (padding, batch
+    rows, prefill vs cached decoding see the same numbers). What QAT trains with and
+    `jaxlm.quant.qat_export.ActQuantWeight` runs."""
+    from jaxlm.quant.formats import fake_quant
+
+    return fake_quant(x.reshape(-1, 1, x.shape[-1]), fmt, axis=-1).reshape(x.shape).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def qat_linear(x: jax.Array, w: jax.Array, fmt: str) -> jax.Array:
+    """Quantization-aware ``x @ w``: ``fake_quant_tokens(x) @ Q(w)`` with ``Q(w)`` the weight
+    quantized in blocks along its input axis (one tensor scale per matrix). The forward pass
+    runs the stored-weight path, ``linear(x_q, quantize(w))``, so a model exported with
+    `jaxlm.quant.qat_export.export_qat` computes the same numbers bit for bit; the backward
+    pass is straight-through (the gradient of ``fake_quant_tokens(x) @ fake_quant(w)``).
+    The matmul runs the jnp reference of the quantized linear on every platform (plain XLA
+    ops, so training shards as usual); an exported model uses the W4A16 kernel on GPU/TPU."""
+    from jaxlm.quant.formats import quantize
+    from kernels_pallas import w4a16
+
+    q = quantize(jax.lax.stop_gradient(w), fmt, axis=-2)
+    f = q.fmt
+    K, N = q.shape
+    # exactly what linear(x, q) runs under the reference backend (`jaxlm.quant.linear`)
+    y = w4a16.reference(fake_quant_tokens(x, fmt).reshape(-1, K), q.codes, q.scales, q.global_scale.reshape(()),
+                        element=f.element, block=f.block, scale_kind=f.scale_kind, alpha=f.alpha)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def _qat_linear_fwd(x, w, fmt):
+    return qat_linear(x, w, fmt), (x, w)
+
+
+def _qat_linear_bwd(fmt, res, dy):
+    from jaxlm.quant.formats import fake_quant
+
+    _, vjp = jax.vjp(lambda x, w: linear(fake_quant_tokens(x, fmt), fake_quant(w, fmt, axis=-2)), *res)
+    return vjp(dy)
+
+
+qat_linear.defvjp(_qat_linear_fwd, _qat_linear_bwd)
+
+
 class Linear(nnx.Module):
     """A projection ``y = linear(x, kernel) (+ bias)`` with ``kernel`` stored ``[in, out]``."""
 
@@ -80,13 +126,12 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.kernel.get_value()
         if self.fake_quant is not None and isinstance(w, jax.Array):  # structured weights: already quantized
-            # quantization-aware training: inputs and weights quantize-dequantized in blocks
-            # along the reduction axis, straight-through gradients (ReQAT's W4A4 fake quant)
-            from jaxlm.quant.formats import fake_quant
-
-            x = fake_quant(x, self.fake_quant, axis=-1).astype(x.dtype)
-            w = fake_quant(w, self.fake_quant, axis=-2)
-        y = linear(x, w)
+            # quantization-aware training: inputs (per token) and weights (one tensor scale per
+            # matrix) quantized in blocks along the reduction axis, straight-through gradients
+            # (ReQAT's W4A4 fake quant)
+            y = qat_linear(x, w, self.fake_quant)
+        else:
+            y = linear(x, w)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
