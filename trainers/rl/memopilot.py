@@ -138,7 +138,15 @@ def player_warm_start(config, tokenizer, *, steps: int = 400, batch_size: int = 
     loss_mask[:, -1] = True  # the move letter is the only target
     data = {"tokens": jnp.asarray(block), "attend": jnp.asarray(attend),
             "positions": jnp.asarray(positions_of(attend)), "loss_mask": jnp.asarray(loss_mask)}
-    model = jaxlm.build_model(config, seed=seed, tokenizer=tokenizer)
+    model = sft_on_rows(jaxlm.build_model(config, seed=seed), data, steps=steps, batch_size=batch_size, lr=lr,
+                        rng=rng)
+    model.tokenizer = tokenizer
+    return model
+
+
+def sft_on_rows(model, data: dict, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator):
+    """A copy of ``model`` after ``steps`` Adam steps of masked NLL on rows ``data``
+    (``tokens``/``attend``/``positions``/``loss_mask``), minibatches drawn by ``rng``."""
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     tx = optax.adam(lr)
@@ -155,12 +163,11 @@ def player_warm_start(config, tokenizer, *, steps: int = 400, batch_size: int = 
         return optax.apply_updates(p, upd), opt, loss
 
     opt = tx.init(params)
+    n = data["tokens"].shape[0]
     for _ in range(steps):
         idx = rng.choice(n, batch_size, replace=False)
         params, opt, _ = step(params, opt, {k: v[idx] for k, v in data.items()})
-    model = nnx.merge(graphdef, params)
-    model.tokenizer = tokenizer
-    return model
+    return nnx.merge(graphdef, params)
 
 
 def load_player(cfg: RPSConfig, tokenizer) -> Player:
@@ -358,25 +365,4 @@ def format_warm_start(model, cfg: RPSConfig, tokenizer, *, width: int, steps: in
     ep = play_rps(cfg, specs, tokenizer=tokenizer, writer=random_letter_writer(seed, tokenizer))
     rows = ep.stream.rows(width, tokenizer.pad_id)
     data = {k: jnp.asarray(rows[k]) for k in ("tokens", "attend", "positions", "loss_mask")}
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    tx = optax.adam(lr)
-
-    def loss_fn(p, batch):
-        lp = row_logprobs(nnx.merge(graphdef, p), batch)
-        m = batch["loss_mask"].astype(jnp.float32)
-        return -(lp * m).sum() / jnp.maximum(m.sum(), 1.0)
-
-    @jax.jit
-    def step(p, opt, batch):
-        loss, g = jax.value_and_grad(loss_fn)(p, batch)
-        upd, opt = tx.update(g, opt, p)
-        return optax.apply_updates(p, upd), opt, loss
-
-    opt = tx.init(params)
-    order = np.random.default_rng(seed)
-    n = rows["tokens"].shape[0]
-    for _ in range(steps):
-        idx = order.choice(n, batch_size, replace=False)
-        params, opt, _ = step(params, opt, {k: v[idx] for k, v in data.items()})
-    return nnx.merge(graphdef, params)
+    return sft_on_rows(model, data, steps=steps, batch_size=batch_size, lr=lr, rng=np.random.default_rng(seed))
