@@ -144,6 +144,8 @@ class TestTransformedKernels:
     @pytest.fixture(autouse=True)
     def _backend(self):
         if self.MODE == "kernel" and not ON_ACCELERATOR:
+            # as in test_kernels.py (JAX's convention): compiled Pallas kernels cannot run on CPU;
+            # the Interpret subclass runs every test here in Pallas interpret mode
             pytest.skip("compiled Pallas kernels need a GPU/TPU; CPU runs TestTransformedKernelsInterpret")
 
     @pytest.mark.parametrize("fmt_name", sorted(FORMATS))

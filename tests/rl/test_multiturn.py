@@ -266,7 +266,8 @@ def check_rows(exp, tok, cfg, played):
             while end < n and rows["loss_mask"][i, end]:
                 end += 1
             # the policy span right after the context: 1..max_new_tokens sampled tokens, same turn
-            assert 1 <= end - pos <= cfg.algorithm.max_new_tokens and (rows["turn"][i, pos:end] == t).all()
+            assert 1 <= end - pos <= cfg.algorithm.max_new_tokens, (i, t, end - pos)
+            assert (rows["turn"][i, pos:end] == t).all(), (i, t)
             assert tok.decode(rows["tokens"][i, pos:end]) == played.memories[i][t + 1]  # the memory round t+1 used
             assert t == turns
             pos, turns = end, turns + 1
