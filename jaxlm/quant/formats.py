@@ -241,3 +241,13 @@ def fake_quant(x: jax.Array, fmt: str | QFormat, *, axis: int = -1) -> jax.Array
     (straight-through estimator, Bengio et al. 2013): for quantization-aware training."""
     xq = dequantize(quantize(jax.lax.stop_gradient(x), fmt, axis=axis), x.dtype)
     return _ste(x, xq)
+
+
+def fake_quant_tokens(x: jax.Array, fmt: str | QFormat) -> jax.Array:
+    """Activations ``[..., K]`` quantize-dequantized per token (straight-through gradient):
+    blocks along ``K`` and, for a two-level format (NVFP4), each token's own tensor scale
+    (its amax / (6 * 448)), so a token's quantization does not depend on the other tokens of
+    the call: padding, batch rows, and prefill vs cached decoding see the same numbers. What
+    every W4A4 path quantizes activations with (QAT, `ActQuantWeight`, `TransformedWeight`,
+    TwinQuant, the layer-level error of `transforms.w4a4_matmul`)."""
+    return fake_quant(x.reshape(-1, 1, x.shape[-1]), fmt, axis=-1).reshape(x.shape).astype(x.dtype)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm.quant.formats import QFormat, fake_quant, get_format
+from jaxlm.quant.formats import QFormat, fake_quant, fake_quant_tokens, get_format
 from kernels_pallas.formats import walsh_hadamard
 
 
@@ -109,10 +109,11 @@ def transform_weights(W: jax.Array, T: jax.Array) -> jax.Array:
 
 def w4a4_matmul(x: jax.Array, W: jax.Array, T: jax.Array, fmt: str | QFormat) -> jax.Array:
     """``Q(T x) . Q(T^{-T} W)``: both operands fake-quantized in blocks along ``C`` (the
-    output error of a W4A4 layer under transform ``T``)."""
+    output error of a W4A4 layer under transform ``T``); activations per token
+    (`fake_quant_tokens`), as the quantized models run them."""
     fmt = get_format(fmt)
     if T.shape[1] != fmt.block:
         raise ValueError(f"transform blocks are {T.shape[1]}, the {fmt.name} block is {fmt.block}")
-    xq = fake_quant(transform_activations(x, T), fmt, axis=-1)
+    xq = fake_quant_tokens(transform_activations(x, T), fmt)
     wq = fake_quant(transform_weights(W, T), fmt, axis=-2)
     return jnp.dot(xq, wq)

@@ -39,7 +39,7 @@ import numpy as np
 import optax
 
 from jaxlm.models.layers.linear import linear
-from jaxlm.quant.formats import QFormat, fake_quant, get_format
+from jaxlm.quant.formats import QFormat, fake_quant, fake_quant_tokens, get_format
 from jaxlm.quant.linear import resolved_backend
 from jaxlm.quant.transforms import hadamard_transform, identity_transform, transform_activations
 from jaxlm.quant.w4a4 import (
@@ -76,7 +76,7 @@ def forward(x, d: LowRankPlusResidual, fmt: QFormat, act_format: QFormat | None)
     """``(x P) L + Q_a(T x) . Q(residual)`` (straight-through in the quantizers)."""
     xt = transform_activations(x, d.T)
     if act_format is not None:
-        xt = fake_quant(xt, act_format, axis=-1)
+        xt = fake_quant_tokens(xt, act_format)
     return (x @ d.P) @ d.L + xt @ fake_quant(d.residual, fmt, axis=-2)
 
 

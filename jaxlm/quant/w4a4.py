@@ -34,7 +34,7 @@ from flax import nnx
 from jaxlm.models.layers.linear import linear
 from jaxlm.quant.calibrate import INPUT_TAPS, input_second_moments
 from jaxlm.quant.formats import (
-    QArray, QFormat, fake_quant, get_format, int4, mxfp4, nvfp4, quantize,
+    QArray, QFormat, fake_quant_tokens, get_format, int4, mxfp4, nvfp4, quantize,
 )
 from jaxlm.quant.gptq import INNER, gptq_transform_quantize
 from jaxlm.quant.linear import backend, resolved_backend
@@ -70,7 +70,7 @@ def jnp_transformed_linear(x: jax.Array, w: TransformedWeight) -> jax.Array:
     a `QArray` weight through the W4A16 kernel or its reference, per the backend)."""
     xt = transform_activations(x, w.T)
     if w.act_format is not None:
-        xt = fake_quant(xt, w.act_format, axis=-1)
+        xt = fake_quant_tokens(xt, w.act_format)
     return linear(xt.astype(x.dtype), w.weight)
 
 
@@ -118,12 +118,11 @@ def _fused_w4a4_forward(x: jax.Array, w: TransformedWeight, mode: str) -> jax.Ar
     rows = x.reshape(-1, C)
     g_rows = None
     if act.two_level:
-        # NVFP4's activation tensor scale, dynamic per call and computed exactly as the jnp
-        # path computes it (`quantize`'s amax of T x over the last two axes of x: one scale
-        # per sequence of a [B, T, C] input). Costs one extra jnp pass over T x (XLA keeps
-        # only the amax); a static calibrated scale would remove it.
-        g = quantize(transform_activations(x, w.T), act, axis=-1).global_scale  # [..., 1, 1]
-        g_rows = jnp.broadcast_to(g[..., 0], x.shape[:-1]).reshape(-1)
+        # NVFP4's activation tensor scale, one per token and computed exactly as the jnp
+        # path computes it (`fake_quant_tokens`: `quantize`'s amax of each row of T x).
+        # Costs one extra jnp pass over T x (XLA keeps only the amax).
+        xt_rows = transform_activations(x, w.T).reshape(-1, 1, C)
+        g_rows = quantize(xt_rows, act, axis=-1).global_scale.reshape(-1)  # [M]
     interpret = mode == "interpret"
     xc, xs = block_quant.transform_quantize(
         rows, w.T, 1.0 if g_rows is None else g_rows, fmt=act.name, rule=act.rule, block=act.block,

@@ -13,6 +13,7 @@ from jaxlm.models.params import flat_params, model_from_flat
 from jaxlm.quant.apply import quantize_with
 from jaxlm.quant.formats import QArray, dequantize, fake_quant, quantize
 from jaxlm.quant.qat_export import ActQuantWeight, export_qat, qat_projections
+from token_independence import assert_independent_of_padding_and_cache
 from trainers.cli import main
 
 # init_std 0.1: a spread-out function (a 0.02 model's logits are nearly flat); k_shift and an
@@ -71,24 +72,7 @@ def test_qat_model_does_not_depend_on_padding_or_cache_length():
     rows see) leave the real positions' logits unchanged, and cached greedy decoding equals
     recomputation without a cache (with a per-call NVFP4 tensor scale, the cache length
     alone moved this model's logits by ~1)."""
-    model = _qat_model()
-    forward = nnx.jit(lambda m, t, v: m(t, mask=v).logits)
-    prompts = jnp.asarray([[0, 0, 0, 0, 5, 9, 200, 17], [0, 0, 0, 0, 0, 0, 3, 40], [0, 0, 44, 45, 46, 47, 48, 49]])
-    valid = prompts > 0
-    a, b = (model(prompts, mask=valid, cache=model.init_cache(3, S)).logits for S in (12, 16))
-    c = forward(model, prompts, valid)
-    m = np.asarray(valid)
-    np.testing.assert_allclose(np.asarray(a)[m], np.asarray(b)[m], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(a)[m], np.asarray(c)[m], rtol=1e-5, atol=1e-5)
-    n = 6
-    ids = [[5, 9, 200, 17], [3, 40], [44, 45, 46, 47, 48, 49]]
-    result = jaxlm.generate(model, ids, max_new_tokens=n, temperature=0)
-    seqs = [list(s) for s in ids]
-    for _ in range(n):
-        t = jnp.asarray([[0] * (12 - len(s)) + s for s in seqs], jnp.int32)
-        nxt = np.asarray(jnp.argmax(forward(model, t, t > 0)[:, -1], axis=-1))
-        seqs = [s + [int(x)] for s, x in zip(seqs, nxt)]
-    np.testing.assert_array_equal(np.asarray(result.tokens), np.array([s[len(p):] for s, p in zip(seqs, ids)]))
+    assert_independent_of_padding_and_cache(_qat_model())
 
 
 @pytest.mark.parametrize("scan", [False, True])

@@ -57,14 +57,11 @@ def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
 
 
 def fake_quant_tokens(x: jax.Array, fmt) -> jax.Array:
-    """Activations ``[..., K]`` quantize-dequantized per token (straight-through gradient):
-    blocks along ``K`` and, for a two-level format (NVFP4), each token's own tensor scale, so
-    a token's quantization does not depend on the other tokens of the call (padding, batch
-    rows, prefill vs cached decoding see the same numbers). What QAT trains with and
-    `jaxlm.quant.qat_export.ActQuantWeight` runs."""
-    from jaxlm.quant.formats import fake_quant
+    """Per-token activation fake-quantization: `jaxlm.quant.formats.fake_quant_tokens`
+    (imported lazily: `jaxlm.quant` imports this module)."""
+    from jaxlm.quant.formats import fake_quant_tokens as per_token
 
-    return fake_quant(x.reshape(-1, 1, x.shape[-1]), fmt, axis=-1).reshape(x.shape).astype(x.dtype)
+    return per_token(x, fmt)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
