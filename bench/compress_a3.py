@@ -12,6 +12,10 @@ under teacher forcing = greedy decoding) and answer NLL, plus the compressed mod
 parameter count and KV-cache size. The ratio printed last is SVD's answer NLL increase over
 A^3's at the first budget (all components). With ``--allocation global`` each budget also gets
 an "A^3 global" row: mixed per-layer ranks at the same parameter count (widths printed per layer).
+On a RoPE model, the "A^3" rows with qk are the pair selection alone (``qk_rope_refit=False``)
+and "A^3 + refit" rows add ``A3Config.qk_rope_refit`` (the kept pairs' query columns refit by
+least squares on the scores; ``--refit-als`` extra key/query rounds, ``--refit-weight``,
+``--refit-rank``), with its calibration score error per layer (selection -> refit) printed.
 """
 
 import argparse
@@ -25,7 +29,7 @@ import jaxlm  # noqa: E402
 from jaxlm.compress import (  # noqa: E402
     A3Config, a3_statistics, component_errors, kv_cache_bytes, svd_model,
 )
-from jaxlm.compress.a3 import a3_compress  # noqa: E402
+from jaxlm.compress.a3 import a3_compress, qk_rope_refit  # noqa: E402
 from jaxlm.data.tasks import Arithmetic  # noqa: E402
 from jaxlm.editing.kfac import token_batches  # noqa: E402
 from jaxlm.editing.metrics import score  # noqa: E402
@@ -42,6 +46,11 @@ if __name__ == "__main__":
     ap.add_argument("--calibration", type=int, default=256)
     ap.add_argument("--allocation", choices=("uniform", "global"), default="uniform",
                     help="global: also report A^3 with mixed per-layer ranks at the same budget")
+    ap.add_argument("--refit-als", type=int, default=0, help="A3Config.qk_refit_als of the refit rows")
+    ap.add_argument("--refit-weight", default="uniform", help="A3Config.qk_refit_weight of the refit rows")
+    ap.add_argument("--refit-ridge", type=float, default=A3Config.qk_refit_ridge)
+    ap.add_argument("--refit-rank", type=int, default=None, help="A3Config.qk_refit_rank of the refit rows")
+    ap.add_argument("--no-refit", action="store_true", help="skip the RoPE refit rows")
     a = ap.parse_args()
     model = jaxlm.load_model(a.model)
     tok, c0 = model.tokenizer, model.config
@@ -69,7 +78,8 @@ if __name__ == "__main__":
     first = None
     for budget in (float(b) for b in a.budgets.split(",")):
         for comps in COMPONENT_SETS:
-            flat, c1 = a3_compress(flat_params(model), c0, stats, A3Config(components=comps, budget=budget))
+            flat, c1 = a3_compress(flat_params(model), c0, stats,  # under RoPE: pair selection only
+                                   A3Config(components=comps, budget=budget, qk_rope_refit=False))
             a3 = model_from_flat(c1, flat)
             a3.tokenizer = tok
             svd = svd_model(model, c1, comps)
@@ -77,10 +87,24 @@ if __name__ == "__main__":
             methods = [("A^3", a3, c1), ("SVD", svd, c1)]
             if a.allocation == "global":
                 flat_g, c_g = a3_compress(flat_params(model), c0, stats,
-                                          A3Config(components=comps, budget=budget, allocation="global"))
+                                          A3Config(components=comps, budget=budget, allocation="global",
+                                                   qk_rope_refit=False))
                 mixed = model_from_flat(c_g, flat_g)
                 mixed.tokenizer = tok
                 methods.insert(1, ("A^3 global", mixed, c_g))
+            if "qk" in comps and c0.rope != "none" and not a.no_refit:
+                cfg = A3Config(components=comps, budget=budget, qk_rope_refit=True, qk_refit_als=a.refit_als,
+                               qk_refit_weight=a.refit_weight, qk_refit_ridge=a.refit_ridge,
+                               qk_refit_rank=a.refit_rank)
+                t1 = time.perf_counter()
+                refit = qk_rope_refit(model, calib, stats, cfg)
+                print(f"refit (budget {budget}, als {a.refit_als}, {a.refit_weight}, {time.perf_counter() - t1:.0f}s): "
+                      "calibration score error per layer " + "; ".join(
+                          " -> ".join(f"{e:.2e}" for e in errs) for errs in refit.errors.values()), flush=True)
+                flat_r, c_r = a3_compress(flat_params(model), c0, stats, cfg, qk_refit=refit)
+                refit_model = model_from_flat(c_r, flat_r)
+                refit_model.tokenizer = tok
+                methods.insert(1, ("A^3 + refit", refit_model, c_r))
             for name, m, c in methods:
                 w = {n: "(" + ",".join(str(getattr(c.layer_config(i), n)) for i in range(c.n_layers)) + ")"
                      if getattr(c, f"layer_{n}s") else str(getattr(c, n)) for n in ("qk_head_dim", "v_head_dim", "ffn_dim")}
@@ -95,7 +119,8 @@ if __name__ == "__main__":
             if first is None:
                 first = row
     inc = {k: v - nll0 for k, v in first.items()}
-    ratio = f"{inc['SVD'] / inc['A^3']:.2f}" if inc["A^3"] > 0 else "n/a (A^3 no worse than uncompressed)"
-    print(f"\nanswer-NLL increase at budget {a.budgets.split(',')[0]} (all components): A^3 {inc['A^3']:+.4f}, "
-          f"SVD {inc['SVD']:+.4f}; SVD / A^3 = {ratio}")
+    for name in [n for n in ("A^3", "A^3 + refit") if n in inc]:
+        ratio = f"{inc['SVD'] / inc[name]:.2f}" if inc[name] > 0 else f"n/a ({name} no worse than uncompressed)"
+        print(f"\nanswer-NLL increase at budget {a.budgets.split(',')[0]} (all components): {name} {inc[name]:+.4f}, "
+              f"SVD {inc['SVD']:+.4f}; SVD / {name} = {ratio}")
     print(f"total {time.perf_counter() - t0:.0f}s")

@@ -174,6 +174,11 @@ class CompressArgs:
     allocation: Literal["uniform", "global"] = "uniform"
     """uniform: every layer the same width; global: the same total width per component split over
     layers by A^3's closed-form error curves (mixed ranks; the saved model has unrolled layers)."""
+    qk_rope_refit: bool = True
+    """RoPE models: refit the kept frequency pairs' query columns by least squares on the scores
+    (a second calibration pass); --no-qk-rope-refit keeps the selected columns unchanged."""
+    qk_refit_rank: int | None = None
+    """Refit along this many leading input directions only (default: all; large models need it)."""
     task: Arithmetic | Countdown | Sorting | FactWorld = Arithmetic()
     """Calibration texts come from its train split; accuracy from its held-out split."""
     calib: int = 256
@@ -189,7 +194,8 @@ def run_compress(args: CompressArgs) -> dict:
     from trainers.evaluate import task_accuracy
 
     a3 = A3Config(components=args.components, budget=args.budget, qk_head_dim=args.qk_head_dim,
-                  v_head_dim=args.v_head_dim, ffn_dim=args.ffn_dim, allocation=args.allocation)
+                  v_head_dim=args.v_head_dim, ffn_dim=args.ffn_dim, allocation=args.allocation,
+                  qk_rope_refit=args.qk_rope_refit, qk_refit_rank=args.qk_refit_rank)
     if args.out.exists() and not args.overwrite:
         raise SystemExit(f"{args.out} exists; pass --overwrite to replace it")
     model = load_model(args.model)

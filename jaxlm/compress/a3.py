@@ -24,6 +24,10 @@ A3-QK (query/key head width, minimises the pre-softmax score error)
     frequencies, stored per layer and KV head in the attention layer (``rope_inv_freq``,
     `jaxlm.models.layers.rope.RopeFrequencies`): heads differ in which frequencies they use,
     so one global choice of pairs in the config would throw away what A^3 selects.
+    ``qk_rope_refit`` (default) then refits each query head's kept columns (the least-squares
+    middle factor of CUR, as for the MLP) on the full model's RoPE'd scores over causal
+    calibration token pairs (`qk_rope_refit`; optional alternating key refits), which absorbs
+    much of what the dropped pairs carried.
   * ``qk_norm`` (Qwen3) is refused: the RMSNorm over the head width couples all pairs.
 
 A3-OV (value/output head width, minimises the attention-output error)
@@ -65,7 +69,7 @@ from typing import Mapping
 
 import numpy as np
 
-from jaxlm.compress.calibrate import A3Statistics, check_components
+from jaxlm.compress.calibrate import QK_REFIT_WEIGHTS, A3Statistics, check_components, qk_refit_sums
 
 QK_SCORES = ("score_energy", "norm_product")
 OV_GROUPS = ("average", "average_refit")
@@ -87,6 +91,23 @@ class A3Config:
     allocation: ``"uniform"`` (every layer the same width) or ``"global"`` (the same total
       width per component, split over layers by greedy marginal gains of the closed-form
       error curves; the model gets per-layer widths and unrolled layers).
+    qk_rope_refit: under RoPE, refit the kept query columns (and biases) of every query head by
+      least squares on the full model's pre-softmax scores over calibration token pairs, after
+      the pair selection (`qk_rope_refit`; CUR's middle factor for QK). Needs a second
+      calibration pass: `compress_model` runs it; `a3_compress` takes its result as
+      ``qk_refit``. Ignored without RoPE (the closed form is already the optimum there).
+    qk_refit_ridge: ridge of the refit, relative to the mean diagonal of its normal matrix,
+      pulling towards the selected (unrefit) columns (so directions the calibration inputs never
+      reach keep their original weights, and full rank stays exact), >= 0.
+    qk_refit_als: extra alternating rounds (refit the keys for the refit queries, then the
+      queries again), >= 0; each is two more calibration passes and never increases the
+      (ridge-regularised) calibration objective.
+    qk_refit_weight: ``"uniform"`` (every causal token pair equally: the score error) or
+      ``"attention"`` (each pair weighted by the full model's attention probability).
+    qk_refit_rank: refit only along this many leading directions of the layer input's second
+      moment (None: all ``d_model`` (+1 with biases) inputs). The normal matrices have
+      ``(m * r)^2`` entries per KV group and layer (``r`` the kept width), so large models
+      need it.
     """
 
     components: tuple[str, ...] = ("qk", "ov", "mlp")
@@ -100,6 +121,11 @@ class A3Config:
     mlp_ridge: float = 1e-6
     eig_floor: float = 1e-10  # relative floor of the Gram eigenvalues in the pseudo-inverses
     allocation: str = "uniform"
+    qk_rope_refit: bool = True
+    qk_refit_ridge: float = 1e-4
+    qk_refit_als: int = 0
+    qk_refit_weight: str = "uniform"
+    qk_refit_rank: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "components", check_components(self.components))
@@ -115,6 +141,19 @@ class A3Config:
                 raise ValueError(f"A3Config.{name}={getattr(self, name)!r} is invalid: must be one of {allowed}")
         if not self.mlp_ridge >= 0:
             raise ValueError(f"A3Config.mlp_ridge={self.mlp_ridge!r} is invalid: must be >= 0")
+        if not isinstance(self.qk_rope_refit, bool):
+            raise ValueError(f"A3Config.qk_rope_refit={self.qk_rope_refit!r} is invalid: must be a bool")
+        if isinstance(self.qk_refit_ridge, bool) or not (isinstance(self.qk_refit_ridge, (int, float))
+                                                        and self.qk_refit_ridge >= 0):
+            raise ValueError(f"A3Config.qk_refit_ridge={self.qk_refit_ridge!r} is invalid: must be a number >= 0")
+        if isinstance(self.qk_refit_als, bool) or not isinstance(self.qk_refit_als, int) or self.qk_refit_als < 0:
+            raise ValueError(f"A3Config.qk_refit_als={self.qk_refit_als!r} is invalid: must be an int >= 0")
+        if self.qk_refit_rank is not None and (isinstance(self.qk_refit_rank, bool)
+                                               or not isinstance(self.qk_refit_rank, int) or self.qk_refit_rank <= 0):
+            raise ValueError(f"A3Config.qk_refit_rank={self.qk_refit_rank!r} is invalid: must be a positive int or None")
+        if self.qk_refit_weight not in QK_REFIT_WEIGHTS:
+            raise ValueError(f"A3Config.qk_refit_weight={self.qk_refit_weight!r} is invalid: must be one of "
+                             f"{QK_REFIT_WEIGHTS}")
 
 
 # ------------------------------------------------------------------------------ budgets
@@ -329,7 +368,7 @@ def _store_augmented(out: dict, params, prefix: str, w: np.ndarray) -> None:
         out[prefix + ".bias"] = w[:, -1].reshape(-1).astype(np.float32)
 
 
-def _compress_qk(params, out, config, stats, a3, layer, width):
+def _compress_qk(params, out, config, stats, a3, layer, width, refit=None):
     N, K = config.n_heads, config.n_kv_heads
     G = N // K
     p = f"layers.{layer}.attn."
@@ -349,6 +388,11 @@ def _compress_qk(params, out, config, stats, a3, layer, width):
         cols = np.concatenate([keep, keep + half], axis=-1)  # [K, r]
         wk_new = np.take_along_axis(wk, cols[:, None, :], axis=-1)
         wq_new = np.take_along_axis(wq, np.repeat(cols, G, axis=0)[:, None, :], axis=-1)
+        if refit is not None:  # qk_rope_refit's least-squares columns for these pairs
+            if refit[0].shape != wq_new.shape or refit[1].shape != wk_new.shape:
+                raise ValueError(f"qk_refit for layer {layer} has shapes {refit[0].shape}, {refit[1].shape}, "
+                                 f"not {wq_new.shape}, {wk_new.shape}: refit with the same A3Config and statistics")
+            wq_new, wk_new = refit
         freq = np.take_along_axis(current_rope_frequencies(params, config, layer), keep, axis=-1)
         out[p + "rope_inv_freq"] = freq.astype(np.float32)
     _store_augmented(out, params, p + "q_proj", wq_new)
@@ -474,26 +518,9 @@ def allocate_widths(curves, total: int, step: int = 1) -> list[int]:
     return [r * step for r in kept]
 
 
-def a3_compress(params: Mapping[str, object], config, stats: A3Statistics, a3: A3Config = A3Config()):
-    """``(flat params, ModelConfig, statistics) -> (flat params, compressed ModelConfig)``.
-
-    ``params``: the flat view (`jaxlm.models.params.flat_params`); ``stats`` from
-    `jaxlm.compress.a3_statistics` on the same model with (at least) ``a3.components``.
-    Untouched parameters are passed through; `jaxlm.models.params.model_from_flat` builds the
-    compressed model.
-    """
-    check_compressible(config, a3.components)
-    if config.per_layer_dims:
-        raise ValueError("a3_compress: the model already has per-layer widths (ModelConfig.layer_*_dims); "
-                         "compress the uncompressed model instead")
+def _plan(params: Mapping[str, object], config, stats: A3Statistics, a3: A3Config):
+    """``(per-layer widths {field: [w_l]}, compressed ModelConfig)``."""
     widths = a3_widths(config, a3)
-    need = {"qk": "attn_in" if config.rope == "none" else
-            ("pair_score_energy" if a3.qk_score == "score_energy" else "q_pair_energy"),
-            "ov": "attn_z", "mlp": "mlp_act"}
-    for comp in a3.components:
-        if getattr(stats, need[comp]) is None:
-            raise ValueError(f"A3Statistics.{need[comp]} is missing: collect the statistics with {comp!r} "
-                             "in components")
     L = config.n_layers
     if a3.allocation == "global":
         curves = a3_error_curves(params, config, stats, a3)
@@ -508,10 +535,182 @@ def a3_compress(params: Mapping[str, object], config, stats: A3Statistics, a3: A
     else:
         layer_widths = {name: [widths[name]] * L for name in widths}
         new_config = config.replace(**widths)
+    return layer_widths, new_config
+
+
+def _check_inputs(config, stats: A3Statistics, a3: A3Config) -> None:
+    check_compressible(config, a3.components)
+    if config.per_layer_dims:
+        raise ValueError("a3_compress: the model already has per-layer widths (ModelConfig.layer_*_dims); "
+                         "compress the uncompressed model instead")
+    need = {"qk": "attn_in" if config.rope == "none" else
+            ("pair_score_energy" if a3.qk_score == "score_energy" else "q_pair_energy"),
+            "ov": "attn_z", "mlp": "mlp_act"}
+    for comp in a3.components:
+        if getattr(stats, need[comp]) is None:
+            raise ValueError(f"A3Statistics.{need[comp]} is missing: collect the statistics with {comp!r} "
+                             "in components")
+
+
+def needs_qk_refit(config, a3: A3Config) -> bool:
+    """Whether `a3_compress` needs `qk_rope_refit`'s result (``qk_rope_refit`` on, QK compressed, RoPE)."""
+    return a3.qk_rope_refit and "qk" in a3.components and config.rope != "none"
+
+
+# ------------------------------------------------------------- RoPE refit of the kept pairs
+@dataclasses.dataclass
+class QKRefit:
+    """Result of `qk_rope_refit`: ``weights {layer: (wq [N, D+1, r], wk [K, D+1, r])}`` (kept
+    columns with the bias as the last row) and ``errors {layer: [relative calibration score
+    error]}``: after the selection, then after each least-squares step (query, then key + query
+    per ALS round), each ``sum w (s' - s)^2 / sum w s^2`` over the calibration token pairs."""
+
+    weights: dict
+    errors: dict
+
+
+def rope_pair_selection(params: Mapping[str, object], config, stats: A3Statistics, a3: A3Config) -> dict:
+    """``{layer: (keep [K, r/2] pair indices, columns [K, r], inverse frequencies [K, r/2])}``: what
+    A3-QK keeps under RoPE at the widths `a3_compress` uses."""
+    layer_widths, _ = _plan(params, config, stats, a3)
+    half = config.qk_head_dim // 2
+    out = {}
+    for layer, width in enumerate(layer_widths["qk_head_dim"]):
+        keep = select_rope_pairs(qk_pair_scores(stats, layer, config.n_kv_heads, a3.qk_score), width // 2)
+        freq = np.take_along_axis(current_rope_frequencies(params, config, layer), keep, axis=-1)
+        out[layer] = (keep, np.concatenate([keep, keep + half], axis=-1), freq)
+    return out
+
+
+_REFIT_MAX_ENTRIES = 2**28  # float64 normal-matrix entries over all layers (2 GiB)
+
+
+def refit_basis(c: np.ndarray, bias: bool, rank: int | None) -> np.ndarray:
+    """``[D+1, m]`` input basis of the refit steps: all inputs (``rank=None``: the unit vectors,
+    without the bias coordinate unless the model has that bias), or the ``rank`` leading
+    eigenvectors of the (augmented) input second moment ``c = E[x x^T]`` (cheaper: ``(rank r)^2``
+    normal matrices; the columns outside it keep their current weights)."""
+    d1 = c.shape[0]
+    n = d1 if bias else d1 - 1
+    if rank is None or rank >= n:
+        return np.eye(d1)[:, :n]
+    lam, vec = np.linalg.eigh(c[:n, :n])
+    basis = np.zeros((d1, rank))
+    basis[:n] = vec[:, ::-1][:, :rank]
+    return basis
+
+
+def _refit_step(gram: np.ndarray, rhs: np.ndarray, ridge: float) -> np.ndarray:
+    """``argmin Delta^T A Delta - 2 Delta . b + ridge * mean(diag A) ||Delta||^2`` (``ridge = 0``:
+    the minimum-norm least-squares step)."""
+    lam = ridge * float(np.mean(np.diag(gram)))
+    if lam > 0:
+        return np.linalg.solve(gram + lam * np.eye(len(rhs)), rhs)
+    return np.linalg.lstsq(gram, rhs, rcond=None)[0]
+
+
+def qk_rope_refit(model, batches, stats: A3Statistics, a3: A3Config) -> QKRefit:
+    """RoPE-aware least-squares refit of the pairs A3-QK keeps (the middle factor of CUR).
+
+    After `rope_pair_selection` keeps ``S`` per KV head, every query head's kept columns
+    ``W_Q' [D+1, r]`` (the bias as the last row, refit only if the model has q biases) are refit
+    so that the score ``s'_ij = sum_{p in S} q'_p(i)^T R_p(t_j - t_i) k_p(j)`` best matches the
+    full model's ``s_ij`` over the causal pairs ``j <= i`` of each calibration sequence (all
+    pairs equally, or weighted by attention: ``qk_refit_weight``). For fixed keys the score is
+    linear in ``W_Q'``: a linear least-squares problem in ``m r`` unknowns per head (``m = D+1``,
+    or ``qk_refit_rank`` leading input directions), whose normal equations
+    `jaxlm.compress.calibrate.qk_refit_sums` streams (features ``x_i (x) R(-t_i) k_S(j)``).
+    ``qk_refit_als`` rounds then refit the keys for the refit queries and the queries again.
+    The ridge pulls towards the current columns. ``batches`` is iterated ``1 + 2 qk_refit_als``
+    times; the statistics' ``attn_in`` gives the basis for ``qk_refit_rank``."""
+    from jaxlm.models.params import flat_params
+
+    config = model.config
+    _check_inputs(config, stats, a3)
+    if "qk" not in a3.components:
+        raise ValueError(f"qk_rope_refit: A3Config.components={a3.components!r} does not compress 'qk'")
+    if config.rope == "none":
+        raise ValueError("qk_rope_refit: the model has no RoPE (rope='none'): A3-QK's closed form is already optimal")
+    if a3.qk_refit_rank is not None and stats.attn_in is None:
+        raise ValueError("A3Config.qk_refit_rank needs A3Statistics.attn_in: collect the statistics with 'qk'")
+    batches = list(batches)
+    params = flat_params(model)
+    N, K = config.n_heads, config.n_kv_heads
+    G = N // K
+    layer_widths, _ = _plan(params, config, stats, a3)
+    m = min(config.d_model + 1, a3.qk_refit_rank or config.d_model + 1)
+    blocks = (N if a3.qk_refit_weight == "attention" else K)
+    entries = sum(blocks * (m * w) ** 2 for w in layer_widths["qk_head_dim"])
+    if entries > _REFIT_MAX_ENTRIES:
+        raise ValueError(f"A3Config.qk_rope_refit: the normal matrices would hold {entries:.3g} entries "
+                         f"(({m} inputs x r)^2 per block, {blocks} blocks per layer), over {_REFIT_MAX_ENTRIES:.3g}: "
+                         "set qk_refit_rank (the refit's input directions) lower, or qk_rope_refit=False")
+    weights, fixed, errors = {}, {}, {}
+    for layer, (_, cols, freq) in rope_pair_selection(params, config, stats, a3).items():
+        p = f"layers.{layer}.attn."
+        wq = np.take_along_axis(_augmented(params, p + "q_proj", N), np.repeat(cols, G, axis=0)[:, None, :], axis=-1)
+        wk = np.take_along_axis(_augmented(params, p + "k_proj", K), cols[:, None, :], axis=-1)
+        c = None if stats.attn_in is None else np.asarray(stats.attn_in[layer], np.float64)
+        c = np.eye(config.d_model + 1) if c is None else c
+        bases = {name: refit_basis(c, p + name + ".bias" in params, a3.qk_refit_rank) for name in ("q_proj", "k_proj")}
+        weights[layer], fixed[layer], errors[layer] = (wq, wk), (freq, bases), []
+
+    def step(side):
+        name = "q_proj" if side == "q" else "k_proj"
+        sums = qk_refit_sums(model, batches, {layer: (*weights[layer], fixed[layer][0], fixed[layer][1][name])
+                                              for layer in weights}, side=side, weight=a3.qk_refit_weight)
+        for layer, st in sums.items():
+            wq, wk = weights[layer]
+            basis = fixed[layer][1][name]
+            total = float(st.target.sum())
+            if not errors[layer]:
+                errors[layer].append(float(st.residual.sum()) / total)
+            err = float(st.residual.sum())
+            if side == "q":
+                new = wq.copy()
+                for n in range(N):
+                    gram = st.gram[n // G] if st.gram.shape[0] == K else st.gram[n]
+                    delta = _refit_step(gram, st.rhs[n], a3.qk_refit_ridge)
+                    err += float(delta @ gram @ delta - 2 * delta @ st.rhs[n])
+                    new[n] += basis @ delta.reshape(basis.shape[1], -1)
+                weights[layer] = (new, wk)
+            else:
+                new = wk.copy()
+                for k in range(K):
+                    delta = _refit_step(st.gram[k], st.rhs[k], a3.qk_refit_ridge)
+                    err += float(delta @ st.gram[k] @ delta - 2 * delta @ st.rhs[k])
+                    new[k] += basis @ delta.reshape(basis.shape[1], -1)
+                weights[layer] = (wq, new)
+            errors[layer].append(max(err, 0.0) / total)
+
+    step("q")
+    for _ in range(a3.qk_refit_als):
+        step("k")
+        step("q")
+    return QKRefit(weights=weights, errors=errors)
+
+
+def a3_compress(params: Mapping[str, object], config, stats: A3Statistics, a3: A3Config = A3Config(), *,
+                qk_refit: QKRefit | None = None):
+    """``(flat params, ModelConfig, statistics) -> (flat params, compressed ModelConfig)``.
+
+    ``params``: the flat view (`jaxlm.models.params.flat_params`); ``stats`` from
+    `jaxlm.compress.a3_statistics` on the same model with (at least) ``a3.components``.
+    ``qk_refit``: `qk_rope_refit`'s result, needed (only) with ``a3.qk_rope_refit`` under RoPE.
+    Untouched parameters are passed through; `jaxlm.models.params.model_from_flat` builds the
+    compressed model.
+    """
+    _check_inputs(config, stats, a3)
+    if needs_qk_refit(config, a3) and qk_refit is None:
+        raise ValueError("A3Config.qk_rope_refit=True needs a second calibration pass: pass "
+                         "qk_refit=qk_rope_refit(model, batches, stats, a3) (compress_model does this)")
+    L = config.n_layers
+    layer_widths, new_config = _plan(params, config, stats, a3)
     out = dict(params)
     for layer in range(L):
         if "qk" in a3.components:
-            _compress_qk(params, out, config, stats, a3, layer, layer_widths["qk_head_dim"][layer])
+            refit = qk_refit.weights.get(layer) if needs_qk_refit(config, a3) else None
+            _compress_qk(params, out, config, stats, a3, layer, layer_widths["qk_head_dim"][layer], refit)
         if "ov" in a3.components:
             _compress_ov(params, out, config, stats, a3, layer, layer_widths["v_head_dim"][layer])
         if "mlp" in a3.components:

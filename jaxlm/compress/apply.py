@@ -7,7 +7,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from jaxlm.compress.a3 import A3Config, a3_compress, check_compressible
+from jaxlm.compress.a3 import A3Config, needs_qk_refit, a3_compress, check_compressible, qk_rope_refit
 from jaxlm.compress.calibrate import a3_statistics
 from jaxlm.compress.svd import svd_baseline
 from jaxlm.models.params import flat_params, model_from_flat
@@ -23,10 +23,14 @@ def _rebuild(model, flat, config):
 
 def compress_model(model, batches: Iterable[tuple[np.ndarray, np.ndarray]], a3: A3Config = A3Config()):
     """A new, smaller model: A^3 statistics from ``batches`` (right-padded ``(tokens, valid)``),
-    closed forms, and the model rebuilt with the compressed config (the input is unchanged)."""
+    closed forms, and the model rebuilt with the compressed config (the input is unchanged).
+    With ``a3.qk_rope_refit`` under RoPE, ``batches`` is iterated again for the refit
+    (`qk_rope_refit`)."""
     check_compressible(model.config, a3.components)
+    batches = list(batches)
     stats = a3_statistics(model, batches, a3.components, per_head_z=a3.ov_group == "average_refit")
-    flat, config = a3_compress(flat_params(model), model.config, stats, a3)
+    refit = qk_rope_refit(model, batches, stats, a3) if needs_qk_refit(model.config, a3) else None
+    flat, config = a3_compress(flat_params(model), model.config, stats, a3, qk_refit=refit)
     return _rebuild(model, flat, config)
 
 

@@ -25,6 +25,7 @@ the end, so any number of batches gives the same moments as one big batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Iterable
 
@@ -142,3 +143,150 @@ def a3_statistics(model, batches: Iterable[tuple[np.ndarray, np.ndarray]],
     per_pair = {"pair_score_energy"}
     means = {k: v / (n_pairs if k in per_pair else n_tokens) for k, v in sums.items()}
     return A3Statistics(n_tokens=n_tokens, n_pairs=n_pairs, **means)
+
+
+# ------------------------------------------------ A3-QK RoPE refit: streamed normal equations
+QK_REFIT_WEIGHTS = ("uniform", "attention")
+
+
+@dataclasses.dataclass
+class QKRefitSums:
+    """Normal equations of one least-squares step of the RoPE pair refit for one layer: the
+    step ``Delta [m, r]`` of one side's kept columns ``W' = W + V Delta`` (``W [D+1, r]`` the
+    current columns, bias as the last row; ``V [D+1, m]`` the input basis of the step), with the
+    other side fixed, as sums over the calibration token pairs (float64 sums of per-batch float32
+    sums). ``Delta`` is flattened row-major (``m * r``).
+
+    ``side="q"``: one block per query head ``n``: ``gram`` ``[K, m r, m r]`` shared by each KV
+    group's query heads (uniform weights) or ``[N, ...]`` (attention weights), ``rhs [N, m r]``.
+    ``side="k"``: ``gram [K, ...]``, ``rhs [K, ...]`` (a key serves its group's query heads).
+    ``residual [N]``: ``sum w (s - s_cur)^2``, ``target [N]``: ``sum w s^2`` per query head, with
+    ``s`` the full model's scores and ``s_cur`` the current kept pairs'. A step's weighted squared
+    score error is ``residual - 2 Delta . rhs + Delta^T gram Delta`` (summed over the heads a
+    block serves).
+    """
+
+    gram: np.ndarray
+    rhs: np.ndarray
+    residual: np.ndarray
+    target: np.ndarray
+    n_pairs: float
+
+
+def _rot(x: jax.Array, angles: jax.Array) -> jax.Array:
+    """Rotate the last axis of ``x [..., r]`` (rotate-half layout) by ``angles [..., r/2]``."""
+    a = jnp.concatenate([angles, angles], axis=-1)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * jnp.cos(a) + jnp.concatenate([-x2, x1], axis=-1) * jnp.sin(a)
+
+
+def _rot_both(p: jax.Array, angles: jax.Array) -> jax.Array:
+    """``R p R^T`` for ``p [..., r, r]`` and ``R = R(angles)`` (``angles [..., r/2]``)."""
+    p = _rot(p, angles[..., None, :])  # rows: p R^T
+    return jnp.swapaxes(_rot(jnp.swapaxes(p, -1, -2), angles[..., None, :]), -1, -2)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "probs"))
+def _refit_taps(graphdef, state, tokens, valid, *, probs):
+    names = ("attn_in", "q_rot", "k_rot") + (("attn_probs",) if probs else ())
+    got = nnx.merge(graphdef, state)(tokens, mask=valid, collect=names).collected
+    return tuple(got[n] for n in names)
+
+
+@functools.partial(jax.jit, static_argnames=("side", "weight"))
+def _refit_layer_sums(x, q_full, k_full, probs, valid, wq, wk, freq, basis, *, side, weight):
+    """One layer, one batch: ``x [B, T, D]`` layer input, ``q_full [B, T, N, H]`` /
+    ``k_full [B, T, K, H]`` the full model's rotated queries / keys (the targets), ``probs``
+    ``[B, N, T, S]`` or None, ``wq [N, D+1, r]`` / ``wk [K, D+1, r]`` the current kept columns,
+    ``freq [K, r/2]`` their inverse frequencies, ``basis [D+1, m]`` the step's input basis."""
+    f32 = jnp.float32
+    m = valid.astype(f32)
+    B, T, _ = x.shape
+    N, K = q_full.shape[2], k_full.shape[2]
+    G = N // K
+    pos = jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1, 0).astype(f32)
+    xa = _augment(x.astype(f32), jnp.ones((B, T), f32)) * m[..., None]  # [B, T, D+1]
+    xb = xa @ basis.astype(f32)  # [B, T, m]
+    ang = pos[:, :, None, None] * freq.astype(f32)[None, None]  # [B, T, K, r/2]
+    qf = q_full.astype(f32).reshape(B, T, K, G, -1) * m[:, :, None, None, None]  # [B, T, K, G, H]
+    kf = k_full.astype(f32) * m[:, :, None, None]  # [B, T, K, H]
+    # the current kept queries / keys, rotated: s_cur(i, j) = qn(i) . kn(j)
+    qn = _rot(jnp.einsum("btd,ndr->btnr", xa, wq.astype(f32)).reshape(B, T, K, G, -1), ang[:, :, :, None])
+    kn = _rot(jnp.einsum("btd,kdr->btkr", xa, wk.astype(f32)), ang)  # [B, T, K, r]
+    if weight == "attention":
+        causal = jnp.tril(jnp.ones((T, T), f32))[None] * m[:, :, None] * m[:, None, :]  # [B, i, j]
+        w = probs.astype(f32).reshape(B, K, G, T, T) * causal[:, None, None]  # [B, K, G, i, j]
+        s = jnp.einsum("bikgh,bjkh->bkgij", qf, kf)  # the full model's scores
+        res = w * (s - jnp.einsum("bikga,bjka->bkgij", qn, kn))  # weighted residual
+        target = jnp.einsum("bkgij,bkgij->kg", w * s, s)
+        residual = jnp.einsum("bkgij,bkgij->kg", res, s - jnp.einsum("bikga,bjka->bkgij", qn, kn))
+    else:  # prefix sums over j <= i, never the T x T scores
+        pre = lambda a: jnp.cumsum(a, axis=1)  # noqa: E731
+        kk = pre(jnp.einsum("btkh,btke->btkhe", kf, kf))
+        nf = pre(jnp.einsum("btka,btkh->btkah", kn, kf))  # sum_j kn(j) kf(j)^T
+        nn = pre(jnp.einsum("btka,btkc->btkac", kn, kn))
+        target = jnp.einsum("btkgh,btkhe,btkge->kg", qf, kk, qf)
+        residual = (target - 2 * jnp.einsum("btkga,btkah,btkgh->kg", qn, nf, qf)
+                    + jnp.einsum("btkga,btkac,btkgc->kg", qn, nn, qn))
+    if side == "q":  # features xb_i (x) R(-t_i) kn(j): the score is q'(i)^T R(t_j - t_i) k'(j)
+        if weight == "attention":
+            mats = _rot_both(jnp.einsum("bkgij,bjka,bjkc->bikgac", w, kn, kn), -ang[:, :, :, None])
+            y = jnp.einsum("bkgij,bjka->bikga", res, kn)
+        else:
+            mats = _rot_both(nn, -ang)[:, :, :, None]  # [B, T, K, 1, r, r]
+            y = jnp.einsum("btkah,btkgh->btkga", nf, qf) - jnp.einsum("btkac,btkgc->btkga", nn, qn)
+        y = _rot(y, -ang[:, :, :, None])  # [B, T, K, G, r]: sum_j w (s - s_cur) R(-t_i) kn(j)
+        gram = jnp.einsum("bti,btj,btkgac->kgiajc", xb, xb, mats)
+        rhs = jnp.einsum("bti,btkga->kgia", xb, y)
+    else:  # keys: features xb_j (x) R(-t_j) qn(i), summed over i >= j and the group's heads
+        if weight == "attention":
+            p = jnp.einsum("bkgij,bikga,bikgc->bjkac", w, qn, qn)
+            y = jnp.einsum("bkgij,bikga->bjka", res, qn)
+        else:
+            suf = lambda a: jnp.flip(jnp.cumsum(jnp.flip(a, 1), axis=1), 1)  # noqa: E731 (sum_{i >= j})
+            p = suf(jnp.einsum("btkga,btkgc->btkac", qn, qn))
+            y = (jnp.einsum("btkah,btkh->btka", suf(jnp.einsum("btkga,btkgh->btkah", qn, qf)), kf)
+                 - jnp.einsum("btkac,btkc->btka", p, kn))
+        y = _rot(y, -ang)  # [B, T, K, r]
+        gram = jnp.einsum("bti,btj,btkac->kiajc", xb, xb, _rot_both(p, -ang))[:, None]
+        rhs = jnp.einsum("bti,btka->kia", xb, y)[:, None]
+    n_pairs = jnp.sum(m * jnp.cumsum(m, axis=1))
+    return gram, rhs, residual, target, n_pairs
+
+
+def qk_refit_sums(model, batches: Iterable[tuple[np.ndarray, np.ndarray]], kept: dict, *, side: str,
+                  weight: str = "uniform") -> dict[int, QKRefitSums]:
+    """Stream ``batches`` through ``model`` (the uncompressed one: its layer inputs and full rotated
+    queries / keys are the inputs and targets) and accumulate, for each layer in ``kept``
+    (``{layer: (wq [N, D+1, r], wk [K, D+1, r], freq [K, r/2], basis [D+1, m])}``: the current
+    kept columns with biases as the last row, their inverse frequencies and the step's input
+    basis), the normal equations of the least-squares step of one side (``"q"`` or ``"k"``) with
+    the other side fixed, over the causal token pairs ``j <= i`` of each sequence, weighted
+    equally (``"uniform"``: the score error) or by the model's attention probabilities
+    (``"attention"``). Memory: ``(m r)^2`` floats per KV group (per query head with attention
+    weights) and layer; no activations are kept across batches."""
+    if side not in ("q", "k"):
+        raise ValueError(f"side={side!r} is invalid: must be 'q' or 'k'")
+    if weight not in QK_REFIT_WEIGHTS:
+        raise ValueError(f"weight={weight!r} is invalid: must be one of {QK_REFIT_WEIGHTS}")
+    graphdef, state = nnx.split(model)
+    acc: dict[int, list] = {}
+    for tokens, valid, *_ in batches:
+        tokens, valid = jnp.asarray(tokens, jnp.int32), jnp.asarray(valid, bool)
+        taps = _refit_taps(graphdef, state, tokens, valid, probs=weight == "attention")
+        for layer, (wq, wk, freq, basis) in kept.items():
+            probs = taps[3][layer] if weight == "attention" else None
+            got = _refit_layer_sums(taps[0][layer], taps[1][layer], taps[2][layer], probs, valid,
+                                    *(jnp.asarray(a, jnp.float32) for a in (wq, wk, freq, basis)),
+                                    side=side, weight=weight)
+            got = [np.asarray(a, np.float64) for a in got[:4]] + [float(got[4])]
+            acc[layer] = got if layer not in acc else [a + b for a, b in zip(acc[layer], got)]
+    if not acc:
+        raise ValueError("qk_refit_sums: no batches (or no layers in kept)")
+    out = {}
+    for layer, (gram, rhs, residual, target, n_pairs) in acc.items():
+        # gram [K, G or 1, m, r, m, r], rhs [K, G (side q) or 1 (side k), m, r], residual / target [K, G]
+        K, g, d, r = gram.shape[:4]
+        out[layer] = QKRefitSums(gram=gram.reshape(K * g, d * r, d * r), rhs=rhs.reshape(-1, d * r),
+                                 residual=residual.reshape(-1), target=target.reshape(-1), n_pairs=n_pairs)
+    return out

@@ -9,12 +9,16 @@ Mixed ranks (section 6): per-layer widths in the model and the KV cache, and
 ``allocation="global"`` against uniform at the same parameter count.
 
 Under RoPE, A3-QK is pair *selection* (the only head-width reduction that commutes with the
-rotations), and on these tiny models per-matrix SVD reaches a lower QK score error (it mixes
-frequencies, which a RoPE model cannot do without keeping the full-width keys): measured by
-`bench/compress_a3.py` and reported in docs/compression.md, not asserted here. The selection
-itself is checked (the chosen pairs are the best-scoring ones).
+rotations) followed by a least-squares refit of the kept query columns on the scores
+(``qk_rope_refit``, the default). Checked here: the selection picks the best-scoring pairs,
+the refit's streamed normal equations equal those of the explicit pair-by-pair problem (with
+explicit RoPE rotations) and its solution is numpy's lstsq, full rank stays exact, and the
+refit lowers the score error of selection alone. That selection alone loses to per-matrix SVD
+on the tiny trained RoPE model while selection + refit beats it is measured by
+`bench/compress_a3.py` (docs/compression.md), not asserted here.
 """
 
+import dataclasses
 import functools
 
 import chex
@@ -29,7 +33,8 @@ from jaxlm.compress import (
     A3Config, a3_compress, a3_statistics, component_errors, compress_model, example_batches, kv_cache_bytes,
     mean_token_nll, mlp_cur, ov_factors, qk_factors, svd_model,
 )
-from jaxlm.compress.a3 import qk_pair_scores, select_rope_pairs
+from jaxlm.compress.a3 import _augmented, qk_pair_scores, qk_rope_refit, rope_pair_selection, select_rope_pairs
+from jaxlm.compress.calibrate import qk_refit_sums
 from jaxlm.data.tasks import Arithmetic
 from jaxlm.editing.kfac import token_batches
 from jaxlm.inference.cache import KVCache
@@ -99,15 +104,16 @@ def _with_random_biases(model, seed=1):
 
 
 # ------------------------------------------------------------------ 1. full rank is exact
-@pytest.mark.parametrize("overrides", [
-    dict(qkv_bias=True, scan_layers=True),  # RoPE + GQA (4 query heads on 2 KV heads), stacked layers
-    dict(rope="none"),  # NoPE: the C^1/2 closed form for QK
-], ids=["rope_gqa_bias_scan", "nope_gqa"])
-def test_full_rank_is_function_preserving(overrides):
+@pytest.mark.parametrize("overrides,refit", [
+    (dict(qkv_bias=True, scan_layers=True), {}),  # RoPE + GQA (4 query heads on 2 KV heads), stacked layers
+    (dict(qkv_bias=True, scan_layers=True), dict(qk_rope_refit=True, qk_refit_als=1, qk_refit_weight="attention")),
+    (dict(rope="none"), {}),  # NoPE: the C^1/2 closed form for QK
+], ids=["rope_gqa_bias_scan", "rope_gqa_bias_scan_refit_als", "nope_gqa"])
+def test_full_rank_is_function_preserving(overrides, refit):
     cfg = jaxlm.ModelConfig.tiny(init_std=0.3, **overrides)
     model = _with_random_biases(jaxlm.build_model(cfg, seed=0))
     cal = _random_batches()
-    full = compress_model(model, cal, A3Config(budget=1.0, mlp_ridge=0.0))
+    full = compress_model(model, cal, A3Config(budget=1.0, mlp_ridge=0.0, **refit))
     assert full.config == cfg
     tokens, valid = _random_batches(1, seed=5)[0]
     got, want = _logits(full, tokens, valid), _logits(model, tokens, valid)
@@ -230,6 +236,109 @@ def test_statistics_streamed_equal_one_batch_and_pair_scores_match_brute_force()
         assert set(keep[h]) == set(np.argsort(-score[h])[:3])
 
 
+def _explicit_rotation(v, t, freq):
+    """``v [r]`` (rotate-half layout) rotated by ``t * freq [r/2]`` with explicit 2x2 matrices."""
+    h = len(v) // 2
+    out = np.empty_like(v)
+    for a in range(h):
+        c, s = np.cos(t * freq[a]), np.sin(t * freq[a])
+        out[a], out[a + h] = c * v[a] - s * v[a + h], s * v[a] + c * v[a + h]
+    return out
+
+
+@pytest.mark.parametrize("weight", ["uniform", "attention"])
+def test_rope_refit_normal_equations_and_solution_are_least_squares(weight):
+    """The streamed normal equations (both sides) equal those of the explicit feature matrix over
+    every causal pair of calibration tokens (features ``x_i (x) R(-t_i) R(t_j) k_S(j)``, targets
+    the full model's scores), and the query refit (ridge 0) is numpy's lstsq of that problem."""
+    model = _with_random_biases(jaxlm.build_model(jaxlm.ModelConfig.tiny(d_model=32, init_std=0.3, qkv_bias=True), seed=6))
+    cfg = model.config
+    N, K, D1 = cfg.n_heads, cfg.n_kv_heads, cfg.d_model + 1
+    G = N // K
+    parts = _random_batches(2, B=3, T=14, seed=8)
+    a3 = A3Config(components=("qk",), budget=0.5, qk_rope_refit=True, qk_refit_ridge=0.0, qk_refit_weight=weight)
+    stats = a3_statistics(model, parts, ("qk",))
+    params = flat_params(model)
+    _, cols, freq = rope_pair_selection(params, cfg, stats, a3)[0]
+    r = cols.shape[1]
+    wq = np.take_along_axis(_augmented(params, "layers.0.attn.q_proj", N), np.repeat(cols, G, 0)[:, None], -1)
+    wk = np.take_along_axis(_augmented(params, "layers.0.attn.k_proj", K), cols[:, None], -1)
+    wq = wq + 0.1 * np.random.RandomState(0).randn(*wq.shape)  # queries other than the selection's (ALS)
+    feats_q, feats_k, targets, weights = [[] for _ in range(N)], [[] for _ in range(K)], [[] for _ in range(N)], \
+        [[] for _ in range(N)]
+    graphdef, state = nnx.split(model)
+    taps = jax.jit(lambda s, t, v: nnx.merge(graphdef, s)(
+        t, mask=v, collect=("attn_in", "q_rot", "k_rot", "attn_probs")).collected)
+    for tokens, valid in parts:
+        got = taps(state, tokens, valid)
+        x, q, k, a = (np.asarray(got[n][0], np.float64) for n in ("attn_in", "q_rot", "k_rot", "attn_probs"))
+        for b in range(tokens.shape[0]):
+            xa = np.concatenate([x[b], np.ones((x.shape[1], 1))], axis=1)
+            for i in np.flatnonzero(valid[b]):
+                for j in range(i + 1):
+                    for n in range(N):
+                        kv = n // G
+                        key = _explicit_rotation(xa[j] @ wk[kv], j, freq[kv])
+                        query = _explicit_rotation(xa[i] @ wq[n], i, freq[kv])
+                        feats_q[n].append(np.kron(xa[i], _explicit_rotation(key, -i, freq[kv])))
+                        feats_k[kv].append(np.kron(xa[j], _explicit_rotation(query, -j, freq[kv])))
+                        targets[n].append(q[b, i, n] @ k[b, j, kv])
+                        weights[n].append(1.0 if weight == "uniform" else a[b, n, i, j])
+    fq, y, w = (np.array(v) for v in (feats_q, targets, weights))  # [N, pairs, (D+1) r], [N, pairs]
+    kept = {0: (wq, wk, freq, np.eye(D1))}
+    sq, sk = (qk_refit_sums(model, parts, kept, side=side, weight=weight)[0] for side in ("q", "k"))
+    scale = lambda m: 1e-4 * np.abs(m).max()  # noqa: E731 (float32 sums)
+    for n in range(N):  # the step's right-hand side: the residual of the current columns
+        gram, res = fq[n].T @ (w[n][:, None] * fq[n]), y[n] - fq[n] @ wq[n].reshape(-1)
+        np.testing.assert_allclose(sq.gram[n if weight == "attention" else n // G], gram, rtol=1e-3, atol=scale(gram))
+        np.testing.assert_allclose(sq.rhs[n], fq[n].T @ (w[n] * res), rtol=1e-3, atol=scale(sq.rhs[n]))
+        np.testing.assert_allclose(sq.residual[n], np.sum(w[n] * res**2), rtol=1e-3)
+    np.testing.assert_allclose(sq.target, np.sum(w * y * y, 1), rtol=1e-4)
+    fk = np.array(feats_k).reshape(K, -1, G, D1 * r)  # [K, pairs, G, .]: the group's heads, same pairs
+    yk, wk_ = y.reshape(K, G, -1).transpose(0, 2, 1), w.reshape(K, G, -1).transpose(0, 2, 1)
+    for kv in range(K):
+        gram = np.einsum("pgi,pg,pgj->ij", fk[kv], wk_[kv], fk[kv])
+        np.testing.assert_allclose(sk.gram[kv], gram, rtol=1e-3, atol=scale(gram))
+        rhs = np.einsum("pgi,pg->i", fk[kv], wk_[kv] * (yk[kv] - fk[kv] @ wk[kv].reshape(-1)))
+        np.testing.assert_allclose(sk.rhs[kv], rhs, rtol=1e-3, atol=scale(rhs))
+    np.testing.assert_allclose(sk.residual, sq.residual, rtol=1e-4)
+    # the query refit (keys kept: the features above) is the weighted lstsq solution of that problem
+    refit = qk_rope_refit(model, parts, stats, a3)
+    wq_sel = np.take_along_axis(_augmented(params, "layers.0.attn.q_proj", N), np.repeat(cols, G, 0)[:, None], -1)
+    for n in range(N):
+        f, sw = fq[n], np.sqrt(w[n])
+        assert np.linalg.matrix_rank(f * sw[:, None]) == D1 * r  # a unique solution
+        want = np.linalg.lstsq(f * sw[:, None], y[n] * sw, rcond=None)[0]
+        got = refit.weights[0][0][n].reshape(-1)
+        np.testing.assert_allclose(f @ got, f @ want, atol=2e-3 * np.abs(y[n]).max())
+        err = lambda v: np.sum(w[n] * (f @ v - y[n]) ** 2)  # noqa: E731
+        np.testing.assert_allclose(err(got), err(want), rtol=1e-3)
+        assert err(got) < err(wq_sel[n].reshape(-1))  # the selection alone: the same problem at its columns
+
+
+def test_rope_refit_lowers_the_score_error(rope_model):
+    """Selection + refit vs selection only at the same widths: lower calibration score error in
+    every layer (each ALS step lowers it further), and lower relative qk error of the model on
+    the calibration batches and on held-out text."""
+    model, cal = rope_model
+    a3 = A3Config(components=("qk",), budget=0.5, qk_rope_refit=False)
+    stats = a3_statistics(model, cal, ("qk",))
+    refit = qk_rope_refit(model, cal, stats, dataclasses.replace(a3, qk_rope_refit=True, qk_refit_als=1))
+    for errs in refit.errors.values():
+        assert len(errs) == 4 and all(b <= a + 1e-9 for a, b in zip(errs, errs[1:])) and errs[-1] < 0.9 * errs[0]
+    sel = model_from_flat(*reversed(a3_compress(flat_params(model), model.config, stats, a3)))
+    fit = model_from_flat(*reversed(a3_compress(flat_params(model), model.config, stats,
+                                                dataclasses.replace(a3, qk_rope_refit=True, qk_refit_als=1),
+                                                qk_refit=refit)))
+    assert fit.config == sel.config and fit.config.qk_head_dim == 8
+    held = list(token_batches(model.tokenizer, _texts("eval", 32), batch_size=32, seq_len=16))
+    for batches in (cal, held):
+        e_sel, e_fit = component_errors(model, sel, batches, ("qk",)), component_errors(model, fit, batches, ("qk",))
+        assert e_fit["qk"] < e_sel["qk"], (e_fit, e_sel)
+    with pytest.raises(ValueError, match="qk_rope_refit=True needs a second calibration pass"):
+        a3_compress(flat_params(model), model.config, stats, dataclasses.replace(a3, qk_rope_refit=True))
+
+
 # ------------------------------------------------------ 3. A^3 beats SVD at equal budget
 def test_a3_beats_per_matrix_svd_at_equal_budget(trained):
     """Measured (budget 0.25: qk_head_dim 4, v_head_dim 4, ffn_dim 32 of 16, 16, 128): relative
@@ -248,6 +357,39 @@ def test_a3_beats_per_matrix_svd_at_equal_budget(trained):
         assert e_a3[comp] < 0.1 * e_svd[comp], comp
     assert loss["a3"] < loss["svd"] - 0.05
     assert loss["a3"] < loss["base"] + 0.01
+
+
+@pytest.mark.slow
+def test_a3_with_rope_refit_beats_per_matrix_svd_on_a_trained_rope_model(tmp_path):
+    """The claim under RoPE + GQA, on the quickstart's shape (d_model 128, 3 layers, 4 query /
+    2 KV heads) trained 600 steps on clean 2-digit addition, as `bench/compress_a3.py` measures
+    it: A^3 with the pair refit beats per-matrix SVD at equal parameters in every component's
+    error and in held-out NLL at budgets 0.5 and 0.75, while pair selection alone loses to SVD
+    on qk. (On the 100-step, 64-wide model of the tests above the order is mixed: budget 0.5
+    qk error 5.2e-3 vs SVD 7.1e-3 but NLL 1.3483 vs 1.3464; so this claim runs here, slow.)
+    Measured (128 s): budget 0.5 qk / ov / mlp error refit 1.2e-4 / 1.0e-6 / 6.7e-6, selection qk
+    9.6e-2, SVD 5.0e-4 / 3.6e-3 / 5.6e-3; held-out NLL refit 0.4630, selection 0.7865, SVD
+    0.5056 (uncompressed 0.4622). Budget 0.75: qk 4.9e-6 / 1.3e-2 / 2.3e-4; NLL 0.4626 /
+    0.5403 / 0.4963."""
+    model = jaxlm.load_checkpoint(train_tiny(
+        tmp_path, TASK, steps=600, batch_size=64, warmup_steps=50, min_lr_ratio=0.05, eval_examples=16,
+        model=jaxlm.ModelConfig.tiny(d_model=128, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=64),
+    ))
+    examples = lambda split, n: [TASK.example(i, split) for i in range(n)]  # noqa: E731
+    cal = example_batches(model.tokenizer, examples("train", 256), batch_size=64, seq_len=16)
+    held = example_batches(model.tokenizer, examples("eval", 256), batch_size=128, seq_len=16)
+    base = mean_token_nll(model, held)
+    for budget in (0.5, 0.75):
+        fit = compress_model(model, cal, A3Config(budget=budget))
+        sel = compress_model(model, cal, A3Config(budget=budget, qk_rope_refit=False))
+        svd = svd_model(model, fit.config, ("qk", "ov", "mlp"))
+        e_fit, e_sel, e_svd = (component_errors(model, m, held) for m in (fit, sel, svd))
+        nll = {name: mean_token_nll(m, held) for name, m in (("fit", fit), ("sel", sel), ("svd", svd))}
+        print(budget, "refit", e_fit, "selection", e_sel, "svd", e_svd, "nll", nll, "base", base)
+        for comp in ("qk", "ov", "mlp"):
+            assert e_fit[comp] < e_svd[comp], (budget, comp, e_fit, e_svd)
+        assert e_sel["qk"] > e_svd["qk"], (budget, e_sel, e_svd)  # what the refit fixes
+        assert nll["fit"] < nll["svd"], (budget, nll)
 
 
 # ------------------------------------------------ 4. smaller KV cache, decoding agrees
@@ -341,6 +483,10 @@ def test_clear_errors():
         A3Config(budget=1.5)
     with pytest.raises(ValueError, match="qk_score"):
         A3Config(qk_score="random")
+    for bad in (dict(qk_rope_refit="yes"), dict(qk_refit_ridge=-1.0), dict(qk_refit_als=-1),
+                dict(qk_refit_als=1.5), dict(qk_refit_weight="softmax")):
+        with pytest.raises(ValueError, match=f"A3Config.{next(iter(bad))}"):
+            A3Config(**bad)
     with pytest.raises(ValueError, match="qk_head_dim"):
         jaxlm.ModelConfig.tiny(qk_head_dim=7)
     plain = jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=0)
