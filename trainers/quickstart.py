@@ -54,12 +54,7 @@ def run_quickstart(
     result = train(cfg)
     elapsed = time.perf_counter() - start
 
-    samples = Table(title="Sampled answers (held-out problems, greedy)")
-    for col in ("prompt", "model", "reference", ""):
-        samples.add_column(col)
-    for s in result.samples[:8]:
-        samples.add_row(s["prompt"], s["completion"], s["reference"], "ok" if s["correct"] else "x")
-    console.print(samples)
+    console.print(_samples_table(result.samples))
 
     chance = task.chance_accuracy()
     summary = Table(title="Summary")
@@ -74,7 +69,9 @@ def run_quickstart(
     final_model = out / "model"
     names = ["model", "metrics.jsonl", "curves.png", "checkpoints"]
     if rl_steps != 0:
+        sft_samples = result.samples
         result = _grpo_stage(out, rl_steps, rl_overrides, progress, console, summary)
+        console.print(_samples_table(sft_samples, result.samples))
         final_model = out / "grpo" / "model"
         names += ["grpo/model", "grpo/curves.png"]
     if quantize:
@@ -85,6 +82,25 @@ def run_quickstart(
         summary.add_row(name, str(out / name))
     console.print(summary)
     return result
+
+
+def _samples_table(sft: list[dict], grpo: list[dict] | None = None, n: int = 8):
+    """The first ``n`` held-out problems' greedy answers after SFT (and after GRPO, matched by
+    prompt), with the reference and whether each is correct."""
+    from rich.table import Table
+
+    mark = lambda s: "ok" if s["correct"] else "x"  # noqa: E731
+    table = Table(title="Sampled answers (held-out problems, greedy)" + (" before and after GRPO" if grpo else ""))
+    for col in ("prompt", "reference", "SFT", "") + (("GRPO", "") if grpo else ()):
+        table.add_column(col)
+    after = {s["prompt"]: s for s in grpo or ()}
+    for s in sft[:n]:
+        row = [s["prompt"], s["reference"], s["completion"], mark(s)]
+        if grpo:
+            g = after.get(s["prompt"])
+            row += [g["completion"], mark(g)] if g else ["-", ""]
+        table.add_row(*row)
+    return table
 
 
 def _grpo_stage(out: Path, rl_steps, rl_overrides, progress, console, summary) -> TrainResult:

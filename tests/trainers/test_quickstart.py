@@ -15,6 +15,7 @@ def test_quickstart_small_variant(tmp_path, capsys):
     assert "Summary" in printed and "held-out exact-match accuracy, SFT" in printed
     assert "chance accuracy" in printed and "Sampled answers" in printed
     assert "GRPO stage" in printed and "held-out exact-match accuracy, GRPO" in printed
+    assert "before and after GRPO" in printed  # the same problems' answers, SFT next to GRPO
     assert "NVFP4 W4A4 wush" in printed
     for name in ("model", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard", "config.json",
                  "grpo/model", "grpo/metrics.jsonl", "model_w4a4"):
