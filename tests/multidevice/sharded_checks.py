@@ -83,6 +83,7 @@ def main():
             check(f"[scan={scan}] load_hf(mesh=...) places shards", lq.get_value().sharding.spec == expected)
             check(f"[scan={scan}] load_hf on mesh forward == single device", close(loaded(tokens, mask=mask).logits, ref, mask))
     train_checks(mesh)
+    rl_checks()
     print("ALL PASS")
 
 
@@ -133,6 +134,62 @@ def train_checks(mesh):
         result = train(exp)
         check(f"train() on a (2, 2, 2) mesh finishes (held-out loss {result.final_eval['loss']:.3f})",
               result.step == 4 and np.isfinite(result.final_eval["loss"]))
+
+
+def rl_checks():
+    """GRPO on a (2, 2, 2) mesh: the state is placed by logical axes, and the same experience
+    gives the same old log-probs and the same update as on one device (Adam eps = 1, lr = 1:
+    steps proportional to the gradient, so float32 summation order cannot flip a near-zero
+    entry into a +-lr step); a whole iteration runs; indivisible rows are refused."""
+    import dataclasses
+
+    from jaxlm.data.pipeline import DataConfig
+    from jaxlm.data.tasks import Arithmetic
+    from trainers.config import ConfigError, ExperimentConfig, GRPOConfig, MeshConfig, OptimizerConfig, TrainerConfig
+    from trainers.rl.loop import GRPOTrainer
+
+    cfg = ExperimentConfig(
+        model=jaxlm.ModelConfig.tiny(d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
+                                     vocab_size=260),
+        data=DataConfig(source=Arithmetic(digits=1), seq_len=16, batch_size=4),
+        optimizer=OptimizerConfig(lr=1.0, warmup_steps=0, schedule="constant", eps=1.0, weight_decay=0.0),
+        trainer=TrainerConfig(steps=2, progress=False, mesh=MeshConfig(data=2, fsdp=2, tensor=2)),
+        algorithm=GRPOConfig(num_generations=4, max_new_tokens=5, mu=1, minibatches=2),
+    )
+    model = jaxlm.build_model(cfg.model, seed=0)
+    tok = jaxlm.ByteTokenizer()
+    one = GRPOTrainer(cfg, model, tok, mesh=make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    sharded = GRPOTrainer(cfg, model, tok)
+    s1, s8 = one.init_state(), sharded.init_state()
+    q = s8.params["layers"][0]["attn"]["q_proj"]["kernel"]
+    check(f"GRPO state on the mesh: q_proj {q.sharding.spec}", q.sharding.spec == P("fsdp", "tensor"))
+    exp = one.collector(s1.params, 0, jax.random.key(0))
+    exp = dataclasses.replace(exp, rewards=np.arange(16, dtype=np.float32).reshape(4, 4) % 3)  # nonzero advantages
+    r1, _ = one.prepare(s1, exp)
+    r8, _ = sharded.prepare(s8, exp)
+    err = float(np.abs(r1["old_logp"] - r8["old_logp"]).max())
+    check(f"GRPO sharded old log-probs == one device ({err:.1e})", err < 1e-5)
+    r1["old_logp"] = r8["old_logp"] = r1["old_logp"] - 0.05 * (np.arange(16)[:, None] % 3)  # ratios != 1
+    n1, m1 = one.update(s1, r1, 0)
+    n8, m8 = sharded.update(s8, r8, 0)
+    worst, moved = 0.0, 0.0
+    for a, b, p0 in zip(jax.tree.leaves(jax.device_get(n1.params)), jax.tree.leaves(jax.device_get(n8.params)),
+                        jax.tree.leaves(jax.device_get(one.params))):
+        worst, moved = max(worst, float(np.abs(a - b).max())), max(moved, float(np.abs(a - p0).max()))
+    check(f"GRPO update moves the parameters (max step {moved:.1e})", moved > 1e-3)
+    check(f"GRPO sharded update == one device (max param difference {worst:.1e})", worst < 1e-5 * moved)
+    check(f"GRPO sharded loss == one device ({m1['loss']:.6f} vs {m8['loss']:.6f})",
+          abs(m1["loss"] - m8["loss"]) <= 1e-5 * abs(m1["loss"]) and m1["loss"] != 0)
+    state, metrics, _ = sharded.iteration(n8, 1)
+    check(f"GRPO iteration on the mesh (loss {metrics['loss']:.4f})", np.isfinite(metrics["loss"]))
+    odd = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=3),
+                              algorithm=dataclasses.replace(cfg.algorithm, num_generations=2, minibatches=1))  # 6 rows
+    bad = GRPOTrainer(odd, model, tok)
+    try:
+        bad.prepare(bad.init_state(), bad.collector(bad.init_state().params, 0, jax.random.key(0)))
+        check("GRPO refuses rows that do not divide over the mesh", False)
+    except ConfigError as e:
+        check(f"GRPO refuses rows that do not divide over the mesh: {str(e)[:60]}...", "data x fsdp = 4" in str(e))
 
 
 if __name__ == "__main__":

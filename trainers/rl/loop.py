@@ -13,6 +13,13 @@ One iteration (``trainer.steps`` of them):
 4. ``mu`` epochs; in each, the buffer sampler orders (or resamples) the rollouts and they
    are split into ``minibatches`` optimizer steps.
 
+Data parallelism: the train state lives on ``trainer.mesh`` (`trainer.mesh` in the config,
+every device by default), parameters and optimizer state placed by their logical axes as in
+SFT (`jaxlm.sharding.model_shardings`), and the rollout rows of every log-prob pass and
+optimizer step split over the mesh's ``data`` x ``fsdp`` devices (each micro-batch's rows
+must divide evenly; the shared prompts are replicated). The sampler runs jaxlm's KV-cache
+decoding with the sharded parameters. Single process (rows are host arrays).
+
 A checkpoint stores the train state (params, optimizer state, step, rng) and the iteration;
 all randomness derives from them, so a resumed run repeats an uninterrupted one exactly.
 The reference model is the initial model, rebuilt identically on resume.
@@ -28,8 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxlm
+from jaxlm.sharding import make_mesh, model_shardings
 from trainers.checkpointing import TrainCheckpointer, abstract_like
 from trainers.config import ConfigError, ExperimentConfig, GRPOConfig
 from trainers.evaluate import task_accuracy
@@ -70,9 +79,10 @@ def zero_variance_groups(rewards: np.ndarray, valid: np.ndarray | None) -> np.nd
 
 class GRPOTrainer:
     """The pieces of a GRPO run, usable from a notebook one iteration at a time:
-    ``trainer.iteration(state, k) -> (state, metrics, samples)``."""
+    ``trainer.iteration(state, k) -> (state, metrics, samples)``. ``mesh``: the devices of the
+    train state and the rows (default: ``cfg.trainer.mesh`` over every device)."""
 
-    def __init__(self, cfg: ExperimentConfig, model, tokenizer, *, reference_params=None):
+    def __init__(self, cfg: ExperimentConfig, model, tokenizer, *, reference_params=None, mesh=None):
         if not isinstance(cfg.algorithm, GRPOConfig):
             raise ConfigError(f"algorithm must be GRPOConfig, got {type(cfg.algorithm).__name__}")
         self.cfg, self.a = cfg, cfg.algorithm
@@ -80,6 +90,11 @@ class GRPOTrainer:
         self.graphdef, state = nnx.split(model)
         self.params = nnx.to_pure_dict(state)
         a, t = self.a, cfg.trainer
+        self.mesh = mesh if mesh is not None else make_mesh(t.mesh.data, t.mesh.fsdp, t.mesh.tensor)
+        self.param_shardings = nnx.to_pure_dict(model_shardings(model, self.mesh))
+        self.row_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        self._rows = NamedSharding(self.mesh, PartitionSpec(("data", "fsdp")))
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self.updates_per_iteration = a.mu * a.minibatches
         self.tx, self.schedule = make_optimizer(cfg.optimizer, t.steps * self.updates_per_iteration)
         self.collector = COLLECTORS[a.collector](cfg, self.graphdef, tokenizer)
@@ -91,13 +106,32 @@ class GRPOTrainer:
         self.reference = None
         if a.beta:
             ref = reference_params if reference_params is not None else jax.tree.map(jnp.copy, self.params)
-            self.reference = jax.device_put(ref, jax.devices()[0])  # committed, like the state
+            self.reference = jax.device_put(ref, self.param_shardings)  # committed, like the state
 
     def init_state(self) -> TrainState:
         # a copy (updates donate the state's buffers; self.params stays usable), committed to
-        # one device so the first and later iterations share their compilations
-        params = jax.tree.map(lambda x: jnp.array(x, copy=True), self.params)
-        return jax.device_put(init_state(params, self.tx, self.cfg.trainer.seed), jax.devices()[0])
+        # the mesh so the first and later iterations share their compilations
+        params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), self.params), self.param_shardings)
+        state = init_state(params, self.tx, self.cfg.trainer.seed)
+        return state.replace(step=jax.device_put(state.step, self._replicated),
+                             rng=jax.device_put(state.rng, self._replicated))
+
+    def place_rows(self, rows: dict, *, what: str) -> dict:
+        """Host rows -> device arrays split over the mesh's ``data`` x ``fsdp`` devices (the
+        shared ``prompts`` block replicated)."""
+        n = len(rows["tokens"])
+        micro = n // self.cfg.trainer.grad_accum if what == "minibatch" else n
+        if micro % self.row_shards:
+            a, t = self.a, self.cfg.trainer
+            raise ConfigError(
+                f"GRPO {what}: {micro} rows per {'micro-batch' if what == 'minibatch' else 'pass'} are not divisible "
+                f"by the mesh's data x fsdp = {self.row_shards} devices (rows per iteration = data.batch_size x "
+                f"algorithm.num_generations = {self.cfg.data.batch_size} x {a.num_generations} for single-turn "
+                f"collectors, split into algorithm.minibatches={a.minibatches} and trainer.grad_accum={t.grad_accum}); "
+                "change them or trainer.mesh"
+            )
+        return {k: jax.device_put(jax.tree.map(jnp.asarray, v), self._replicated if k == "prompts" else self._rows)
+                for k, v in rows.items()}
 
     def prepare(self, state: TrainState, exp: Experience) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """Advantages, filtering, old and reference log-probs: the rows every epoch reuses."""
@@ -115,11 +149,12 @@ class GRPOTrainer:
             loss_mask &= ~np.repeat(flat, G)[:, None]
             metrics["groups_kept"] = float((~flat).mean())
         rows["loss_mask"] = loss_mask
-        device_rows = {k: jnp.asarray(rows[k]) for k in ("tokens", "attend", "positions")}
+        device_rows = {k: rows[k] for k in ("tokens", "attend", "positions")}
         if a.shared_prompt_forward and exp.prompt_block is not None:
             rows["prompts"] = shared_prompts(rows, exp.prompt_block)
-            device_rows["prompts"] = jax.tree.map(jnp.asarray, rows["prompts"])
-            device_rows["prompt_index"] = jnp.asarray(rows["prompt_index"])
+            device_rows["prompts"] = rows["prompts"]
+            device_rows["prompt_index"] = rows["prompt_index"]
+        device_rows = self.place_rows(device_rows, what="log-prob pass")
         if a.use_sampler_logprobs:
             rows["old_logp"] = rows["sampler_logp"]
         else:
@@ -153,7 +188,7 @@ class GRPOTrainer:
                 mb["weights"] = weights[j * per : (j + 1) * per]
                 if "prompts" in rows:  # every minibatch carries all prompts (static shapes)
                     mb["prompts"], mb["prompt_index"] = rows["prompts"], rows["prompt_index"][idx]
-                state, m = self.step_fn(state, jax.tree.map(jnp.asarray, mb))
+                state, m = self.step_fn(state, self.place_rows(mb, what="minibatch"))
                 m = jax.device_get(m)
                 if not bool(m["finite"]):
                     raise FloatingPointError(
