@@ -186,7 +186,7 @@ def rl_checks():
                               algorithm=dataclasses.replace(cfg.algorithm, num_generations=2, minibatches=1))  # 6 rows
     bad = GRPOTrainer(odd, model, tok)
     try:
-        bad.prepare(bad.init_state(), bad.collector(bad.init_state().params, 0, jax.random.key(0)))
+        bad.place_rows({"tokens": np.zeros((6, 8), np.int32)}, what="log-prob pass")
         check("GRPO refuses rows that do not divide over the mesh", False)
     except ConfigError as e:
         check(f"GRPO refuses rows that do not divide over the mesh: {str(e)[:60]}...", "data x fsdp = 4" in str(e))

@@ -122,6 +122,57 @@ def test_registered_rewards_reshape_flat_rollouts_to_groups():
                                np.where(np.isnan(err), -1.0, -np.minimum(err, 1.0)), atol=1e-6)
 
 
+def _crps_brute(samples, y):
+    """CRPS as the integral of (F(x) - 1[x >= y])^2 over x (F the ensemble's step CDF), on a
+    fine grid: the definition, independent of the pairwise formula."""
+    s = np.sort(np.asarray(samples, np.float64))
+    lo, hi = min(s[0], y) - 1.0, max(s[-1], y) + 1.0
+    x = np.linspace(lo, hi, 400_001)
+    F = np.searchsorted(s, x, side="right") / len(s)
+    return float(np.sum((F - (x >= y)) ** 2) * (x[1] - x[0]))
+
+
+def test_loo_crps_reward_matches_brute_force():
+    """The card's related reward (B.2, arXiv 2605.20740): every rollout's leave-one-out CRPS
+    credit against explicit sets scored by the CRPS integral; invalid answers get -1 and leave
+    the set; a lone valid answer gets 0; the registered reward regroups flat rollouts."""
+    from trainers.rl.ccc import crps, loo_crps_rewards
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        s, y = rng.normal(size=rng.integers(1, 6)) * 5, float(rng.normal() * 5)
+        assert crps(s, y) == pytest.approx(_crps_brute(s, y), abs=1e-3)
+    pred = np.round(rng.normal(size=(5, 4)) * 10, 1)
+    valid = np.ones_like(pred, bool)
+    valid[1, 2] = False
+    valid[3, 1:] = False  # one valid answer left
+    valid[4] = False
+    target = rng.normal(size=5) * 10
+    got = loo_crps_rewards(pred, valid, target, scale=2.0)
+    for i in range(5):
+        S = [k for k in range(4) if valid[i, k]]
+        for k in range(4):
+            if not valid[i, k]:
+                want = -1.0
+            elif len(S) < 2:
+                want = 0.0
+            else:
+                rest = [pred[i, j] for j in S if j != k]
+                want = (crps(rest, target[i]) - crps(pred[i, S], target[i])) / 2.0
+            assert got[i, k] == pytest.approx(want, abs=1e-9), (i, k)
+    # an answer at the target earns credit; a far outlier in a good ensemble loses it
+    r = loo_crps_rewards(np.array([[10.0, 11.0, 9.0, 40.0]]), np.ones((1, 4), bool), np.array([10.0]))
+    assert r[0, 0] > 0 > r[0, 3]
+    task = LongTailedRegression()
+    exs = [task.example(i, "train") for i in range(3)]
+    flat = [str(int(e["target"]) + d) for e in exs for d in (0, 3, -7)]
+    flat[1] = "x"
+    pred_g = np.array([np.nan if parse_number(c) is None else parse_number(c) for c in flat]).reshape(3, 3)
+    want = loo_crps_rewards(np.nan_to_num(pred_g), ~np.isnan(pred_g), np.array([e["target"] for e in exs]),
+                            scale=task.error_scale).reshape(-1)
+    np.testing.assert_allclose(REWARDS["crps_loo"](None, flat, **_columns(task, exs, 3)), want, atol=1e-6)
+
+
 def test_grpo_config_names_the_ccc_fields():
     from trainers.config import GRPOConfig
 

@@ -27,6 +27,13 @@ Choices the card marks [INFERRED], and what this module does:
 
 ``"neg_abs_error"`` is the point-wise baseline ``-min(|ŷ - y| / scale, 1)`` (``scale`` the
 task's ``error_scale``, 1 if it has none; invalid: -1).
+
+``"crps_loo"`` is the card's related set-level reward (B.2, "Distribution-Aware Reward", arXiv
+2605.20740): the G valid answers of a group are an ensemble forecast ``S`` scored by the
+empirical CRPS, ``CRPS(S, y) = mean_k |s_k - y| - 1/2 mean_jk |s_j - s_k|``, and each rollout
+gets its leave-one-out credit ``(CRPS(S_-k, y) - CRPS(S, y)) / scale`` (``S_-k``: ``S``
+without it): positive when the ensemble is better with it. [INFERRED] choices: an invalid answer gets -1 and is not
+in ``S``; a group with a single valid answer has no leave-one-out set, so that answer gets 0.
 """
 
 from __future__ import annotations
@@ -139,3 +146,53 @@ def neg_abs_error_reward(prompts, completions, *, examples, task=None, **_) -> n
     scale = float(getattr(task, "error_scale", 1.0))
     err = np.abs(_parse(task, completions) - _targets(examples)) / scale
     return -np.minimum(np.nan_to_num(err, nan=1.0), 1.0).astype(np.float32)
+
+
+def crps(samples, y) -> float:
+    """Empirical CRPS of an ensemble ``samples [n]`` (n >= 1) against the scalar ``y``:
+    ``mean_k |s_k - y| - 1/2 mean_jk |s_j - s_k|`` (Gneiting & Raftery 2007, eq. 21)."""
+    s = np.asarray(samples, np.float64)
+    if s.ndim != 1 or s.size == 0:
+        raise ValueError(f"crps needs a non-empty vector of samples, got shape {s.shape}")
+    return float(np.abs(s - y).mean() - 0.5 * np.abs(s[:, None] - s[None, :]).mean())
+
+
+def loo_crps_rewards(pred, valid, target, *, scale: float = 1.0, invalid_reward: float = -1.0) -> np.ndarray:
+    """``r[i, k] = (CRPS(S_i,-k, y_i) - CRPS(S_i, y_i)) / scale`` for predictions ``[B, G]``
+    (``valid [B, G]``; ``S_i`` the group's valid answers, ``S_i,-k`` without ``k``), vectorised
+    over groups with the pairwise sums: for ``n`` valid answers, ``A = sum_j |s_j - y|`` and ``D = sum_jl |s_j - s_l|``,
+    ``CRPS(S) = A / n - D / (2 n^2)`` and removing ``k`` leaves ``A - a_k`` and
+    ``D - 2 d_k`` (``d_k = sum_l |s_k - s_l|``) over ``n - 1``."""
+    pred = np.asarray(pred, np.float64)
+    valid = np.asarray(valid, bool)
+    target = np.asarray(target, np.float64)
+    if pred.ndim != 2 or valid.shape != pred.shape or target.shape != pred.shape[:1]:
+        raise ValueError(
+            f"loo_crps_rewards needs pred [B, G], valid [B, G], target [B]; got {pred.shape}, "
+            f"{valid.shape}, {target.shape}"
+        )
+    z = np.where(valid, pred, 0.0)
+    n = valid.sum(axis=1).astype(np.float64)[:, None]  # [B, 1]
+    a = np.where(valid, np.abs(z - target[:, None]), 0.0)  # |s_k - y|
+    pair = valid[:, :, None] & valid[:, None, :]
+    d = np.where(pair, np.abs(z[:, :, None] - z[:, None, :]), 0.0).sum(axis=2)  # d_k
+    A, D = a.sum(axis=1, keepdims=True), d.sum(axis=1, keepdims=True)
+    full = A / np.maximum(n, 1) - D / (2 * np.maximum(n, 1) ** 2)
+    m = np.maximum(n - 1, 1)
+    loo = (A - a) / m - (D - 2 * d) / (2 * m**2)
+    value = np.where(n >= 2, (loo - full) / scale, 0.0)
+    return np.where(valid, value, float(invalid_reward))
+
+
+@REWARDS.register("crps_loo")
+def crps_loo_reward(prompts, completions, *, examples, group, num_generations, task=None, **_) -> np.ndarray:
+    """Leave-one-out CRPS credit per rollout within its group (module docstring); -1 invalid."""
+    pred = _parse(task, completions)
+    idx = _grouped(group, num_generations, len(completions))
+    target = _targets(examples)[idx[:, 0]]
+    grouped = np.clip(pred[idx], -1e100, 1e100)
+    rewards = loo_crps_rewards(np.nan_to_num(grouped), ~np.isnan(grouped), target,
+                               scale=float(getattr(task, "error_scale", 1.0)))
+    out = np.empty(len(completions), np.float64)
+    out[idx] = rewards
+    return out.astype(np.float32)
