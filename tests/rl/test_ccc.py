@@ -6,9 +6,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxlm.data.regression import LongTailedRegression, parse_number
-from trainers.rl.ccc import ccc, swap_in_ccc_rewards
+from trainers.rl.ccc import ccc, evaluate_regression, swap_in_ccc_rewards
 from trainers.rl.registries import REWARDS
 
 
@@ -224,32 +225,6 @@ def test_task_is_a_config_source():
 
 
 # -- the miniature: CCC-GRPO vs the point-wise reward ----------------------------------
-def _evaluate(graphdef, params, task, examples, tokenizer):
-    """Greedy answers on held-out examples: MAE per bucket (an unparsable answer counts as
-    the task's whole range) and the CCC of the parsed answers, with the invalid rate."""
-    import jaxlm
-    from flax import nnx
-
-    out = jaxlm.generate(nnx.merge(graphdef, params), [e["prompt"] for e in examples], max_new_tokens=4,
-                         temperature=0, tokenizer=tokenizer)
-    err: dict[str, list[float]] = {"many": [], "medium": [], "few": []}
-    pred, target = [], []
-    correct = [task.verify(e, text) for e, text in zip(examples, out.texts)]
-    for e, text in zip(examples, out.texts):
-        p = task.parse(text)
-        err[task.bucket(e)].append(task.error_scale if p is None else abs(p - e["target"]))
-        if p is not None:
-            pred.append(p)
-            target.append(e["target"])
-    result = {f"mae_{b}": float(np.mean(v)) for b, v in err.items()}
-    result["ccc"] = ccc(pred, target)
-    result["invalid"] = 1.0 - len(pred) / len(examples)
-    result["accuracy"] = float(np.mean(correct))  # the task's verifier: exact match
-    few = [c for c, e in zip(correct, examples) if task.bucket(e) == "few"]
-    result["accuracy_few"] = float(np.mean(few))
-    return result
-
-
 @pytest.fixture(scope="module")
 def miniature(tmp_path_factory):
     """SFT (`configs/ccc_sft.py`) once, then GRPO from it with rewards (ccc, format) and
@@ -279,7 +254,7 @@ def miniature(tmp_path_factory):
         examples = [task.example(i, "eval") for i in range(400)]
         trainer = GRPOTrainer(cfg, initial_model(cfg), tokenizer)
         if compiled is None:
-            results["sft"] = _evaluate(trainer.graphdef, trainer.params, task, examples, tokenizer)
+            results["sft"] = evaluate_regression(nnx.merge(trainer.graphdef, trainer.params), task, examples, tokenizer)
             compiled = (cfg, trainer.step_fn, trainer.logprob_fn)
         else:  # the arms differ only in their rewards: reuse the compiled update
             assert dataclasses.replace(cfg.algorithm, rewards=compiled[0].algorithm.rewards) == compiled[0].algorithm
@@ -287,7 +262,7 @@ def miniature(tmp_path_factory):
         state = jax.device_put(trainer.init_state(), jax.devices()[0])  # committed: no recompiles
         for k in range(cfg.trainer.steps):
             state, _, _ = trainer.iteration(state, k)
-        results[arm] = _evaluate(trainer.graphdef, state.params, task, examples, tokenizer)
+        results[arm] = evaluate_regression(nnx.merge(trainer.graphdef, state.params), task, examples, tokenizer)
     results["seconds"] = time.time() - t0
     print({k: v if isinstance(v, float) else {m: round(x, 3) for m, x in v.items()} for k, v in results.items()})
     return results

@@ -196,3 +196,29 @@ def crps_loo_reward(prompts, completions, *, examples, group, num_generations, t
     out = np.empty(len(completions), np.float64)
     out[idx] = rewards
     return out.astype(np.float32)
+
+
+def evaluate_regression(model, task, examples, tokenizer=None, *, max_new_tokens: int = 4) -> dict[str, float]:
+    """Greedy answers of ``model`` on held-out regression ``examples``: MAE per bucket
+    (``mae_many`` / ``mae_medium`` / ``mae_few``; an unparsable answer counts as the task's
+    whole range), the CCC of the parsed answers, the invalid rate, exact-match accuracy
+    (the task's verifier) overall and on the few-shot bucket."""
+    import jaxlm
+
+    out = jaxlm.generate(model, [e["prompt"] for e in examples], max_new_tokens=max_new_tokens, temperature=0,
+                         tokenizer=tokenizer)
+    err: dict[str, list[float]] = {"many": [], "medium": [], "few": []}
+    pred, target = [], []
+    correct = [task.verify(e, text) for e, text in zip(examples, out.texts)]
+    for e, text in zip(examples, out.texts):
+        p = task.parse(text)
+        err[task.bucket(e)].append(task.error_scale if p is None else abs(p - e["target"]))
+        if p is not None:
+            pred.append(p)
+            target.append(e["target"])
+    result = {f"mae_{b}": float(np.mean(v)) for b, v in err.items()}
+    result["ccc"] = ccc(pred, target)
+    result["invalid"] = 1.0 - len(pred) / len(examples)
+    result["accuracy"] = float(np.mean(correct))
+    result["accuracy_few"] = float(np.mean([c for c, e in zip(correct, examples) if task.bucket(e) == "few"]))
+    return result
