@@ -32,8 +32,9 @@ task's ``error_scale``, 1 if it has none; invalid: -1).
 2605.20740): the G valid answers of a group are an ensemble forecast ``S`` scored by the
 empirical CRPS, ``CRPS(S, y) = mean_k |s_k - y| - 1/2 mean_jk |s_j - s_k|``, and each rollout
 gets its leave-one-out credit ``(CRPS(S_-k, y) - CRPS(S, y)) / scale`` (``S_-k``: ``S``
-without it): positive when the ensemble is better with it. [INFERRED] choices: an invalid answer gets -1 and is not
-in ``S``; a group with a single valid answer has no leave-one-out set, so that answer gets 0.
+without it): positive when the ensemble is better with it. [INFERRED] choices: an invalid
+answer gets -1 and is not in ``S``; a group with a single valid answer has no leave-one-out
+set, so that answer gets 0.
 """
 
 from __future__ import annotations
@@ -57,18 +58,22 @@ def ccc(p, y) -> float:
     return float(2.0 * cov / den) if den > 0 else 1.0
 
 
+def _check_groups(name: str, pred, valid, target) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``pred [B, G]`` (float64), ``valid [B, G]`` (bool), ``target [B]`` (float64), or a
+    ValueError naming ``name`` and the shapes."""
+    pred, valid, target = np.asarray(pred, np.float64), np.asarray(valid, bool), np.asarray(target, np.float64)
+    if pred.ndim != 2 or valid.shape != pred.shape or target.shape != pred.shape[:1]:
+        raise ValueError(
+            f"{name} needs pred [B, G], valid [B, G], target [B]; got {pred.shape}, {valid.shape}, {target.shape}"
+        )
+    return pred, valid, target
+
+
 def swap_in_ccc_rewards(pred, valid, target, *, invalid_reward: float = -1.0) -> np.ndarray:
     """``r[i, k] = CCC(p^(i,k), y)`` for predictions ``[B, G]`` (``valid [B, G]``; invalid
     entries may hold anything) and targets ``[B]``, vectorised from the batch sums (module
     docstring). Invalid rollouts and groups without a valid one get ``invalid_reward``."""
-    pred = np.asarray(pred, np.float64)
-    valid = np.asarray(valid, bool)
-    target = np.asarray(target, np.float64)
-    if pred.ndim != 2 or valid.shape != pred.shape or target.shape != pred.shape[:1]:
-        raise ValueError(
-            f"swap_in_ccc_rewards needs pred [B, G], valid [B, G], target [B]; got {pred.shape}, "
-            f"{valid.shape}, {target.shape}"
-        )
+    pred, valid, target = _check_groups("swap_in_ccc_rewards", pred, valid, target)
     out = np.full(pred.shape, float(invalid_reward))
     active = valid.any(axis=1)  # groups with an anchor
     n = int(active.sum())
@@ -124,13 +129,19 @@ def ccc_reward(prompts, completions, *, examples, group, num_generations, task, 
     """Swap-in batch CCC per rollout (module docstring); ``config.ccc_invalid_reward`` for
     invalid parses (-1 without a config)."""
     r_min = -1.0 if config is None else float(getattr(config, "ccc_invalid_reward", -1.0))
+    return _per_group(completions, examples, group, num_generations, task,
+                      lambda p, v, y: swap_in_ccc_rewards(p, v, y, invalid_reward=r_min))
+
+
+def _per_group(completions, examples, group, num_generations, task, rewards_fn) -> np.ndarray:
+    """Flat rollouts -> ``rewards_fn(pred [B, G], valid [B, G], target [B])`` -> flat float32
+    rewards in the rollouts' order."""
     pred = _parse(task, completions)
     idx = _grouped(group, num_generations, len(completions))
     target = _targets(examples)[idx[:, 0]]
     grouped = np.clip(pred[idx], -1e100, 1e100)  # keeps squares finite; nan (invalid) stays nan
-    rewards = swap_in_ccc_rewards(np.nan_to_num(grouped), ~np.isnan(grouped), target, invalid_reward=r_min)
     out = np.empty(len(completions), np.float64)
-    out[idx] = rewards
+    out[idx] = rewards_fn(np.nan_to_num(grouped), ~np.isnan(grouped), target)
     return out.astype(np.float32)
 
 
@@ -160,17 +171,10 @@ def crps(samples, y) -> float:
 def loo_crps_rewards(pred, valid, target, *, scale: float = 1.0, invalid_reward: float = -1.0) -> np.ndarray:
     """``r[i, k] = (CRPS(S_i,-k, y_i) - CRPS(S_i, y_i)) / scale`` for predictions ``[B, G]``
     (``valid [B, G]``; ``S_i`` the group's valid answers, ``S_i,-k`` without ``k``), vectorised
-    over groups with the pairwise sums: for ``n`` valid answers, ``A = sum_j |s_j - y|`` and ``D = sum_jl |s_j - s_l|``,
-    ``CRPS(S) = A / n - D / (2 n^2)`` and removing ``k`` leaves ``A - a_k`` and
-    ``D - 2 d_k`` (``d_k = sum_l |s_k - s_l|``) over ``n - 1``."""
-    pred = np.asarray(pred, np.float64)
-    valid = np.asarray(valid, bool)
-    target = np.asarray(target, np.float64)
-    if pred.ndim != 2 or valid.shape != pred.shape or target.shape != pred.shape[:1]:
-        raise ValueError(
-            f"loo_crps_rewards needs pred [B, G], valid [B, G], target [B]; got {pred.shape}, "
-            f"{valid.shape}, {target.shape}"
-        )
+    over groups with the pairwise sums: for ``n`` valid answers, ``A = sum_j |s_j - y|`` and
+    ``D = sum_jl |s_j - s_l|``, ``CRPS(S) = A / n - D / (2 n^2)``, and removing ``k`` leaves
+    ``A - a_k`` and ``D - 2 d_k`` (``d_k = sum_l |s_k - s_l|``) over ``n - 1``."""
+    pred, valid, target = _check_groups("loo_crps_rewards", pred, valid, target)
     z = np.where(valid, pred, 0.0)
     n = valid.sum(axis=1).astype(np.float64)[:, None]  # [B, 1]
     a = np.where(valid, np.abs(z - target[:, None]), 0.0)  # |s_k - y|
@@ -187,15 +191,9 @@ def loo_crps_rewards(pred, valid, target, *, scale: float = 1.0, invalid_reward:
 @REWARDS.register("crps_loo")
 def crps_loo_reward(prompts, completions, *, examples, group, num_generations, task=None, **_) -> np.ndarray:
     """Leave-one-out CRPS credit per rollout within its group (module docstring); -1 invalid."""
-    pred = _parse(task, completions)
-    idx = _grouped(group, num_generations, len(completions))
-    target = _targets(examples)[idx[:, 0]]
-    grouped = np.clip(pred[idx], -1e100, 1e100)
-    rewards = loo_crps_rewards(np.nan_to_num(grouped), ~np.isnan(grouped), target,
-                               scale=float(getattr(task, "error_scale", 1.0)))
-    out = np.empty(len(completions), np.float64)
-    out[idx] = rewards
-    return out.astype(np.float32)
+    scale = float(getattr(task, "error_scale", 1.0))
+    return _per_group(completions, examples, group, num_generations, task,
+                      lambda p, v, y: loo_crps_rewards(p, v, y, scale=scale))
 
 
 def evaluate_regression(model, task, examples, tokenizer=None, *, max_new_tokens: int = 4) -> dict[str, float]:
