@@ -130,7 +130,7 @@ def test_w4a4_model_does_not_depend_on_padding_or_cache_length():
     W4A4 model's logits do not depend on padding, batch rows or the cache length, and cached
     greedy decoding equals recomputation. With the earlier per-sequence scale, `jaxlm eval`
     and `jaxlm quantize`'s own check scored one GPTQ model 81.0% and 80.5%, and this test
-    failed (logits up to 0.4 apart). Scanned layers (stacked transforms)."""
+    with unrolled layers failed (logits up to 0.4 apart). Scanned layers (stacked transforms)."""
     cfg = jaxlm.ModelConfig.tiny(d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64, init_std=0.1,
                                  scan_layers=True)
     model = jaxlm.build_model(cfg, seed=0)
