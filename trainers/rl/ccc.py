@@ -199,22 +199,27 @@ def crps_loo_reward(prompts, completions, *, examples, group, num_generations, t
 def evaluate_regression(model, task, examples, tokenizer=None, *, max_new_tokens: int = 4) -> dict[str, float]:
     """Greedy answers of ``model`` on held-out regression ``examples``: MAE per bucket
     (``mae_many`` / ``mae_medium`` / ``mae_few``; an unparsable answer counts as the task's
-    whole range), the CCC of the parsed answers, the invalid rate, exact-match accuracy
-    (the task's verifier) overall and on the few-shot bucket."""
+    whole range), the mean signed error of the few-shot bucket's parsed answers
+    (``bias_few``: negative when the tail is pulled toward the head), the CCC of the parsed
+    answers, the invalid rate, exact-match accuracy (the task's verifier) overall and on the
+    few-shot bucket."""
     import jaxlm
 
     out = jaxlm.generate(model, [e["prompt"] for e in examples], max_new_tokens=max_new_tokens, temperature=0,
                          tokenizer=tokenizer)
     err: dict[str, list[float]] = {"many": [], "medium": [], "few": []}
-    pred, target = [], []
+    pred, target, signed_few = [], [], []
     correct = [task.verify(e, text) for e, text in zip(examples, out.texts)]
     for e, text in zip(examples, out.texts):
         p = task.parse(text)
         err[task.bucket(e)].append(task.error_scale if p is None else abs(p - e["target"]))
         if p is not None:
+            if task.bucket(e) == "few":
+                signed_few.append(p - e["target"])
             pred.append(p)
             target.append(e["target"])
     result = {f"mae_{b}": float(np.mean(v)) for b, v in err.items()}
+    result["bias_few"] = float(np.mean(signed_few)) if signed_few else float("nan")
     result["ccc"] = ccc(pred, target)
     result["invalid"] = 1.0 - len(pred) / len(examples)
     result["accuracy"] = float(np.mean(correct))
