@@ -31,10 +31,38 @@ class TrainState:
 
 
 def init_state(params, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    return TrainState(
+    """The step-0 state, every leaf committed to where it lies (an uncommitted leaf, such as a
+    constant of the optimizer state, would make the second step's inputs differ from the
+    first's and compile the update again; `StateShardedJit`)."""
+    state = TrainState(
         params=params, opt_state=jax.jit(tx.init)(params), step=jnp.zeros((), jnp.int32),
         rng=jax.random.key_data(jax.random.key(seed)),
     )
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
+
+
+class StateShardedJit:
+    """``jax.jit`` of a step ``(state, batch) -> (state, metrics)`` whose new state keeps the
+    shardings of the state it was given (``out_shardings``), one compilation per input layout.
+
+    Without it the outputs take the shardings XLA's propagation picks, spelled differently
+    from how the state was placed (``P()`` vs ``P(None,)`` for a replicated vector, a
+    ``NamedSharding`` vs a ``SingleDeviceSharding`` for the optimizer state): the second step
+    misses the compilation cache and compiles the whole update again."""
+
+    def __init__(self, step: Callable, *, donate: bool = True):
+        self.step, self.donate = step, donate
+        self._jitted: dict = {}
+
+    def __call__(self, state, batch):
+        shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), state)  # None: a host value
+        key = (jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))
+        fn = self._jitted.get(key)
+        if fn is None:
+            fn = self._jitted[key] = jax.jit(
+                self.step, donate_argnums=(0,) if self.donate else (), out_shardings=(shardings, None)
+            )
+        return fn(state, batch)
 
 
 def forward(graphdef, params, batch: Batch, *, sliding_window: int | None, collect=()):
@@ -138,7 +166,7 @@ def make_train_step(
         }
         return new, metrics
 
-    return jax.jit(step, donate_argnums=(0,) if donate else ())
+    return StateShardedJit(step, donate=donate)
 
 
 def make_eval_loss(graphdef, *, sliding_window: int | None = None, attention_stats: bool = False):

@@ -189,3 +189,28 @@ def test_training_only_the_hypernetwork_keeps_the_base_frozen():
         np.testing.assert_array_equal(np.asarray(jax.tree.leaves(s.params[name])[0]), np.asarray(jax.tree.leaves(params[name])[0]))
     np.testing.assert_array_equal(s.params["layers"][0]["mlp"]["up_proj"]["kernel"], params["layers"][0]["mlp"]["up_proj"]["kernel"])
     assert float(jnp.abs(s.params["meta_gate"]["w_beta"]).max()) > 0
+
+
+def test_the_second_step_reuses_the_first_steps_compilation(model_parts, caplog):
+    """As the training loops place it (parameters on a mesh by their logical axes, Adam), the
+    state a step returns has the shardings of the state it was given, so the update compiles
+    once (before `StateShardedJit` and the committed `init_state` it compiled twice: a
+    replicated vector came back as P() instead of P(None,), the optimizer state committed)."""
+    import logging
+
+    from jaxlm.sharding import make_mesh, model_shardings
+
+    graphdef, params = model_parts
+    shardings = nnx.to_pure_dict(model_shardings(nnx.merge(graphdef, params), make_mesh(1, 1, 1)))
+    tx = optax.adamw(1e-3)
+    step = make_train_step(graphdef, tx, lambda s: 1e-3)
+    state = init_state(jax.device_put(jax.tree.map(jnp.copy, params), shardings), tx, 0)
+    batch = _batch([_row(EXAMPLES[:2]), _row(EXAMPLES[2:3])])
+    before = jax.tree.map(lambda x: x.sharding, state)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            state, metrics = step(state, batch)
+    assert jax.tree.map(lambda x: x.sharding, state) == before
+    compiles = [r for r in caplog.records if "XLA compilation of jit(step)" in r.getMessage()]
+    assert len(compiles) == 1, [r.getMessage()[:120] for r in compiles]
+    assert bool(metrics["finite"])

@@ -19,7 +19,7 @@ from trainers.rl.aggregation import AGGREGATORS
 from trainers.rl.kl import KL_ESTIMATORS
 from trainers.rl.policy_losses import POLICY_LOSSES
 from trainers.rl.rollout import row_logprobs
-from trainers.step import TrainState, apply_summed_gradients
+from trainers.step import StateShardedJit, TrainState, apply_summed_gradients
 
 
 def make_rl_loss(graphdef, cfg, *, completion_norm: float):
@@ -84,4 +84,4 @@ def make_rl_step(graphdef, tx: optax.GradientTransformation, schedule, cfg, *, g
         }
         return new, metrics
 
-    return jax.jit(step, donate_argnums=(0,) if donate else ())
+    return StateShardedJit(step, donate=donate)
