@@ -104,7 +104,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tunix-python", default="/work/tunix-venv/bin/python")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--no-shared-prompt", action="store_true",
                     help="jaxlm: one forward per rollout row (algorithm.shared_prompt_forward=False)")
     ap.add_argument("--jaxlm-only", action="store_true", help="skip the peer")
