@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlm.models.masks import segment_mask
 from trainers.losses import sem_entropy_sum, sft_loss_sum, uniform_weights
@@ -31,14 +32,32 @@ class TrainState:
 
 
 def init_state(params, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    """The step-0 state, every leaf committed to where it lies (an uncommitted leaf, such as a
-    constant of the optimizer state, would make the second step's inputs differ from the
-    first's and compile the update again; `StateShardedJit`)."""
+    """The step-0 state, every leaf committed: the optimizer's parameter-shaped trees (Adam's
+    moments) placed like the parameters (`optax.tree_map_params`), its other leaves and the
+    step counter replicated over the parameters' mesh (or on their device). An uncommitted
+    leaf would make the second step's inputs differ from the first's and compile the update
+    again (`StateShardedJit`)."""
+    placed = jax.tree.map(lambda x: jnp.asarray(x).sharding, params)
+    mesh = next((sh.mesh for sh in jax.tree.leaves(placed) if isinstance(sh, NamedSharding)), None)
+    home = NamedSharding(mesh, PartitionSpec()) if mesh is not None else (jax.tree.leaves(placed) or [None])[0]
+    shapes = jax.eval_shape(tx.init, params)
+    try:
+        opt_shardings = optax.tree_map_params(tx, lambda _, sh: sh, shapes, placed,
+                                              transform_non_params=lambda _: home)
+    except Exception:  # an optimizer whose init cannot run on optax's placeholder: replicate
+        opt_shardings = jax.tree.map(lambda _: home, shapes)
     state = TrainState(
-        params=params, opt_state=jax.jit(tx.init)(params), step=jnp.zeros((), jnp.int32),
-        rng=jax.random.key_data(jax.random.key(seed)),
+        params=params, opt_state=jax.jit(tx.init, out_shardings=opt_shardings)(params),
+        step=jnp.zeros((), jnp.int32), rng=jax.random.key_data(jax.random.key(seed)),
     )
-    return jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
+
+    def commit(x):
+        x = jnp.asarray(x)
+        if home is not None and x.sharding.device_set != home.device_set:
+            return jax.device_put(x, home)
+        return jax.device_put(x, x.sharding)
+
+    return jax.tree.map(commit, state)
 
 
 class StateShardedJit:

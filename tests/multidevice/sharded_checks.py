@@ -163,7 +163,24 @@ def rl_checks():
     s1, s8 = one.init_state(), sharded.init_state()
     q = s8.params["layers"][0]["attn"]["q_proj"]["kernel"]
     check(f"GRPO state on the mesh: q_proj {q.sharding.spec}", q.sharding.spec == P("fsdp", "tensor"))
+    moments = [x.sharding.spec for path, x in jax.tree_util.tree_flatten_with_path(s8.opt_state)[0]
+               if "q_proj" in jax.tree_util.keystr(path) and x.ndim == 2 and "layers'][0]" in jax.tree_util.keystr(path)]
+    check(f"GRPO Adam moments placed like the parameters: q_proj {moments}",
+          len(moments) == 2 and all(m == P("fsdp", "tensor") for m in moments))
     exp = one.collector(s1.params, 0, jax.random.key(0))
+    exp8 = sharded.collector(s8.params, 0, jax.random.key(0))  # its 4 prompts split over data x fsdp
+    same = all(np.array_equal(exp.rows[k], exp8.rows[k]) for k in ("tokens", "loss_mask", "lengths"))
+    lp = float(np.abs(exp.rows["sampler_logp"] - exp8.rows["sampler_logp"]).max())
+    check(f"GRPO rollouts with the prompts split over the mesh == one device (same tokens: {same}, "
+          f"log-probs {lp:.1e})", same and lp < 1e-5)
+    from trainers.rl.rollout import left_pad, sample_block
+
+    block, mask = left_pad([[1, 2, 3], [4, 5], [6], [7, 8, 9]], 4, 0)
+    final = sample_block(sharded.graphdef, s8.params, block, mask, jax.random.key(1), max_new_tokens=3,
+                         temperature=1.0, top_p=None, pad_id=0, stop_tokens=(),
+                         prompt_sharding=sharded.collector.prompt_sharding, samples_per_prompt=2)
+    check(f"GRPO sampler: the decoded rows stay split over the mesh (tokens {final.tokens.sharding.spec})",
+          len(final.tokens.sharding.device_set) == 8 and not final.tokens.sharding.is_fully_replicated)
     exp = dataclasses.replace(exp, rewards=np.arange(16, dtype=np.float32).reshape(4, 4) % 3)  # nonzero advantages
     r1, _ = one.prepare(s1, exp)
     r8, _ = sharded.prepare(s8, exp)

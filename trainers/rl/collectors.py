@@ -43,6 +43,7 @@ class SingleTurnCollector:
         self.task = cfg.data.source
         self.examples = examples or self.source.__getitem__
         self.reward_fns = [REWARDS[n] for n in a.rewards]
+        self.prompt_sharding = None  # GRPOTrainer: the prompts split over its mesh's data devices
         self.prompt_block = cfg.data.seq_len - a.max_new_tokens
         if self.prompt_block <= 0:
             raise ValueError(
@@ -62,6 +63,7 @@ class SingleTurnCollector:
             self.graphdef, params, [self.prompt_ids(e) for e in examples], num_generations=G,
             prompt_block=self.prompt_block, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
             top_p=a.top_p, rng=rng, pad_id=self.tokenizer.pad_id, stop_tokens=() if eos is None else (eos,),
+            prompt_sharding=self.prompt_sharding,
         )
         texts = [self.tokenizer.decode(c[:n]) for c, n in zip(rows["completion"], rows["lengths"])]
         flat_examples = [e for e in examples for _ in range(G)]

@@ -18,7 +18,8 @@ every device by default), parameters and optimizer state placed by their logical
 SFT (`jaxlm.sharding.model_shardings`), and the rollout rows of every log-prob pass and
 optimizer step split over the mesh's ``data`` x ``fsdp`` devices (each micro-batch's rows
 must divide evenly; the shared prompts are replicated). The sampler runs jaxlm's KV-cache
-decoding with the sharded parameters. Single process (rows are host arrays).
+decoding with the sharded parameters, on prompts split over the same devices (collectors
+with a ``prompt_sharding``). Single process (rows are host arrays).
 
 A checkpoint stores the train state (params, optimizer state, step, rng) and the iteration;
 all randomness derives from them, so a resumed run repeats an uninterrupted one exactly.
@@ -98,6 +99,8 @@ class GRPOTrainer:
         self.updates_per_iteration = a.mu * a.minibatches
         self.tx, self.schedule = make_optimizer(cfg.optimizer, t.steps * self.updates_per_iteration)
         self.collector = COLLECTORS[a.collector](cfg, self.graphdef, tokenizer)
+        if hasattr(self.collector, "prompt_sharding"):  # each data-parallel device decodes its prompts
+            self.collector.prompt_sharding = self._rows
         self.logprob_fn = make_logprob_fn(self.graphdef, chunk=a.logprob_chunk)
         self.step_fn = make_rl_step(
             self.graphdef, self.tx, self.schedule, a, grad_accum=t.grad_accum,

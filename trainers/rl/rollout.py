@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxlm.inference.cache import batch_axis
 from jaxlm.inference.logits_processors import Temperature, TopP
@@ -56,18 +57,32 @@ def positions_of(attend: np.ndarray) -> np.ndarray:
     return np.maximum(np.cumsum(attend, axis=1) - 1, 0).astype(np.int32)
 
 
+def divides_rows(sharding: NamedSharding, rows: int) -> bool:
+    """Whether ``rows`` split evenly over the devices ``sharding`` puts its first axis on."""
+    spec = tuple(sharding.spec)
+    axes = spec[0] if spec else None
+    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return rows % int(np.prod([sharding.mesh.shape[n] for n in names], dtype=int)) == 0
+
+
 def sample_block(graphdef, params, block, mask, rng, *, max_new_tokens: int, temperature: float,
-                 top_p: float | None, pad_id: int, stop_tokens: tuple[int, ...], samples_per_prompt: int = 1):
+                 top_p: float | None, pad_id: int, stop_tokens: tuple[int, ...], samples_per_prompt: int = 1,
+                 prompt_sharding: NamedSharding | None = None):
     """The KV-cache sampler on a left-padded ``block`` at ``temperature`` (0 = greedy) and
     ``top_p``: its final `SamplingState` (``samples_per_prompt`` rows per prompt, each prompt
-    prefilled once)."""
+    prefilled once). ``prompt_sharding``: where the prompt rows go (e.g. split over a mesh's
+    data-parallel devices, so each device decodes its own prompts); ignored when the number
+    of prompts does not divide over it (the prompts are then not split)."""
+    block, mask = jnp.asarray(block), jnp.asarray(mask)
+    if prompt_sharding is not None and divides_rows(prompt_sharding, block.shape[0]):
+        block, mask = jax.device_put(block, prompt_sharding), jax.device_put(mask, prompt_sharding)
     processors = []
     if temperature not in (0, 1):
         processors.append(Temperature(float(temperature)))
     if top_p is not None and top_p != 1:
         processors.append(TopP(float(top_p)))
     return generate_tokens(
-        graphdef, params, jnp.asarray(block), jnp.asarray(mask), rng, max_new_tokens=max_new_tokens,
+        graphdef, params, block, mask, rng, max_new_tokens=max_new_tokens,
         processors=tuple(processors), greedy=temperature == 0, pad_id=pad_id, stop_tokens=stop_tokens,
         samples_per_prompt=samples_per_prompt,
     )
@@ -76,15 +91,16 @@ def sample_block(graphdef, params, block, mask, rng, *, max_new_tokens: int, tem
 def sample_rollouts(
     graphdef, params, prompt_ids: Sequence[Sequence[int]], *, num_generations: int, prompt_block: int,
     max_new_tokens: int, temperature: float, top_p: float | None, rng: jax.Array, pad_id: int,
-    stop_tokens: tuple[int, ...],
+    stop_tokens: tuple[int, ...], prompt_sharding: NamedSharding | None = None,
 ) -> dict[str, np.ndarray]:
     """``G`` sampled completions per prompt (``jaxlm``'s KV-cache sampler) as training rows,
-    with ``lengths [R]`` (completion tokens, stop token included) and ``completion [R, N]``."""
+    with ``lengths [R]`` (completion tokens, stop token included) and ``completion [R, N]``.
+    ``prompt_sharding``: as for `sample_block`."""
     G = num_generations
     unique, unique_mask = left_pad(prompt_ids, prompt_block, pad_id)
     final = sample_block(graphdef, params, unique, unique_mask, rng, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, pad_id=pad_id, stop_tokens=stop_tokens,
-                         samples_per_prompt=G)
+                         samples_per_prompt=G, prompt_sharding=prompt_sharding)
     block, mask = np.repeat(unique, G, axis=0), np.repeat(unique_mask, G, axis=0)
     completion, logp, lengths = jax.device_get((final.tokens, final.logprobs, final.lengths))
     N = max_new_tokens
