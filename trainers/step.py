@@ -44,7 +44,7 @@ def init_state(params, tx: optax.GradientTransformation, seed: int) -> TrainStat
     try:
         opt_shardings = optax.tree_map_params(tx, lambda _, sh: sh, shapes, placed,
                                               transform_non_params=lambda _: home)
-    except Exception:  # an optimizer whose init cannot run on optax's placeholder: replicate
+    except (TypeError, ValueError, AttributeError):  # an init that cannot run on optax's placeholder
         opt_shardings = jax.tree.map(lambda _: home, shapes)
     state = TrainState(
         params=params, opt_state=jax.jit(tx.init, out_shardings=opt_shardings)(params),

@@ -214,3 +214,17 @@ def test_the_second_step_reuses_the_first_steps_compilation(model_parts, caplog)
     compiles = [r for r in caplog.records if "XLA compilation of jit(step)" in r.getMessage()]
     assert len(compiles) == 1, [r.getMessage()[:120] for r in compiles]
     assert bool(metrics["finite"])
+
+
+def test_init_state_commits_an_optimizer_state_optax_cannot_map(model_parts):
+    """An optimizer whose init reads the parameters' structure (optax's placeholder has none)
+    still gets a committed state, next to the parameters."""
+    graphdef, params = model_parts
+    tx = optax.GradientTransformation(lambda p: {"rows": jnp.zeros(p["embed"].shape[0])},
+                                      lambda g, s, p=None: (g, s))
+    with pytest.raises((TypeError, ValueError, AttributeError)):
+        optax.tree_map_params(tx, lambda _, x: x, jax.eval_shape(tx.init, params), params)
+    state = init_state(params, tx, 0)
+    device = jax.tree.leaves(params)[0].sharding
+    assert state.opt_state["rows"].shape == (CFG.vocab_size,)
+    assert all(x.sharding.device_set == device.device_set for x in jax.tree.leaves(state))
