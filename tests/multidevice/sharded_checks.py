@@ -181,6 +181,15 @@ def rl_checks():
                          prompt_sharding=sharded.collector.prompt_sharding, samples_per_prompt=2)
     check(f"GRPO sampler: the decoded rows stay split over the mesh (tokens {final.tokens.sharding.spec})",
           len(final.tokens.sharding.device_set) == 8 and not final.tokens.sharding.is_fully_replicated)
+    from trainers.rl.multiturn import sample_turn
+
+    turn = dict(width=6, max_new_tokens=3, temperature=1.0, top_p=None, rng=jax.random.key(2), pad_id=0,
+                stop_tokens=())
+    streams = [[1, 2, 3], [4, 5], [6], [7, 8, 9]]
+    alone = sample_turn(one.graphdef, s1.params, streams, **turn)
+    split = sample_turn(sharded.graphdef, s8.params, streams, prompt_sharding=sharded.collector.prompt_sharding, **turn)
+    check("multi-turn sampler with the streams split over the mesh == one device", alone[0] == split[0]
+          and max(abs(a - b) for la, lb in zip(alone[1], split[1]) for a, b in zip(la, lb)) < 1e-5)
     exp = dataclasses.replace(exp, rewards=np.arange(16, dtype=np.float32).reshape(4, 4) % 3)  # nonzero advantages
     r1, _ = one.prepare(s1, exp)
     r8, _ = sharded.prepare(s8, exp)

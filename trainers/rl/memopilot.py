@@ -224,14 +224,16 @@ Writer = Callable[[list[list[int]], jax.Array], tuple[list[list[int]], list[list
 
 
 def lm_writer(graphdef, params, tokenizer, *, width: int, max_new_tokens: int, temperature: float = 1.0,
-              top_p: float | None = None) -> Writer:
-    """The memory writer: a jaxlm policy sampled with the KV-cache sampler (`sample_turn`)."""
+              top_p: float | None = None, prompt_sharding=None) -> Writer:
+    """The memory writer: a jaxlm policy sampled with the KV-cache sampler (`sample_turn`;
+    ``prompt_sharding``: the streams split over devices)."""
     eos = tokenizer.eos_id
 
     def write(prefixes, rng):
         return sample_turn(
             graphdef, params, prefixes, width=width, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, rng=rng, pad_id=tokenizer.pad_id, stop_tokens=() if eos is None else (eos,),
+            prompt_sharding=prompt_sharding,
         )
 
     return write
@@ -287,6 +289,7 @@ class MemoPilotCollector:
                 f"GRPOConfig.environment={env!r} is invalid for collector='rps_memory': must be an RPSConfig"
             )
         self.cfg, self.env, self.graphdef, self.tokenizer = cfg, env, graphdef, tokenizer
+        self.prompt_sharding = None  # GRPOTrainer: the episodes' streams split over its mesh
         self.player = load_player(env, tokenizer)
         self.width = cfg.data.seq_len
         need = episode_width(env, a.max_new_tokens)
@@ -306,7 +309,8 @@ class MemoPilotCollector:
         G = a.num_generations
         specs = self.specs(iteration)
         writer = lm_writer(self.graphdef, params, self.tokenizer, width=self.width - a.max_new_tokens,
-                           max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p)
+                           max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                           prompt_sharding=self.prompt_sharding)
         ep = play_rps(self.env, specs, tokenizer=self.tokenizer, writer=writer, num_generations=G, rng=rng,
                       player=self.player)
         rows = ep.stream.rows(self.width, self.tokenizer.pad_id)

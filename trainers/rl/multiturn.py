@@ -81,13 +81,15 @@ class TurnRows:
 def sample_turn(
     graphdef, params, prefixes: Sequence[Sequence[int]], *, width: int, max_new_tokens: int,
     temperature: float, top_p: float | None, rng: jax.Array, pad_id: int, stop_tokens: tuple[int, ...],
+    prompt_sharding=None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """One policy turn for every stream: ``(tokens, model log-probs)`` per stream, the stop
     token included. Prefixes are left-padded to the fixed ``width`` so every turn reuses one
-    compiled sampler."""
+    compiled sampler. ``prompt_sharding``: the streams split over devices (`sample_block`)."""
     block, mask = left_pad(prefixes, width, pad_id)
     final = sample_block(graphdef, params, block, mask, rng, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_p=top_p, pad_id=pad_id, stop_tokens=stop_tokens)
+                         temperature=temperature, top_p=top_p, pad_id=pad_id, stop_tokens=stop_tokens,
+                         prompt_sharding=prompt_sharding)
     tokens, logp, lengths = jax.device_get((final.tokens, final.logprobs, final.lengths))
     return ([tokens[i, : lengths[i]].tolist() for i in range(len(prefixes))],
             [logp[i, : lengths[i]].tolist() for i in range(len(prefixes))])
