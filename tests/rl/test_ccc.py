@@ -304,12 +304,19 @@ def test_miniature_both_rewards_fix_the_tail_without_hurting_the_head(miniature)
             assert r["mae_many"] < 1.0 and r["invalid"] < 0.02, (arm, seed, r)
 
 
+# Kept (not deleted, not loosened) so the suite records the paper's claim and how weakly it
+# holds; non-strict because it passes for some RL seeds (0, 1, 2 among them) and not others.
 @pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason=(
+    "the paper's claim holds only on average in this miniature: at the recipe's 256 prompts "
+    "per iteration the swap-in CCC reward beat -|error| in 14 of 20 RL seeds (10/10 in seeds "
+    "0-9, 4/10 in fresh seeds 10-19; mean few-shot MAE 7.05 vs 8.09, paired t = -1.9), and "
+    "in 3 of 10 at 32 prompts (docs/rl.md, CCC-GRPO)"
+))
 def test_miniature_ccc_reward_beats_pointwise_on_few_shot_or_ccc(miniature):
     """The paper's claim (card B.2): the swap-in CCC reward beats -|error| on the few-shot
-    bucket's error or on CCC, in each RL seed, with the recipe's 256-prompt batches. The
-    tail's error is a pull toward the head (negative ``bias_few``); CCC pulls less. With 32
-    prompts the order reverses (docs/rl.md: the reward is batch-level)."""
+    bucket's error or on CCC, in each RL seed, with the recipe's 256-prompt batches. After
+    RL the tail's error is a pull toward the head (negative ``bias_few``)."""
     for seed in RL_SEEDS:
         c, b = miniature["ccc"][seed], miniature["neg_abs_error"][seed]
         assert c["mae_few"] < b["mae_few"] or c["ccc"] > b["ccc"], (seed, c, b)
