@@ -65,6 +65,56 @@ def test_turn_level_pools_rollouts_at_each_turn_index():
                 assert got[b, g, k] == pytest.approx((R[b, g, k] - x.mean()) / (x.std(ddof=1) + 1e-6), abs=1e-5)
 
 
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("G", [2, 3, 8, 16, 17])
+@pytest.mark.parametrize("B", [1, 5, 256])
+def test_a_constant_group_gets_exactly_zero_advantage(name, G, B):
+    # non-dyadic constants (0.7 and 1.373 are not binary fractions: their float32 group mean
+    # is off by an ulp), a different constant per group, and invalid rollouts that differ
+    rng = np.random.default_rng([G, B])
+    values = rng.choice(np.array([0.7, 1.373, 0.1, -2.3, 1e-3, 123.456, 1 / 3], np.float32), size=(B, 1))
+    rewards = np.repeat(values, G, axis=1).astype(np.float32)
+    valid = np.ones((B, G), bool)
+    valid[::2, 0] = False
+    rewards[::2, 0] = 5.0  # an uncounted rollout with another reward does not break the tie
+    for v in (None, valid):
+        r = np.repeat(values, G, axis=1).astype(np.float32) if v is None else rewards
+        got = np.asarray(ADVANTAGES[name](r, v))
+        assert np.all(got == 0.0), (name, G, B, got[np.nonzero(got)][:4])
+
+
+@pytest.mark.parametrize("gamma", [None, 1.0, 0.9, 0.37])
+@pytest.mark.parametrize("G", [2, 8, 16])
+def test_turn_level_constant_turns_get_exactly_zero(gamma, G):
+    rng = np.random.default_rng(G)
+    B, K = 7, 4
+    per_turn = rng.choice(np.array([0.7, 1.373, 0.1, 1 / 3], np.float32), size=(B, 1, K))
+    R = np.repeat(per_turn, G, axis=1).astype(np.float32)  # every rollout gets the same turn rewards
+    valid = np.ones(R.shape, bool)
+    got = np.asarray(ADVANTAGES["turn_level"](R, valid, gamma=gamma))
+    assert np.all(got == 0.0), got[np.nonzero(got)][:4]
+    # and a non-constant group still matches a float64 reference of the definition
+    R2 = R.copy()
+    R2[0, 0, :] += np.float32(0.5)
+    got = np.asarray(ADVANTAGES["turn_level"](R2, valid, gamma=gamma))
+    ret = R2.astype(np.float64)
+    if gamma is not None:
+        ret = np.stack([sum(gamma ** (j - k) * R2[..., j].astype(np.float64) for j in range(k, K))
+                        for k in range(K)], -1)
+    mean, std = ret.mean(1, keepdims=True), ret.std(1, ddof=1, keepdims=True)
+    np.testing.assert_allclose(got, (ret - mean) / (std + 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_non_constant_groups_match_a_float64_reference():
+    rng = np.random.default_rng(3)
+    r = (rng.normal(size=(64, 8)) * 3 + 100).astype(np.float32)  # a large offset: cancellation
+    x = r.astype(np.float64)
+    mean, std = x.mean(1, keepdims=True), x.std(1, ddof=1, keepdims=True)
+    np.testing.assert_allclose(ADVANTAGES["grpo"](r), (x - mean) / (std + 1e-6), rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(ADVANTAGES["dr_grpo"](r), x - mean, atol=2e-5)
+    np.testing.assert_allclose(ADVANTAGES["rloo"](r), x - (x.sum(1, keepdims=True) - x) / 7, atol=2e-5)
+
+
 def test_returns_to_go():
     r = np.array([[1.0, 0.0, 2.0, 5.0]], np.float32)
     valid = np.array([[True, True, True, False]])

@@ -15,6 +15,12 @@ index ``k`` across rollouts whatever their histories ("context-independent"). Tu
 only one rollout reached get advantage 0 (no baseline), as do padded turns. With
 ``gamma`` the per-turn reward is first turned into the return-to-go
 ``R[k] = sum_{k' >= k} gamma^(k'-k) r[k']`` within each episode.
+
+Every estimator first subtracts one counted reward of the group (the first) from all of
+them. The advantages are unchanged in exact arithmetic (each is a function of differences),
+but a group whose counted rewards are all equal then gets exactly 0: float32 sums of
+non-dyadic values such as 0.7 are off by an ulp, and ``(r - mean) / (std + eps)`` would turn
+that ulp into an advantage of a few percent shared by the whole group.
 """
 
 from __future__ import annotations
@@ -27,7 +33,15 @@ from jaxlm.registry import Registry
 ADVANTAGES: Registry = Registry("advantage estimator")
 
 
+def _centred(rewards, valid, axis):
+    """``rewards`` minus the group's first counted reward along ``axis`` (exact zeros for a
+    constant group; groups with nothing counted are shifted by an arbitrary member)."""
+    first = jnp.argmax(valid, axis=axis, keepdims=True)
+    return rewards - jnp.take_along_axis(rewards, first, axis=axis)
+
+
 def _group_stats(rewards, valid, axis):
+    """Count, mean and Bessel-corrected std of the counted rewards (already `_centred`)."""
     n = valid.sum(axis=axis, keepdims=True).astype(jnp.float32)
     r = jnp.where(valid, rewards, 0.0)
     mean = r.sum(axis=axis, keepdims=True) / jnp.maximum(n, 1.0)
@@ -42,12 +56,15 @@ def _check(rewards, valid):
         raise ValueError(f"rewards must be [B, G] (prompts x rollouts), got shape {rewards.shape}")
     if rewards.shape[1] < 2:
         raise ValueError(f"group size G={rewards.shape[1]} is invalid: a group baseline needs G >= 2")
+    if valid.shape != rewards.shape:
+        raise ValueError(f"valid has shape {valid.shape}; it must match rewards {rewards.shape}")
     return rewards, valid
 
 
 @ADVANTAGES.register("grpo")
 def grpo_advantages(rewards, valid=None, *, eps: float = 1e-6, **_) -> jax.Array:
     rewards, valid = _check(rewards, valid)
+    rewards = _centred(rewards, valid, axis=1)
     n, mean, std = _group_stats(rewards, valid, axis=1)
     adv = (rewards - mean) / (std + eps)
     return jnp.where(valid & (n > 1), adv, 0.0)
@@ -56,6 +73,7 @@ def grpo_advantages(rewards, valid=None, *, eps: float = 1e-6, **_) -> jax.Array
 @ADVANTAGES.register("dr_grpo")
 def dr_grpo_advantages(rewards, valid=None, **_) -> jax.Array:
     rewards, valid = _check(rewards, valid)
+    rewards = _centred(rewards, valid, axis=1)
     n, mean, _ = _group_stats(rewards, valid, axis=1)
     return jnp.where(valid & (n > 1), rewards - mean, 0.0)
 
@@ -63,6 +81,7 @@ def dr_grpo_advantages(rewards, valid=None, **_) -> jax.Array:
 @ADVANTAGES.register("rloo")
 def rloo_advantages(rewards, valid=None, **_) -> jax.Array:
     rewards, valid = _check(rewards, valid)
+    rewards = _centred(rewards, valid, axis=1)
     n = valid.sum(axis=1, keepdims=True).astype(jnp.float32)
     total = jnp.where(valid, rewards, 0.0).sum(axis=1, keepdims=True)
     others = (total - rewards) / jnp.maximum(n - 1.0, 1.0)
@@ -89,6 +108,7 @@ def turn_level_advantages(rewards, valid=None, *, eps: float = 1e-6, gamma: floa
         raise ValueError(f"turn_level advantages need rewards [B, G, K turns], got shape {rewards.shape}")
     if gamma is not None:
         rewards = returns_to_go(rewards, valid, gamma)
+    rewards = _centred(rewards, valid, axis=1)
     n, mean, std = _group_stats(rewards, valid, axis=1)  # pooled over rollouts, per turn index
     adv = rewards - mean
     if scale:
