@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxlm.dtypes import dtype_name
+
 
 @struct.dataclass
 class KVCache:
@@ -32,12 +34,13 @@ class KVCache:
 
     @classmethod
     def init(cls, config, batch_size: int, max_len: int, dtype=None) -> "KVCache":
-        """An empty cache for ``batch_size`` sequences of up to ``max_len`` slots."""
+        """An empty cache for ``batch_size`` sequences of up to ``max_len`` slots, in ``dtype``
+        (a name or a jnp/numpy dtype; default: the model's compute dtype)."""
         if max_len > config.max_seq_len:
             raise ValueError(
                 f"cache max_len={max_len} exceeds ModelConfig.max_seq_len={config.max_seq_len}"
             )
-        dtype = jnp.dtype(dtype or config.dtype)
+        dtype = jnp.dtype(config.dtype if dtype is None else dtype_name(dtype, field="KVCache dtype"))
         if config.per_layer_kv:  # one array per layer, each of its own width
             layers = [config.layer_config(i) for i in range(config.n_layers)]
             shape = (batch_size, config.n_kv_heads, max_len)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jaxlm.dtypes import optional_dtype_name
 from jaxlm.inference.cache import KVCache, batch_axis
 from jaxlm.inference.logits_processors import LogitsProcessor, Temperature, TopK, TopP, compose
 
@@ -236,7 +237,7 @@ def generate(
     tokenizer: Any = None,
     add_bos: bool = True,
     pad_id: int | None = None,
-    cache_dtype: str | None = None,
+    cache_dtype: Any = None,
     bucket: int = 8,
     condition=None,
     interventions=(),
@@ -248,6 +249,7 @@ def generate(
     temperature: 0 means greedy (argmax of the processed logits).
     stop_tokens: ids that end a sequence (default: the tokenizer's EOS if known).
     logits_processors: applied first, in order, before temperature, top-k, top-p.
+    cache_dtype: the KV cache's dtype, a name or a jnp/numpy dtype (default: the model's).
     bucket: prompt blocks are left-padded to a multiple of this to reuse compilations.
     condition: token ids ``[B, C]`` (or ``(ids, mask)``) of a MeGan model's condition text.
     interventions: `jaxlm.interp.Intervention` s applied in every forward (e.g. steering
@@ -272,6 +274,7 @@ def generate(
             f"prompt length {longest} + max_new_tokens {max_new_tokens} = "
             f"{longest + max_new_tokens} exceeds ModelConfig.max_seq_len={config.max_seq_len}"
         )
+    cache_dtype = optional_dtype_name(cache_dtype, field="generate(cache_dtype)")
     if not isinstance(temperature, (int, float)) or temperature < 0:
         raise ValueError(f"temperature={temperature!r} is invalid: must be >= 0 (0 = greedy)")
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-_DTYPES = ("float32", "bfloat16", "float16")
+from jaxlm.dtypes import dtype_name
 _ROPE_SCALINGS = ("none", "linear", "llama3")
 _REMAT = ("none", "full", "dots")
 #: per-layer field -> the scalar field it overrides
@@ -101,8 +101,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     sliding_window: int | None = None
     max_seq_len: int = 2048
-    dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype; a jnp/numpy dtype is accepted and stored by name
+    param_dtype: str = "float32"  # weight dtype (likewise)
     attention: str = "softmax"  # softmax | affine_scaled | sink
     mlp: str = "swiglu"  # swiglu | meta_swiglu
     rope: str = "default"  # default | none | graph
@@ -137,6 +137,8 @@ class ModelConfig:
         for name in ("qk_head_dim", "v_head_dim"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.head_dim)
+        for name in ("dtype", "param_dtype"):  # a name, a jnp or a numpy dtype -> its name
+            object.__setattr__(self, name, dtype_name(getattr(self, name), field=f"ModelConfig.{name}"))
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         for name in _LAYER_FIELDS:  # JSON gives lists
@@ -180,8 +182,7 @@ class ModelConfig:
         if self.sliding_window is not None:
             _check_positive_int("ModelConfig", "sliding_window", self.sliding_window)
         for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise _err(name, getattr(self, name), f"must be one of {_DTYPES}")
+            dtype_name(getattr(self, name), field=f"ModelConfig.{name}")
         if self.affine_bias not in ("free", "coupled"):
             raise _err("affine_bias", self.affine_bias, "must be 'free' or 'coupled'")
         if self.affine_scale_act not in ("sigmoid2", "exp"):

@@ -32,6 +32,23 @@ def _copy(good_dir, tmp_path, edit_tensors=None, edit_config=None):
     return tmp_path
 
 
+def test_load_hf_takes_jnp_and_numpy_dtypes(good_dir):
+    import jax.numpy as jnp
+
+    for dtype, name in ((jnp.float32, "float32"), (np.float16, "float16"), (jnp.bfloat16, "bfloat16")):
+        model = jaxlm.load_hf(good_dir, dtype=dtype)
+        assert model.config.dtype == model.config.param_dtype == name
+        assert model.embed[...].dtype == np.dtype(name)
+    model = jaxlm.load_hf(good_dir, dtype=np.float32, param_dtype=jnp.bfloat16)
+    assert (model.config.dtype, model.config.param_dtype) == ("float32", "bfloat16")
+    out = jaxlm.generate(model, [[5, 6, 7]], max_new_tokens=2, temperature=0, cache_dtype=jnp.bfloat16)
+    assert out.tokens.shape == (1, 2)
+    with pytest.raises(ValueError, match=r"load_hf\(dtype\)=<class 'jax.numpy.int8'> is invalid: must be one of"):
+        jaxlm.load_hf(good_dir, dtype=jnp.int8)
+    with pytest.raises(ValueError, match=r"generate\(cache_dtype\)=.* is invalid"):
+        jaxlm.generate(model, [[5]], max_new_tokens=1, cache_dtype="int4")
+
+
 def test_unknown_architecture_lists_supported(good_dir, tmp_path):
     path = _copy(good_dir, tmp_path, edit_config=lambda c: c.update(architectures=["GPT2LMHeadModel"]))
     with pytest.raises(UnsupportedConfigError, match="GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):

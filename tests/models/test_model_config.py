@@ -54,6 +54,25 @@ def test_bad_rope_scaling(kwargs, match):
         RopeScaling(**kwargs)
 
 
+@pytest.mark.parametrize("value, name", [
+    ("bfloat16", "bfloat16"), (jax.numpy.float32, "float32"), (jax.numpy.bfloat16, "bfloat16"),
+    (np.float16, "float16"), (np.dtype("float32"), "float32"), (jax.numpy.dtype("bfloat16"), "bfloat16"),
+])
+def test_dtype_fields_accept_jnp_and_numpy_dtypes_and_store_the_name(value, name):
+    cfg = ModelConfig.tiny(dtype=value, param_dtype=value)
+    assert cfg.dtype == name and cfg.param_dtype == name and isinstance(cfg.dtype, str)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg == ModelConfig.tiny(dtype=name, param_dtype=name)
+    assert jaxlm.KVCache.init(cfg, 1, 4, value).k.dtype == np.dtype(name)
+
+
+@pytest.mark.parametrize("value", [np.float64, jax.numpy.int32, int, float, 3, "fp32", None, object()])
+def test_other_dtypes_get_the_same_clear_error(value):
+    with pytest.raises(ValueError, match=r"ModelConfig.dtype=.* is invalid: must be one of \('float32', 'bfloat16', 'float16'\)"):
+        ModelConfig.tiny(dtype=value)
+    with pytest.raises(ValueError, match=r"KVCache dtype=.* is invalid"):
+        jaxlm.KVCache.init(ModelConfig.tiny(), 1, 4, value if value is not None else "none")
+
+
 def test_frozen_and_json_round_trip():
     cfg = ModelConfig.llama3_1_8b()
     with pytest.raises(dataclasses.FrozenInstanceError):

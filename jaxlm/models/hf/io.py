@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxlm.dtypes import optional_dtype_name
 from jaxlm.models.hf.families import FAMILIES, config_from_hf, config_to_hf
 from jaxlm.models.params import flat_params, init_params, model_from_flat, param_shapes
 from jaxlm.models.transformer import Transformer
@@ -79,8 +80,8 @@ def _iter_tensors(file: Path):
 def load_hf(
     path: str | os.PathLike,
     *,
-    dtype: str | None = None,
-    param_dtype: str | None = None,
+    dtype: Any = None,
+    param_dtype: Any = None,
     scan_layers: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     tokenizer: bool = True,
@@ -88,11 +89,14 @@ def load_hf(
 ) -> Transformer:
     """Load a local HF ``*ForCausalLM`` directory (Llama, Qwen2, Qwen3, Mistral).
 
-    dtype: compute dtype (default: the checkpoint's dtype if float32/bfloat16/float16,
-    else float32); param_dtype defaults to ``dtype``. With ``mesh`` every tensor is
+    dtype: compute dtype, a name (``"bfloat16"``) or a jnp/numpy dtype (default: the
+    checkpoint's dtype if float32/bfloat16/float16, else float32); param_dtype defaults to
+    ``dtype``. With ``mesh`` every tensor is
     placed on its shards as it is read. A tokenizer beside the weights
     (``tokenizer.json``) is loaded into ``model.tokenizer`` (None otherwise).
     """
+    dtype = optional_dtype_name(dtype, field="load_hf(dtype)")
+    param_dtype = optional_dtype_name(param_dtype, field="load_hf(param_dtype)")
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
