@@ -1,6 +1,7 @@
 """Local training data: ``.jsonl`` or ``.parquet`` rows with ``prompt`` / ``completion``
-columns, or chat ``messages`` (a list of ``{"role", "content"}``; assistant turns are
-trained). Every row is validated on load; a malformed row raises `DataError` naming the
+columns, or chat ``messages`` (a list of ``{"role", "content"}``, rendered in the tokenizer's
+chat format, its template when it has one; the assistant output is trained, `jaxlm.data.chat`).
+Every row is validated on load; a malformed row raises `DataError` naming the
 file and the line (jsonl, 1-based) or row (parquet, 0-based).
 """
 

@@ -1,8 +1,9 @@
 """From a data source to training batches, through `grain`.
 
-Every example becomes ``segments``: ``[(text, trainable), ...]`` (prompt/completion:
-the prompt is not trained, the completion and EOS are; chat: assistant turns are
-trained). Encoded, each is ``tokens`` and ``loss_mask``; batches are
+A prompt/completion example becomes ``segments``: ``[(text, trainable), ...]`` (the prompt
+is not trained, the completion and EOS are); chat ``messages`` are rendered in the
+tokenizer's chat format and the assistant output is trained (`jaxlm.data.chat.encode_chat`).
+Encoded, each is ``tokens`` and ``loss_mask``; batches are
 
     tokens      int32 [B, T]
     loss_mask   bool  [B, T]  token t is a training target
@@ -24,6 +25,7 @@ from typing import Any, Callable
 import grain
 import numpy as np
 
+from jaxlm.data.chat import builtin_segments, encode_chat
 from jaxlm.data.conditioned import ConditionedDigits
 from jaxlm.data.facts import FactWorld
 from jaxlm.data.files import DataError, Files, read_rows
@@ -60,17 +62,18 @@ class DataConfig:
 
 
 def to_segments(example: dict[str, Any]) -> list[tuple[str, bool]]:
+    """Prompt (untrained) and completion; chat ``messages`` in the built-in format."""
     if "messages" in example:
-        out = []
-        for m in example["messages"]:
-            out.append((f"<|{m['role']}|>\n", False))
-            out.append((m["content"] + "\n", m["role"] == "assistant"))
-        return out
+        return builtin_segments(example["messages"])
     return [(example["prompt"], False), (example["completion"], True)]
 
 
 def encode(example: dict[str, Any], tokenizer) -> dict[str, np.ndarray]:
-    """BOS + segments + EOS as ``tokens`` and ``loss_mask`` (EOS is trained)."""
+    """BOS + segments + EOS as ``tokens`` and ``loss_mask`` (EOS is trained); chat
+    ``messages``: the tokenizer's chat format with its assistant mask (`encode_chat`)."""
+    if "messages" in example:
+        tokens, mask = encode_chat(tokenizer, example["messages"])
+        return {"tokens": np.asarray(tokens, np.int32), "loss_mask": np.asarray(mask, bool)}
     tokens: list[int] = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     mask: list[bool] = [False] * len(tokens)
     for text, trainable in to_segments(example):

@@ -2,7 +2,9 @@
 (a thin wrapper over the `tokenizers` library for a local ``tokenizer.json``).
 
 Both expose ``encode(text, add_bos=...) -> list[int]``, ``decode(ids) -> str``,
-``bos_id``, ``eos_id``, ``pad_id`` and ``vocab_size``.
+``bos_id``, ``eos_id``, ``pad_id``, ``vocab_size`` and ``apply_chat_template(messages,
+add_generation_prompt=..., tokenize=...)`` (`jaxlm.data.chat`: the tokenizer's own chat
+template when it has one, else the built-in format).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import shutil
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from jaxlm.data.chat import SPECIAL_TOKEN_NAMES, TEMPLATE_FILE, ChatTemplate, apply_chat_template, read_chat_template
 
 
 class ByteTokenizer:
@@ -38,8 +42,23 @@ class ByteTokenizer:
     def batch_encode(self, texts: Sequence[str], **kw) -> list[list[int]]:
         return [self.encode(t, **kw) for t in texts]
 
+    chat_template = None
+    """No template: chats use the built-in format (`jaxlm.data.chat.builtin_segments`)."""
+
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = False,
+                            tokenize: bool = True) -> list[int] | str:
+        """BOS + ``<|role|>\\n`` content ``\\n`` per message + EOS (or ``<|assistant|>\\n`` instead
+        of EOS with ``add_generation_prompt``); ``tokenize=False``: the text, without BOS/EOS."""
+        return apply_chat_template(self, messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize)
+
     def __repr__(self) -> str:
         return "ByteTokenizer()"
+
+
+def _token_string(special) -> str | None:
+    if isinstance(special, dict):  # {"content": "<s>", ...}
+        special = special.get("content")
+    return special if isinstance(special, str) else None
 
 
 def _token_id(tok, special) -> int | None:
@@ -54,13 +73,34 @@ def _token_id(tok, special) -> int | None:
 
 class HFTokenizer:
     """A local ``tokenizer.json`` (HF `tokenizers`), with specials from ``tokenizer_config.json``
-    or ``config.json`` when present."""
+    or ``config.json`` and the chat template (``chat_template.jinja`` or ``tokenizer_config.json``)
+    when present.
 
-    def __init__(self, tokenizer, *, bos_id=None, eos_id=None, pad_id=None, source: Path | None = None):
+    ``special_tokens``: the special token strings a chat template sees (``bos_token``, ...;
+    default: those of the given ids); ``chat_template``: a Jinja2 template string, or None for
+    the built-in chat format."""
+
+    def __init__(self, tokenizer, *, bos_id=None, eos_id=None, pad_id=None, source: Path | None = None,
+                 special_tokens: dict[str, str] | None = None, chat_template: str | None = None,
+                 template_origin: str = "chat_template"):
         self._tok = tokenizer
         self.bos_id, self.eos_id = bos_id, eos_id
+        if special_tokens is None:
+            named = {"bos_token": bos_id, "eos_token": eos_id, "pad_token": pad_id}
+            special_tokens = {k: tokenizer.id_to_token(i) for k, i in named.items() if i is not None}
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
         self._source = source
+        self.set_chat_template(chat_template, origin=template_origin)
+
+    def set_chat_template(self, template: str | None, *, origin: str = "chat_template") -> None:
+        """Format chats with the Jinja2 ``template`` (None: the built-in format); ``origin``
+        names it in errors. A template that does not compile raises `ChatTemplateError`."""
+        if template is None:
+            self.chat_template = None
+            return
+        specials = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+        self.chat_template = ChatTemplate(template, origin=origin, variables=self.special_tokens, end_tokens=specials)
 
     @classmethod
     def from_file(cls, file: str | os.PathLike, *, bos=None, eos=None, pad=None) -> "HFTokenizer":
@@ -84,6 +124,7 @@ class HFTokenizer:
         """``path/tokenizer.json`` with specials from ``config.json`` / ``tokenizer_config.json``."""
         path = Path(path)
         specials: dict[str, object] = {}
+        strings = None
         for name in ("config.json", "tokenizer_config.json"):  # later files win
             if (path / name).exists():
                 data = json.loads((path / name).read_text())
@@ -91,7 +132,15 @@ class HFTokenizer:
                     for field in (f"{key}_token_id", f"{key}_token"):
                         if data.get(field) is not None:
                             specials[key] = data[field]
-        return cls.from_file(path / "tokenizer.json", **specials)
+                if name == _CONFIG:  # a template sees the special tokens tokenizer_config.json names
+                    strings = {k: _token_string(data.get(k)) for k in SPECIAL_TOKEN_NAMES}
+        tok = cls.from_file(path / "tokenizer.json", **specials)
+        if strings is not None:
+            tok.special_tokens = {k: v for k, v in strings.items() if v is not None}
+        template = read_chat_template(path)
+        if template is not None:
+            tok.set_chat_template(template[0], origin=template[1])
+        return tok
 
     @property
     def vocab_size(self) -> int:
@@ -105,8 +154,20 @@ class HFTokenizer:
             ids = ids + [self.eos_id]
         return ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text)`` and each token's character span ``(start, end)`` in ``text``."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = False,
+                            tokenize: bool = True, tools=None, **kwargs) -> list[int] | str:
+        """``messages`` rendered by the chat template (as transformers' ``apply_chat_template``;
+        ``kwargs`` are template variables), or in the built-in format without one."""
+        return apply_chat_template(self, messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize,
+                                   tools=tools, **kwargs)
 
     def batch_encode(self, texts: Sequence[str], **kw) -> list[list[int]]:
         return [self.encode(t, **kw) for t in texts]
@@ -130,17 +191,21 @@ _CONFIG = "tokenizer_config.json"
 def save_tokenizer(tokenizer, path: str | os.PathLike) -> None:
     """Write ``tokenizer`` into directory ``path`` so `load_tokenizer` finds it again.
 
-    HF: ``tokenizer.json`` (+ special-token ids in ``tokenizer_config.json`` unless one
-    exists); byte-level: a ``tokenizer_config.json`` naming ``ByteTokenizer``.
+    HF: ``tokenizer.json``, the chat template as ``chat_template.jinja``, and the special
+    tokens (ids and strings) in ``tokenizer_config.json`` unless one exists; byte-level: a
+    ``tokenizer_config.json`` naming ``ByteTokenizer``.
     """
     path = Path(path)
     if isinstance(tokenizer, ByteTokenizer):
         (path / _CONFIG).write_text(json.dumps({"tokenizer_class": "ByteTokenizer"}))
     elif isinstance(tokenizer, HFTokenizer):
         tokenizer.save(path)
+        if tokenizer.chat_template is not None:
+            (path / TEMPLATE_FILE).write_text(tokenizer.chat_template.source, encoding="utf-8")
         if not (path / _CONFIG).exists():
-            ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_id") for k in ("bos", "eos", "pad")}
-            (path / _CONFIG).write_text(json.dumps(ids))
+            config = {f"{k}_token_id": getattr(tokenizer, f"{k}_id") for k in ("bos", "eos", "pad")}
+            config.update(tokenizer.special_tokens)
+            (path / _CONFIG).write_text(json.dumps(config))
     else:
         raise TypeError(f"cannot save a tokenizer of type {type(tokenizer).__name__}")
 

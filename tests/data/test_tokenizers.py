@@ -79,3 +79,34 @@ def test_bad_tokenizer_file(tmp_path):
         HFTokenizer.from_dir(tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         HFTokenizer.from_file(tmp_path / "nope.json")
+
+
+def test_load_hf_picks_up_the_chat_template_and_save_hf_keeps_it(tmp_path):
+    _train_tokenizer(tmp_path)
+    template = "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}" \
+               "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}))
+    jaxlm.save_hf(jaxlm.build_model(jaxlm.ModelConfig.tiny(vocab_size=300)), tmp_path)
+    tok = jaxlm.load_hf(tmp_path, dtype="float32").tokenizer
+    chat = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "a dog"}]
+    assert tok.chat_template.source == template
+    ids = tok.apply_chat_template(chat[:1], add_generation_prompt=True)
+    assert tok.decode(ids, skip_special_tokens=False) == "<s>user: the cat</s><s>assistant: "
+    assert tok.decode(ids) == "user: the catassistant: "
+    ids, offsets = tok.encode_with_offsets("the cat")
+    assert ids == tok.encode("the cat") and offsets[0][0] == 0 and offsets[-1][1] == len("the cat")
+    jaxlm.save_hf(jaxlm.load_hf(tmp_path, dtype="float32"), tmp_path / "again")
+    again = jaxlm.load_hf(tmp_path / "again", dtype="float32").tokenizer
+    assert (tmp_path / "again" / "chat_template.jinja").read_text() == template
+    assert again.apply_chat_template(chat) == tok.apply_chat_template(chat)
+
+
+def test_byte_tokenizer_chat_uses_the_builtin_format():
+    tok = ByteTokenizer()
+    chat = [{"role": "user", "content": "12+30="}, {"role": "assistant", "content": "42"}]
+    assert tok.chat_template is None
+    assert tok.apply_chat_template(chat) == tok.encode("<|user|>\n12+30=\n<|assistant|>\n42\n", add_bos=True,
+                                                       add_eos=True)
+    assert tok.apply_chat_template(chat[:1], add_generation_prompt=True) == tok.encode(
+        "<|user|>\n12+30=\n<|assistant|>\n", add_bos=True)

@@ -14,6 +14,10 @@ round-off), and the rollout contract (row ``b*G + g``, per-turn rewards ``[B, G,
 ``rows["turn"]`` picking a token's turn advantage) holds with no change to the loop. The
 cost is that the policy sees the whole episode so far (a chat-style context); a Markov
 context per turn (MemoPilot's ``pi(m_{t-1}, transcript_t)``) would need one row per turn.
+
+`ChatRows` builds such streams for chat environments in the tokenizer's chat format (its own
+template, else the built-in one; `jaxlm.data.chat`): the environment's messages and the
+generation prompt are context, the policy's replies are what it sampled.
 """
 
 from __future__ import annotations
@@ -76,6 +80,73 @@ class TurnRows:
             out["turn"][i, :L] = self.turn[i]
         out["positions"] = positions_of(out["attend"])
         return out
+
+
+class ChatRows(TurnRows):
+    """`TurnRows` of chat episodes. ``add_messages`` appends environment messages (user, tool,
+    system): the text the chat template adds after the stream so far, up to and including
+    the generation prompt (context). ``add_reply`` appends the policy's sampled tokens as an
+    assistant message; they stand for the reply's trained span (`jaxlm.data.chat`: content
+    and end-of-turn token), so the next context starts after the template's end-of-turn token
+    (before it when the reply hit ``max_new_tokens`` without a stop token: the context closes
+    the turn; the built-in format has none, its next context starts after the reply's line). Where the template writes replies as sampled and the tokenizer splits text at
+    turn boundaries, a row equals `jaxlm.data.chat.encode_chat` of the conversation and its
+    ``loss_mask`` the assistant mask. ``template_kwargs``: template variables."""
+
+    def __init__(self, n: int, tokenizer, *, stop_tokens: Sequence[int] | None = None, **template_kwargs):
+        template = getattr(tokenizer, "chat_template", None)
+        builtin_bos = template is None and tokenizer.bos_id is not None
+        super().__init__(n, [tokenizer.bos_id] if builtin_bos else [])
+        self.tokenizer, self.template_kwargs = tokenizer, template_kwargs
+        self._template = template  # None: the built-in format, whose specials carry no text
+        eos = tokenizer.eos_id
+        self.stop_tokens = tuple(stop_tokens) if stop_tokens is not None else (() if eos is None else (eos,))
+        self.messages: list[list[dict]] = [[] for _ in range(n)]
+        self._held = [""] * n  # the rendered text the stream's tokens stand for
+
+    def _render(self, messages, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False, **self.template_kwargs)
+
+    def _check_prefix(self, i: int, rendered: str, what: str) -> None:
+        held = self._held[i]
+        if not rendered.startswith(held):
+            at = next((k for k, (a, b) in enumerate(zip(held, rendered)) if a != b), min(len(held), len(rendered)))
+            raise ValueError(
+                f"stream {i}: the chat template renders the conversation so far differently once {what} "
+                f"(from character {at}: {held[at:][:40]!r} before, {rendered[at:][:40]!r} now); a template that "
+                f"rewrites earlier turns cannot extend one row per episode"
+            )
+
+    def add_messages(self, i: int, messages: Sequence[dict], turn: int) -> list[int]:
+        """Append ``messages`` and the generation prompt to stream ``i``; returns the ids added."""
+        self.messages[i] += [dict(m) for m in messages]
+        target = self._render(self.messages[i], True)
+        self._check_prefix(i, target, f"{[m.get('role') for m in messages]} follow")
+        ids = self.tokenizer.encode(target[len(self._held[i]):])
+        self.add_context(i, ids, turn)
+        self._held[i] = target
+        return ids
+
+    def add_reply(self, i: int, ids: Sequence[int], logp: Sequence[float], turn: int) -> str:
+        """Append the policy's sampled ``ids`` (with their log-probs) as an assistant message;
+        returns its content (the text before the stop token)."""
+        ids = [int(t) for t in ids]
+        self.add_policy(i, ids, logp, turn)
+        stopped = bool(ids) and ids[-1] in self.stop_tokens
+        body = ids[:-1] if stopped else ids
+        content = (self.tokenizer.decode(body) if self._template is None
+                   else self.tokenizer.decode(body, skip_special_tokens=False))
+        self.messages[i].append({"role": "assistant", "content": content})
+        rendered = self._render(self.messages[i], False)
+        self._check_prefix(i, rendered, "the reply is added (the generation prompt does not open it)")
+        end_token = None if self._template is None else self._template.end_of_turn(rendered, len(self._held[i]))
+        if end_token is None:
+            resume = len(rendered)
+        else:
+            resume = end_token[1] if stopped else end_token[0]
+        self._held[i] = rendered[:resume]
+        return content
 
 
 def sample_turn(
