@@ -1,25 +1,213 @@
 """Training checkpoints: an orbax `CheckpointManager` (keep-N, async) over the whole
 `TrainState` (params, optimizer state, step, rng) plus the data iterator's position and
-the experiment config, so a restarted run continues bit-identically."""
+the experiment config, so a restarted run continues bit-identically.
+
+Each checkpoint also stores a digest of its arrays (SHA-256 of every leaf's bytes, with
+its shape and dtype) and of its JSON items, computed from the state at save time and
+checked on restore. `TrainCheckpointer.restore_verified` resumes from the newest
+checkpoint that restores and matches its digest, moving the others to ``corrupt/`` and
+naming each by path and step; `CheckpointCorruptError` when none does.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import gc
+import hashlib
+import json
+import logging
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+log = logging.getLogger(__name__)
+
+DIGEST_ITEM = "digest"
+DIGEST_FORMAT = 1
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A training checkpoint does not restore, or its arrays do not match their digest.
+
+    ``failures``: ``(step, path, reason)`` for every checkpoint tried.
+    """
+
+    def __init__(self, message: str, *, failures: list[tuple[int, Path, str]]):
+        super().__init__(message)
+        self.failures = failures
+
+
+def _leaf_name(path) -> str:
+    return jax.tree_util.keystr(path)
+
+
+def _host_bytes(x) -> tuple[np.ndarray, str]:
+    """A leaf as a contiguous host array (typed PRNG keys as their key data) and its dtype name."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    a = np.ascontiguousarray(np.asarray(jax.device_get(x)))
+    return a, str(a.dtype)
+
+
+def _sha256(a: np.ndarray) -> str:
+    return hashlib.sha256(a.reshape(-1).view(np.uint8) if a.size else b"").hexdigest()
+
+
+def _json_digest(value: Any) -> str | None:
+    try:
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    except (TypeError, ValueError):
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _global_leaf_digest(x) -> dict[str, Any]:
+    a, dtype = _host_bytes(x)
+    return {"shape": list(a.shape), "dtype": dtype, "sha256": _sha256(a)}
+
+
+def _local_leaf_digest(x) -> tuple[str, str]:
+    """(digest of this process's replica-0 shards, fingerprint of their indices)."""
+    if not isinstance(x, jax.Array):
+        a, _ = _host_bytes(x)
+        return (_sha256(a) if jax.process_index() == 0 else hashlib.sha256(b"").hexdigest()), "host"
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    shards = sorted((s for s in x.addressable_shards if s.replica_id == 0),
+                    key=lambda s: tuple((i.start or 0) for i in s.index))
+    h, layout = hashlib.sha256(), hashlib.sha256()
+    for s in shards:
+        index = repr(tuple((i.start, i.stop) for i in s.index)).encode()
+        a = np.ascontiguousarray(np.asarray(s.data))
+        h.update(index)
+        h.update(_sha256(a).encode())
+        layout.update(index)
+    return h.hexdigest(), layout.hexdigest()
+
+
+def state_digest(state) -> dict[str, Any]:
+    """Digest of a pytree of arrays, for storing beside it.
+
+    One process: SHA-256 of each whole leaf (as `jax.device_get` returns it) with its
+    shape and dtype, keyed by the leaf's path; independent of the sharding. Several
+    processes: each process hashes the replica-0 shards it holds, per leaf; the per-
+    process digests (and a fingerprint of the shard layout) are gathered to every
+    process, so a restore on the same process/shard layout checks each process's shards.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    names = [_leaf_name(p) for p, _ in leaves]
+    workers = min(8, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # hashlib releases the GIL
+        if jax.process_count() == 1:
+            digests = list(pool.map(lambda kv: _global_leaf_digest(kv[1]), leaves))
+            return {"format": DIGEST_FORMAT, "algorithm": "sha256", "scope": "global",
+                    "leaves": dict(zip(names, digests))}
+        local = list(pool.map(lambda kv: _local_leaf_digest(kv[1]), leaves))
+    digest_rows = np.frombuffer(b"".join(bytes.fromhex(d) for d, _ in local), np.uint8).reshape(len(local), 32)
+    layout = hashlib.sha256("".join(f for _, f in local).encode()).digest()
+    gathered = np.asarray(multihost_utils.process_allgather(digest_rows))
+    layouts = np.asarray(multihost_utils.process_allgather(np.frombuffer(layout, np.uint8)))
+    return {
+        "format": DIGEST_FORMAT, "algorithm": "sha256", "scope": "process",
+        "process_count": jax.process_count(), "leaf_names": names,
+        "processes": [{"leaves": [bytes(r).hex() for r in gathered[i]], "layout": bytes(layouts[i]).hex()}
+                      for i in range(jax.process_count())],
+    }
+
+
+def verify_digest(state, stored: dict[str, Any]) -> list[str]:
+    """Mismatches between ``state`` and a `state_digest` (empty when it verifies). A
+    multi-process digest restored on another process count or shard layout cannot be
+    checked: that is logged and counts as verified."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    names = [_leaf_name(p) for p, _ in leaves]
+    if stored.get("format") != DIGEST_FORMAT:
+        return [f"unknown digest format {stored.get('format')!r}"]
+    problems: list[str] = []
+    if stored.get("scope") == "global":
+        want = stored.get("leaves", {})
+        if sorted(want) != sorted(names):
+            missing, extra = sorted(set(want) - set(names)), sorted(set(names) - set(want))
+            return [f"the restored state's leaves differ from the digest's (missing {missing[:4]}, extra {extra[:4]})"]
+        with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            got = list(pool.map(lambda kv: _global_leaf_digest(kv[1]), leaves))
+        for name, g in zip(names, got):
+            w = want[name]
+            if g != {"shape": list(w["shape"]), "dtype": w["dtype"], "sha256": w["sha256"]}:
+                what = "shape/dtype" if (g["shape"], g["dtype"]) != (list(w["shape"]), w["dtype"]) else "bytes"
+                problems.append(f"{name}: {what} differ from the digest")
+        return problems
+    # per-process digests
+    if stored.get("process_count") != jax.process_count() or stored.get("leaf_names") != names:
+        log.warning("checkpoint digest was written by %s processes with another state layout; not verified",
+                    stored.get("process_count"))
+        return []
+    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        local = list(pool.map(lambda kv: _local_leaf_digest(kv[1]), leaves))
+    mine = stored["processes"][jax.process_index()]
+    layout = hashlib.sha256("".join(f for _, f in local).encode()).hexdigest()
+    if layout != mine["layout"]:
+        log.warning("process %d restored another shard layout than it saved; digest not verified",
+                    jax.process_index())
+    else:
+        problems = [f"{n}: bytes of process {jax.process_index()}'s shards differ from the digest"
+                    for n, (d, _), w in zip(names, local, mine["leaves"]) if d != w]
+    bad = np.asarray(multihost_utils.process_allgather(np.int32(len(problems))))
+    if not problems and bad.sum():
+        problems = [f"shards of process(es) {np.nonzero(bad)[0].tolist()} differ from the digest"]
+    return problems
+
+
+def _read_error(e: BaseException) -> str:
+    """The innermost cause of a failed restore, on one line (orbax wraps tensorstore's
+    errors, e.g. ``OUT_OF_RANGE: Error reading ...``, in a bare Exception)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _quiet_orbax_read_errors():
+    """orbax's failed array reads leave coroutines whose exceptions Python prints as
+    'Exception ignored in ...'; the restore error says it once, so drop those."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if "_read_array_index_and_device_put" not in repr(getattr(unraisable, "object", "")):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = previous
 
 
 class TrainCheckpointer:
+    """keep-N (async) orbax checkpoints of a run, each with a digest of its arrays.
+
+    The harness calls `restore_verified` once at start (None: no checkpoint, start
+    fresh), `save` at its save steps and `close` at the end; `stored_config` reads the
+    config saved with a step (for when ``config.json`` is unreadable).
+    """
+
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
         )
         self._mngr = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "data", "config"),
+            self.directory, options=options, item_names=("state", "data", "config", DIGEST_ITEM),
         )
 
     def latest_step(self) -> int | None:
@@ -28,25 +216,133 @@ class TrainCheckpointer:
     def all_steps(self) -> list[int]:
         return list(self._mngr.all_steps())
 
+    def step_path(self, step: int) -> Path:
+        return self.directory / str(step)
+
     def save(self, step: int, state, data_state: dict[str, Any], config: dict[str, Any]) -> None:
+        """Save ``state`` (async: it returns once the arrays are copied to the host) with
+        the digest of its arrays, of ``data_state`` and of ``config``."""
+        digest = state_digest(state)
+        digest["data_sha256"] = _json_digest(data_state)
+        digest["config_sha256"] = _json_digest(config)
         self._mngr.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data=ocp.args.JsonSave(data_state),
                 config=ocp.args.JsonSave(config),
+                **{DIGEST_ITEM: ocp.args.JsonSave(digest)},
             ),
         )
 
     def restore(self, step: int, abstract_state) -> tuple[Any, dict[str, Any]]:
-        """Restore into ``abstract_state`` (ShapeDtypeStructs with shardings)."""
-        restored = self._mngr.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-            ),
+        """Restore step ``step`` into ``abstract_state`` (ShapeDtypeStructs with shardings)
+        and check it against its digest; `CheckpointCorruptError` naming the path and step
+        when it does not restore or does not match. A checkpoint without a digest (older
+        jaxlm) is restored unchecked."""
+        path = self.step_path(step)
+        has_digest = (path / DIGEST_ITEM).is_dir()
+        items = dict(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+        if has_digest:
+            items[DIGEST_ITEM] = ocp.args.JsonRestore()
+        try:
+            with _quiet_orbax_read_errors():
+                restored = self._mngr.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # orbax/tensorstore raise bare Exception on unreadable files
+            reason = _read_error(e)
+            raise CheckpointCorruptError(
+                f"checkpoint step {step} at {path} could not be read ({reason})",
+                failures=[(step, path, reason)],
+            ) from e
+        state, data = restored["state"], restored["data"]
+        if not has_digest:
+            log.warning("checkpoint step %d at %s has no digest (written by an older jaxlm): restored "
+                        "without verification", step, path)
+            return state, data
+        digest = restored[DIGEST_ITEM]
+        problems = verify_digest(state, digest)
+        if digest.get("data_sha256") not in (None, _json_digest(data)):
+            problems.append("the data iterator state differs from its digest")
+        if problems:
+            reason = "; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
+            raise CheckpointCorruptError(
+                f"checkpoint step {step} at {path} is corrupt: {reason}", failures=[(step, path, reason)],
+            )
+        return state, data
+
+    def restore_verified(self, abstract_state, *, max_step: int | None = None,
+                         quarantine: bool = True) -> tuple[int, Any, dict[str, Any]] | None:
+        """The newest checkpoint (at most ``max_step``) that restores and matches its
+        digest, as ``(step, state, data_state)``; None when there is no checkpoint.
+
+        Each checkpoint that fails is logged by path and step and, with ``quarantine``,
+        moved to ``<directory>/corrupt/<step>.<time>`` (so the run can save that step
+        again); `CheckpointCorruptError` naming every path tried when none verifies.
+        """
+        self.wait()
+        steps = sorted((s for s in self.all_steps() if max_step is None or s <= max_step), reverse=True)
+        if not steps:
+            return None
+        failures: list[tuple[int, Path, str]] = []
+        for step in steps:
+            try:
+                state, data = self.restore(step, abstract_state)
+            except CheckpointCorruptError as e:
+                failures.extend(e.failures)
+                log.error("%s; trying an older checkpoint", e)
+                continue
+            if failures:
+                if quarantine:
+                    self._quarantine([s for s, _, _ in failures])
+                log.warning("resuming from checkpoint step %d at %s (newer checkpoint(s) %s failed)",
+                            step, self.step_path(step), ", ".join(str(s) for s, _, _ in failures))
+            return step, state, data
+        if quarantine:
+            self._quarantine([s for s, _, _ in failures])
+        listed = "; ".join(f"step {s} at {p}: {r}" for s, p, r in failures)
+        raise CheckpointCorruptError(
+            f"no checkpoint in {self.directory} restores and verifies ({listed}). "
+            + (f"They were moved to {self.directory / 'corrupt'}. " if quarantine else "")
+            + "Start the run in a new trainer.out_dir, or restore a copy of a good checkpoint.",
+            failures=failures,
         )
-        return restored["state"], restored["data"]
+
+    def _quarantine(self, steps: list[int]) -> None:
+        """Move failed steps out of orbax's view (into ``corrupt/``), on process 0."""
+        if jax.process_index() == 0:
+            target = self.directory / "corrupt"
+            target.mkdir(exist_ok=True)
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            for step in steps:
+                src = self.step_path(step)
+                if src.exists():
+                    dst = target / f"{step}.{stamp}"
+                    os.rename(src, dst)
+                    log.warning("moved corrupt checkpoint step %d to %s", step, dst)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"jaxlm.quarantine:{self.directory}")
+        self._mngr.reload()
+
+    def stored_config(self, step: int) -> dict[str, Any]:
+        """The experiment config saved with checkpoint ``step`` (checked against its
+        digest when it has one)."""
+        path = self.step_path(step)
+        items = dict(config=ocp.args.JsonRestore())
+        if (path / DIGEST_ITEM).is_dir():
+            items[DIGEST_ITEM] = ocp.args.JsonRestore()
+        try:
+            restored = self._mngr.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:
+            reason = _read_error(e)
+            raise CheckpointCorruptError(f"the config of checkpoint step {step} at {path} could not be read "
+                                         f"({reason})", failures=[(step, path, reason)]) from e
+        config = restored["config"]
+        want = restored.get(DIGEST_ITEM, {}).get("config_sha256")
+        if want is not None and want != _json_digest(config):
+            reason = "the stored config differs from its digest"
+            raise CheckpointCorruptError(f"checkpoint step {step} at {path}: {reason}",
+                                         failures=[(step, path, reason)])
+        return config
 
     def wait(self) -> None:
         self._mngr.wait_until_finished()

@@ -2,16 +2,66 @@
 files (tensorboardX) and, at the end, ``curves.png`` (matplotlib).
 
 On resume it drops the records of steps after the checkpoint it restarted from, so the
-files describe exactly one run.
+files describe exactly one run; a torn last line of ``metrics.jsonl`` (a kill mid-write)
+is dropped with a warning. A record for a (step, kind) that the file already holds is
+not written again, so re-running a finished run adds no duplicate points. Every record
+is flushed to ``metrics.jsonl`` and to the TensorBoard event file as it is logged, so a
+SIGKILL loses nothing that was logged.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
+
+from jaxlm.fileio import JSONFileError, atomic_write_text, read_jsonl
+
+
+def _read_records(jsonl: Path) -> tuple[list[dict[str, Any]], bytes]:
+    """metrics.jsonl's records (a torn last line dropped with a warning) and its bytes."""
+    contents = read_jsonl(jsonl, what="metrics file")
+    for i, r in enumerate(contents.records):
+        if not isinstance(r, dict) or not isinstance(r.get("step"), int) or not isinstance(r.get("kind"), str):
+            raise JSONFileError(
+                f"metrics file {jsonl}: record {i + 1} is not an object with an integer 'step' and a "
+                f"string 'kind': {str(r)[:120]}", path=jsonl,
+            )
+    return contents.records, jsonl.read_bytes() if jsonl.exists() else b""
+
+
+class _EventFile:
+    """A TensorBoard event file written synchronously: each write is flushed (and
+    fsynced) before it returns. ``purge_step`` hides older files' events from that step on,
+    as `tensorboardX.SummaryWriter(purge_step=...)` does."""
+
+    def __init__(self, logdir: Path, *, purge_step: int | None):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        self._Event, self._Summary = Event, Summary
+        logdir.mkdir(parents=True, exist_ok=True)
+        # a unique suffix: two writers started in the same second must not share a file
+        self._writer = EventsWriter(str(logdir / "events"), filename_suffix=f".{os.getpid()}.{secrets.token_hex(3)}")
+        if purge_step is not None:
+            self._writer.write_event(Event(step=purge_step, wall_time=time.time(),
+                                           session_log=SessionLog(status=SessionLog.START)))
+        self._writer.flush()
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if not values:
+            return
+        summary = self._Summary(value=[self._Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+        self._writer.write_event(self._Event(step=int(step), wall_time=time.time(), summary=summary))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 class MetricsLogger:
@@ -19,14 +69,14 @@ class MetricsLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.out_dir / "metrics.jsonl"
-        if self.jsonl.exists():
-            kept = [line for line in self.jsonl.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= start_step]
-            self.jsonl.write_text("".join(k + "\n" for k in kept))
+        records, old_bytes = _read_records(self.jsonl)
+        kept = [r for r in records if r["step"] <= start_step]
+        text = "".join(json.dumps(r) + "\n" for r in kept)
+        if self.jsonl.exists() and text.encode() != old_bytes:
+            atomic_write_text(self.jsonl, text)
+        self._logged = {(r["step"], r["kind"]) for r in kept}
         self._file = self.jsonl.open("a")
-        from tensorboardX import SummaryWriter
-
-        self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start_step + 1)
+        self._tb = _EventFile(self.out_dir / "tensorboard", purge_step=start_step + 1)
         self._bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -35,10 +85,17 @@ class MetricsLogger:
         self._last_time = time.perf_counter()
         self._tokens_since = 0.0
 
+    def logged(self, step: int, kind: str = "train") -> bool:
+        """Whether ``metrics.jsonl`` already holds a record for (step, kind) (e.g. the
+        final eval of a finished run that is re-run)."""
+        return (int(step), kind) in self._logged
+
     def count_tokens(self, n: float) -> None:
         self._tokens_since += n
 
     def log(self, step: int, metrics: dict[str, Any], *, kind: str = "train") -> dict[str, Any]:
+        """Write one record to metrics.jsonl and TensorBoard (both flushed) and show it;
+        a (step, kind) already logged is returned but not written again."""
         record = {"step": int(step), "kind": kind}
         for k, v in metrics.items():
             v = float(v) if hasattr(v, "__float__") and not isinstance(v, str) else v
@@ -48,11 +105,13 @@ class MetricsLogger:
             record["tokens_per_s"] = self._tokens_since / max(now - self._last_time, 1e-9)
             self._last_time, self._tokens_since = now, 0.0
         record["time"] = time.time()
+        if (record["step"], kind) in self._logged:
+            return record
+        self._logged.add((record["step"], kind))
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        for k, v in record.items():
-            if k not in ("step", "kind", "time") and isinstance(v, float) and math.isfinite(v):
-                self._tb.add_scalar(f"{kind}/{k}", v, step)
+        self._tb.scalars(step, {f"{kind}/{k}": v for k, v in record.items()
+                                if k not in ("step", "kind", "time") and isinstance(v, float) and math.isfinite(v)})
         if self._bar is not None and kind == "train":
             self._bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}",
                                   tok_s=f"{record['tokens_per_s']:.0f}")
@@ -86,7 +145,7 @@ def plot_curves(jsonl: Path, png: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    records = read_jsonl(jsonl, what="metrics file").records
     if not records:
         return None
     panels = [("train", "loss"), ("eval", "loss"), ("eval", "accuracy"), ("eval", "exact_match"),

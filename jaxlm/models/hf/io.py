@@ -6,22 +6,30 @@ tensor goes through its family's table (`jaxlm.models.hf.families`); a missing,
 unexpected or mis-shaped tensor and a truncated or corrupt file raise
 `CheckpointError` naming the key or file. Weights are read one tensor at a time
 into the target dtype and, with a mesh, placed straight onto their shards.
+`save_hf` writes through `jaxlm.fileio.atomic_directory` (a kill leaves the complete old
+or new directory; see docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxlm.data.tokenizers import load_tokenizer, save_tokenizer
 from jaxlm.dtypes import optional_dtype_name
-from jaxlm.models.hf.families import FAMILIES, config_from_hf, config_to_hf
-from jaxlm.models.params import flat_params, init_params, model_from_flat, param_shapes
+from jaxlm.fileio import LOCK_FILE, atomic_directory, describe_leftovers, recover_directory
+from jaxlm.models.hf.configs import config_from_hf, config_to_hf
+from jaxlm.models.hf.families import FAMILIES
+from jaxlm.models.params import flat_params, init_params, model_from_flat, param_axes, param_shapes
 from jaxlm.models.transformer import Transformer
+from jaxlm.sharding import param_sharding
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -77,6 +85,21 @@ def _iter_tensors(file: Path):
                 raise CheckpointError(f"{file}: tensor {name!r} could not be read: {e}") from None
 
 
+@functools.partial(jax.jit, static_argnames=("transpose", "dtype"))
+def _transpose_cast(x, *, transpose: bool, dtype):
+    return (x.T if transpose else x).astype(dtype)
+
+
+def _device_tensor(tensor: np.ndarray, transpose: bool, dtype, sharding) -> jax.Array:
+    """A tensor as read from the file -> a device array in ``dtype`` (on its shards when
+    ``sharding`` is given), transposed and cast on the device: numpy's strided copy of a
+    bf16 matrix is several times slower, and the host keeps no second copy of the weights."""
+    x = jax.numpy.asarray(tensor)
+    if transpose or x.dtype != dtype:
+        x = _transpose_cast(x, transpose=transpose, dtype=jax.numpy.dtype(dtype))
+    return x if sharding is None else jax.device_put(x, sharding)
+
+
 def load_hf(
     path: str | os.PathLike,
     *,
@@ -98,8 +121,13 @@ def load_hf(
     dtype = optional_dtype_name(dtype, field="load_hf(dtype)")
     param_dtype = optional_dtype_name(param_dtype, field="load_hf(param_dtype)")
     path = Path(path)
+    try:
+        recover_directory(path)
+    except OSError:
+        pass
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory")
+        found = describe_leftovers(path)
+        raise CheckpointError(f"{path} is not a directory" + (f"; {found}" if found else ""))
     hf_config = _read_json(path / "config.json")
     ckpt_dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
     if dtype is None:
@@ -110,8 +138,9 @@ def load_hf(
     )
     family = FAMILIES[config.family]
     expected = param_shapes(config)
+    axes = param_axes(config)
 
-    flat: dict[str, np.ndarray] = {}
+    flat: dict[str, jax.Array] = {}
     for file in _safetensors_files(path):
         for hf_name, tensor in _iter_tensors(file):
             if family.ignored(hf_name):
@@ -125,11 +154,9 @@ def load_hf(
                     f"{family.architecture} with this config.json"
                 )
             name, transpose = mapped
-            if transpose:
-                tensor = tensor.T
+            got = tuple(tensor.shape)
             want = tuple(expected[name].shape)
-            if tuple(tensor.shape) != want:
-                got = tuple(tensor.T.shape) if transpose else tuple(tensor.shape)
+            if (tuple(reversed(got)) if transpose else got) != want:
                 hf_want = tuple(reversed(want)) if transpose else want
                 raise CheckpointError(
                     f"{file.name}: tensor {hf_name!r} has shape {got}, expected {hf_want} "
@@ -137,7 +164,8 @@ def load_hf(
                 )
             if name in flat:
                 raise CheckpointError(f"tensor {hf_name!r} appears in more than one file")
-            flat[name] = np.ascontiguousarray(tensor.astype(config.weight_dtype))
+            sharding = None if mesh is None else param_sharding(want, axes[name], mesh)
+            flat[name] = _device_tensor(tensor, transpose, config.weight_dtype, sharding)
     # Parameters the family has no tensor for belong to a jaxlm variant (e.g. affine-scaled
     # attention, MeGan's hypernetwork): they take their initial values, which reproduce the
     # base model exactly.
@@ -154,17 +182,47 @@ def load_hf(
 
     place = None
     if mesh is not None:
-        from jaxlm.sharding import param_sharding
-
         def place(name, axes, value):
             return jax.device_put(value, param_sharding(value.shape, axes, mesh))
 
-    model = model_from_flat(config, flat, place=place)
+    model = model_from_flat(config, flat, place=place, release=True)
     if tokenizer:
-        from jaxlm.data.tokenizers import load_tokenizer
-
         model.tokenizer = load_tokenizer(path)
     return model
+
+
+# Files save_tokenizer may write (in place): an old directory's copies are copied, never
+# hard-linked, so writing them cannot change the old directory.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry_over(old: Path, new: Path, *, copy: tuple[str, ...] | None = None) -> None:
+    """Bring the files of an existing directory ``old`` that ``new`` lacks into ``new``
+    (hard links where possible), except weights, the index and lock files. With
+    ``copy``: only those names, as copies."""
+    if not old.is_dir():
+        return
+    for entry in old.iterdir():
+        name = entry.name
+        if (new / name).exists() or name.endswith(".safetensors") or name == INDEX_FILE \
+                or name.startswith(LOCK_FILE):
+            continue
+        if copy is not None:
+            if name in copy and entry.is_file():
+                shutil.copy2(entry, new / name)
+        elif entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / name, symlinks=True, copy_function=_link_or_copy)
+        elif entry.is_symlink():
+            os.symlink(os.readlink(entry), new / name)
+        else:
+            _link_or_copy(str(entry), str(new / name))
 
 
 def save_hf(
@@ -179,6 +237,10 @@ def save_hf(
     family: ``llama | qwen2 | qwen3 | mistral`` (default: ``model.config.family``).
     Tensors are written in ``config.param_dtype``; above ``max_shard_bytes`` the
     weights are split into numbered shards with an index file.
+
+    An existing ``path`` is replaced atomically: the new directory is written beside it
+    (other files of the old one carried over, its ``*.safetensors`` and index not) and
+    swapped in, so ``path`` holds the complete old or new model at every moment.
     """
     from safetensors.numpy import save_file
 
@@ -186,7 +248,6 @@ def save_hf(
     fam = FAMILIES[family or config.family]
     hf_config = config_to_hf(config, fam)
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
 
     tensors: dict[str, np.ndarray] = {}
     for name, value in flat_params(model).items():
@@ -207,19 +268,20 @@ def save_hf(
         shards[-1][name] = tensors[name]
         sizes[-1] += nbytes
     metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata=metadata)
-    else:
-        weight_map = {}
-        for k, shard in enumerate(shards, 1):
-            fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / fname), metadata=metadata)
-            weight_map.update({name: fname for name in shard})
-        index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
-        (path / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-    if model.tokenizer is not None:
-        from jaxlm.data.tokenizers import save_tokenizer
-
-        save_tokenizer(model.tokenizer, path)
+    with atomic_directory(path, overwrite=True) as staging:
+        if len(shards) == 1:
+            save_file(shards[0], str(staging / "model.safetensors"), metadata=metadata)
+        else:
+            weight_map = {}
+            for k, shard in enumerate(shards, 1):
+                fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(staging / fname), metadata=metadata)
+                weight_map.update({name: fname for name in shard})
+            index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
+            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+        _carry_over(path, staging, copy=_TOKENIZER_FILES)
+        if model.tokenizer is not None:
+            save_tokenizer(model.tokenizer, staging)
+        _carry_over(path, staging)
     return path

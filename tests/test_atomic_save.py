@@ -1,0 +1,103 @@
+"""save_checkpoint / save_hf replace a directory atomically: a kill while the new copy
+is swapped in (also when the source is the destination, ``convert M M --overwrite``) and
+an error while writing leave a complete model; save_hf keeps the old directory's other
+files and drops its stale shards."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm.checkpoint import load_checkpoint, save_checkpoint
+from jaxlm.models.params import flat_params
+
+
+def _params(model):
+    return {k: np.asarray(v) for k, v in flat_params(model).items()}
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_kill_while_converting_a_model_onto_itself_keeps_it(tmp_path):
+    """``convert M M --overwrite`` killed at the moment the new copy takes M's name:
+    M was deleted first and lost before; now the next load finds it complete."""
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=1, tokenizer=jaxlm.ByteTokenizer())
+    path = tmp_path / "M"
+    save_checkpoint(model, path)
+    child = textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        target = Path({str(path)!r})
+        real_rename = os.rename
+        def rename(src, dst):
+            if Path(dst) == target:  # the rename that publishes the new M
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_rename(src, dst)
+        os.rename = rename
+        import jaxlm
+        model = jaxlm.load_model(target)
+        jaxlm.save_checkpoint(model, target, overwrite=True)
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    restored = load_checkpoint(path)  # finishes the swap the kill interrupted
+    _assert_same(_params(model), _params(restored))
+    assert restored.tokenizer is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["M"]
+
+
+def test_failed_overwrite_leaves_the_old_checkpoint(tmp_path, monkeypatch):
+    old = jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=1)
+    new = jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=2)
+    save_checkpoint(old, tmp_path / "ckpt")
+    import orbax.checkpoint as ocp
+
+    def fail(self, *args, **kwargs):
+        raise OSError("disk full")
+
+    # the writer fails once the target directory is prepared (after an existing one was removed, before)
+    monkeypatch.setattr(ocp.CompositeCheckpointHandler, "save", fail)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(new, tmp_path / "ckpt", overwrite=True)
+    monkeypatch.undo()
+    _assert_same(_params(old), _params(load_checkpoint(tmp_path / "ckpt")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    save_checkpoint(new, tmp_path / "ckpt", overwrite=True)
+    _assert_same(_params(new), _params(load_checkpoint(tmp_path / "ckpt")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_load_names_leftovers_it_cannot_use(tmp_path):
+    (tmp_path / "M.tmp-otherhost-12-0123abcd").mkdir()  # another host's unfinished write
+    with pytest.raises(jaxlm.CheckpointError, match=r"M does not exist.*M\.tmp-otherhost-12-0123abcd "
+                                                     r"\(incomplete; written by PID 12 on host otherhost"):
+        load_checkpoint(tmp_path / "M")
+
+
+def test_save_hf_replaces_atomically_and_keeps_other_files(tmp_path):
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=1)
+    path = tmp_path / "hf"
+    jaxlm.save_hf(model, path, max_shard_bytes=20_000)  # several shards + index
+    shards = sorted(p.name for p in path.glob("*.safetensors"))
+    assert len(shards) > 1
+    (path / "README.md").write_text("my notes")
+    (path / "extras").mkdir()
+    (path / "extras" / "a.txt").write_text("kept")
+    other = jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=2)
+    jaxlm.save_hf(other, path)  # one file now: the old shards and index must go
+    assert sorted(p.name for p in path.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (path / "model.safetensors.index.json").exists()
+    assert (path / "README.md").read_text() == "my notes"
+    assert (path / "extras" / "a.txt").read_text() == "kept"
+    _assert_same(_params(other), _params(jaxlm.load_hf(path)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
