@@ -346,7 +346,8 @@ class DirectoryLock:
         mine = holder is not None and holder.pid == os.getpid() and holder.host == _host()
         extra = " (this process: a second lock on the same directory)" if mine else ""
         return DirectoryLockedError(
-            f"{self.path} is in use by another {self.what}: {who}{extra}. Wait for it to finish or stop "
+            f"{self.path} is in use by another {(holder.what if holder else '') or self.what}: {who}{extra}. "
+            f"Wait for it to finish or stop "
             f"it, or use another directory. Lock file: {self.lock_path}",
             path=self.path, holder=holder,
         )

@@ -48,7 +48,7 @@ def test_kill_while_converting_a_model_onto_itself_keeps_it(tmp_path):
         jaxlm.save_checkpoint(model, target, overwrite=True)
     """)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     restored = load_checkpoint(path)  # finishes the swap the kill interrupted
     _assert_same(_params(model), _params(restored))

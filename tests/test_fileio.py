@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,8 +19,14 @@ import pytest
 
 from jaxlm import fileio
 from jaxlm.fileio import (
-    DirectoryLock, DirectoryLockedError, JSONFileError, atomic_directory, atomic_write_text, read_json,
-    read_jsonl, recover_directory,
+    DirectoryLock,
+    DirectoryLockedError,
+    JSONFileError,
+    atomic_directory,
+    atomic_write_text,
+    read_json,
+    read_jsonl,
+    recover_directory,
 )
 
 FILEIO = Path(fileio.__file__)
@@ -313,8 +320,6 @@ def test_missing_directory_is_restored_from_a_complete_leftover(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
     # only the previous version left (path removed by hand afterwards): it comes back
     _write_version(tmp_path / f"model.old-{token}", 5)
-    import shutil
-
     shutil.rmtree(tmp_path / "model")
     recover_directory(tmp_path / "model")
     assert _check_complete(tmp_path / "model") == 5

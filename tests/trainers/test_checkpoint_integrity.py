@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainers.checkpointing import CheckpointCorruptError, TrainCheckpointer, abstract_like, state_digest, verify_digest
+from trainers.checkpointing import (
+    CheckpointCorruptError,
+    TrainCheckpointer,
+    abstract_like,
+    state_digest,
+    verify_digest,
+)
 
 
 def _state(k: int):
@@ -120,7 +126,12 @@ def test_max_step_config_and_checkpoints_without_digest(tmp_path, caplog):
         step, state, _ = ckpt.restore_verified(abstract_like(_state(0)))
     assert step == 3 and "has no digest" in caplog.text
     _assert_tree_equal(state, _state(3))
+    assert ckpt.stored_config(3) == {"optimizer": {"lr": 1e-3}}
     ckpt.close()
+    unchecked = TrainCheckpointer(tmp_path / "nodigest", digest=False)
+    unchecked.save(1, _state(1), {}, {})
+    unchecked.close()
+    assert not (tmp_path / "nodigest" / "1" / "digest").exists()
 
 
 def test_digest_is_per_leaf_and_sharding_independent():
