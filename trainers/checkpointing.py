@@ -37,12 +37,42 @@ DIGEST_FORMAT = 1
 class CheckpointCorruptError(RuntimeError):
     """A training checkpoint does not restore, or its arrays do not match their digest.
 
-    ``failures``: ``(step, path, reason)`` for every checkpoint tried.
+    ``failures``: ``(step, path, reason)`` for every checkpoint tried. ``checked``: the
+    steps whose stored structure matched the requested state (so a failure is damage, not
+    a different model or optimizer).
     """
 
-    def __init__(self, message: str, *, failures: list[tuple[int, Path, str]]):
+    def __init__(self, message: str, *, failures: list[tuple[int, Path, str]], checked: tuple[int, ...] = ()):
         super().__init__(message)
         self.failures = failures
+        self.checked = checked
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint holds other arrays (names, shapes, dtypes) than the state restored into
+    it: a different config, not damage; it is never moved aside."""
+
+
+def _structure_mismatch(digest: dict[str, Any], abstract_state) -> str | None:
+    """How the arrays a digest describes differ from ``abstract_state`` (None: they match)."""
+    leaves = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+    want = {_leaf_name(p): x for p, x in leaves}
+    if digest.get("scope") == "global":
+        stored = digest.get("leaves", {})
+    else:
+        stored = {n: None for n in digest.get("leaf_names", [])}
+    missing, extra = sorted(set(stored) - set(want)), sorted(set(want) - set(stored))
+    if missing or extra:
+        return f"the checkpoint has leaves {missing[:4]} that the state lacks and lacks {extra[:4]}"
+    for name, x in want.items():
+        meta = stored[name]
+        if meta is None or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            continue
+        got = (tuple(meta["shape"]), meta["dtype"])
+        expected = (tuple(x.shape), str(np.dtype(x.dtype)))
+        if got != expected:
+            return f"{name} is stored as {got[1]}{list(got[0])}, the state has {expected[1]}{list(expected[0])}"
+    return None
 
 
 def _leaf_name(path) -> str:
@@ -53,12 +83,13 @@ def _host_bytes(x) -> tuple[np.ndarray, str]:
     """A leaf as a contiguous host array (typed PRNG keys as their key data) and its dtype name."""
     if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
-    a = np.ascontiguousarray(np.asarray(jax.device_get(x)))
+    a = np.asarray(jax.device_get(x))
     return a, str(a.dtype)
 
 
 def _sha256(a: np.ndarray) -> str:
-    return hashlib.sha256(a.reshape(-1).view(np.uint8) if a.size else b"").hexdigest()
+    """SHA-256 of an array's bytes in C order."""
+    return hashlib.sha256(np.ascontiguousarray(a).reshape(-1).view(np.uint8) if a.size else b"").hexdigest()
 
 
 def _json_digest(value: Any) -> str | None:
@@ -86,7 +117,7 @@ def _local_leaf_digest(x) -> tuple[str, str]:
     h, layout = hashlib.sha256(), hashlib.sha256()
     for s in shards:
         index = repr(tuple((i.start, i.stop) for i in s.index)).encode()
-        a = np.ascontiguousarray(np.asarray(s.data))
+        a = np.asarray(s.data)
         h.update(index)
         h.update(_sha256(a).encode())
         layout.update(index)
@@ -247,9 +278,24 @@ class TrainCheckpointer:
         jaxlm) is restored unchecked."""
         path = self.step_path(step)
         has_digest = (path / DIGEST_ITEM).is_dir()
-        items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}
+        checked: tuple[int, ...] = ()
+        digest: dict[str, Any] = {}
         if has_digest:
-            items[DIGEST_ITEM] = ocp.args.JsonRestore()
+            try:
+                digest = self._mngr.restore(step, args=ocp.args.Composite(**{DIGEST_ITEM: ocp.args.JsonRestore()}))[
+                    DIGEST_ITEM]
+            except Exception as e:
+                reason = _read_error(e)
+                raise CheckpointCorruptError(f"checkpoint step {step} at {path}: its digest could not be read "
+                                             f"({reason})", failures=[(step, path, reason)]) from e
+            mismatch = _structure_mismatch(digest, abstract_state)
+            if mismatch is not None:
+                raise CheckpointMismatchError(
+                    f"checkpoint step {step} at {path} holds other arrays than this run's state ({mismatch}): "
+                    f"the model or optimizer config differs from the run that wrote it"
+                )
+            checked = (step,)
+        items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}
         try:
             with _quiet_orbax_read_errors():
                 restored = self._mngr.restore(step, args=ocp.args.Composite(**items))
@@ -257,14 +303,13 @@ class TrainCheckpointer:
             reason = _read_error(e)
             raise CheckpointCorruptError(
                 f"checkpoint step {step} at {path} could not be read ({reason})",
-                failures=[(step, path, reason)],
+                failures=[(step, path, reason)], checked=checked,
             ) from e
         state, data = restored["state"], restored["data"]
         if not has_digest:
             log.warning("checkpoint step %d at %s has no digest (written by an older jaxlm): restored "
                         "without verification", step, path)
             return state, data
-        digest = restored[DIGEST_ITEM]
         problems = verify_digest(state, digest)
         if digest.get("data_sha256") not in (None, _json_digest(data)):
             problems.append("the data iterator state differs from its digest")
@@ -272,6 +317,7 @@ class TrainCheckpointer:
             reason = "; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
             raise CheckpointCorruptError(
                 f"checkpoint step {step} at {path} is corrupt: {reason}", failures=[(step, path, reason)],
+                checked=checked,
             )
         return state, data
 
@@ -282,38 +328,47 @@ class TrainCheckpointer:
 
         Each checkpoint that fails is logged by path and step and, with ``quarantine``,
         moved to ``<directory>/corrupt/<step>.<time>`` (so the run can save that step
-        again); `CheckpointCorruptError` naming every path tried when none verifies.
+        again) when its digest showed the same structure as ``abstract_state`` (a
+        checkpoint without a digest that fails to restore stays in place). Raises
+        `CheckpointCorruptError` naming every path tried when none verifies, and
+        `CheckpointMismatchError` (before trying older steps) when a checkpoint holds
+        other arrays than ``abstract_state``: check the config before restoring.
         """
         self.wait()
         steps = sorted((s for s in self.all_steps() if max_step is None or s <= max_step), reverse=True)
         if not steps:
             return None
         failures: list[tuple[int, Path, str]] = []
+        damaged: list[int] = []
         for step in steps:
             try:
                 state, data = self.restore(step, abstract_state)
             except CheckpointCorruptError as e:
                 failures.extend(e.failures)
+                damaged.extend(e.checked)
                 log.error("%s; trying an older checkpoint", e)
                 continue
             if failures:
                 if quarantine:
-                    self._quarantine([s for s, _, _ in failures])
+                    self._quarantine(damaged)
                 log.warning("resuming from checkpoint step %d at %s (newer checkpoint(s) %s failed)",
                             step, self.step_path(step), ", ".join(str(s) for s, _, _ in failures))
             return step, state, data
         if quarantine:
-            self._quarantine([s for s, _, _ in failures])
+            self._quarantine(damaged)
         listed = "; ".join(f"step {s} at {p}: {r}" for s, p, r in failures)
+        moved = (f"Those with a digest were moved to {self.directory / 'corrupt'}. "
+                 if quarantine and damaged else "")
         raise CheckpointCorruptError(
-            f"no checkpoint in {self.directory} restores and verifies ({listed}). "
-            + (f"They were moved to {self.directory / 'corrupt'}. " if quarantine else "")
-            + "Start the run in a new trainer.out_dir, or restore a copy of a good checkpoint.",
-            failures=failures,
+            f"no checkpoint in {self.directory} restores and verifies ({listed}). {moved}"
+            "Start the run in a new trainer.out_dir, or restore a copy of a good checkpoint.",
+            failures=failures, checked=tuple(damaged),
         )
 
     def _quarantine(self, steps: list[int]) -> None:
         """Move failed steps out of orbax's view (into ``corrupt/``), on process 0."""
+        if not steps:
+            return
         if jax.process_index() == 0:
             target = self.directory / "corrupt"
             target.mkdir(exist_ok=True)

@@ -14,6 +14,7 @@ import pytest
 
 from trainers.checkpointing import (
     CheckpointCorruptError,
+    CheckpointMismatchError,
     TrainCheckpointer,
     abstract_like,
     state_digest,
@@ -139,6 +140,26 @@ def test_digest_is_per_leaf_and_sharding_independent():
     digest = state_digest(state)
     assert digest["scope"] == "global" and "['params']['w']" in digest["leaves"]
     assert digest["leaves"]["['opt']['mu']"]["dtype"] == "bfloat16"
+    assert digest["leaves"]["['step']"]["shape"] == [] and digest["leaves"]["['rng']"]["shape"] == [2]
     assert verify_digest(jax.tree.map(np.asarray, state), digest) == []
     changed = dict(state, params=dict(state["params"], b=state["params"]["b"].at[3].add(1.0)))
     assert verify_digest(changed, digest) == ["['params']['b']: bytes differ from the digest"]
+
+
+def test_a_different_state_is_a_mismatch_not_corruption(tmp_path):
+    """Restoring into another model's shapes must not move good checkpoints aside."""
+    _save_steps(tmp_path, steps=(1, 2))
+    other = _state(0)
+    other["params"]["w"] = jnp.zeros((96, 32))
+    ckpt = TrainCheckpointer(tmp_path, keep=5)
+    with pytest.raises(CheckpointMismatchError, match=r"step 2 at .* holds other arrays than this run's state "
+                                                      r"\(\['params'\]\['w'\] is stored as float32\[96, 64\], "
+                                                      r"the state has float32\[96, 32\]\)"):
+        ckpt.restore_verified(abstract_like(other))
+    assert ckpt.all_steps() == [1, 2] and not (tmp_path / "corrupt").exists()
+    shutil.rmtree(tmp_path / "2" / "digest")  # without a digest, a failed restore is not moved either
+    ckpt = TrainCheckpointer(tmp_path, keep=5)
+    with pytest.raises(CheckpointMismatchError, match="step 1 at"):
+        ckpt.restore_verified(abstract_like(other))
+    assert ckpt.all_steps() == [1, 2] and not (tmp_path / "corrupt").exists()
+    ckpt.close()
