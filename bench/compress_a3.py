@@ -27,9 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxlm  # noqa: E402
 from jaxlm.compress import (  # noqa: E402
-    A3Config, a3_statistics, component_errors, kv_cache_bytes, svd_model,
+    A3Config, a3_compress, a3_statistics, component_errors, kv_cache_bytes, qk_rope_refit, svd_model,
 )
-from jaxlm.compress.a3 import a3_compress, qk_rope_refit  # noqa: E402
 from jaxlm.data.tasks import Arithmetic  # noqa: E402
 from jaxlm.editing.kfac import token_batches  # noqa: E402
 from jaxlm.editing.metrics import score  # noqa: E402

@@ -30,11 +30,15 @@ from flax import nnx
 
 import jaxlm
 from jaxlm.compress import (
-    A3Config, a3_compress, a3_statistics, component_errors, compress_model, example_batches, kv_cache_bytes,
-    mean_token_nll, mlp_cur, ov_factors, qk_factors, svd_model,
+    A3Config, a3_compress, a3_statistics, component_errors, compress_model, kv_cache_bytes, qk_rope_refit, svd_model,
 )
-from jaxlm.compress.a3 import _augmented, qk_pair_scores, qk_rope_refit, rope_pair_selection, select_rope_pairs
+from jaxlm.compress.a3.mlp import mlp_cur
+from jaxlm.compress.a3.ov import ov_factors
+from jaxlm.compress.a3.qk import qk_factors, qk_pair_scores, select_rope_pairs
+from jaxlm.compress.a3.refit import rope_pair_selection
+from jaxlm.compress.a3.weights import _augmented
 from jaxlm.compress.calibrate import qk_refit_sums
+from jaxlm.compress.metrics import example_batches, mean_token_nll
 from jaxlm.data.tasks import Arithmetic
 from jaxlm.editing.kfac import token_batches
 from jaxlm.inference.cache import KVCache
