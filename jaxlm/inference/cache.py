@@ -33,15 +33,24 @@ class KVCache:
     lengths: jax.Array  # [B] int32: real tokens so far per sequence
 
     @classmethod
-    def init(cls, config, batch_size: int, max_len: int, dtype=None) -> "KVCache":
+    def init(cls, config, batch_size: int, max_len: int, dtype=None, *, per_layer: bool = False) -> "KVCache":
         """An empty cache for ``batch_size`` sequences of up to ``max_len`` slots, in ``dtype``
-        (a name or a jnp/numpy dtype; default: the model's compute dtype)."""
+        (a name or a jnp/numpy dtype; default: the model's compute dtype).
+
+        ``per_layer=True`` stores one ``[B, K, S, H]`` array per layer even when the widths
+        agree (unrolled layers only): each layer then writes and reads its own buffer, with
+        no slice of a stacked array to copy per layer and token (the decode loop's layout)."""
         if max_len > config.max_seq_len:
             raise ValueError(
                 f"cache max_len={max_len} exceeds ModelConfig.max_seq_len={config.max_seq_len}"
             )
+        if per_layer and config.scan_layers:
+            raise ValueError(
+                "KVCache.init(per_layer=True) needs ModelConfig.scan_layers=False (a scanned model "
+                "scans over the stacked [L, ...] cache)"
+            )
         dtype = jnp.dtype(config.dtype if dtype is None else dtype_name(dtype, field="KVCache dtype"))
-        if config.per_layer_kv:  # one array per layer, each of its own width
+        if config.per_layer_kv or per_layer:  # one array per layer, each of its own width
             layers = [config.layer_config(i) for i in range(config.n_layers)]
             shape = (batch_size, config.n_kv_heads, max_len)
             return cls(
@@ -67,6 +76,17 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k[0].shape[2] if isinstance(self.k, tuple) else self.k.shape[3]
+
+    @property
+    def is_per_layer(self) -> bool:
+        """Keys/values are a tuple of per-layer arrays ``[B, K, S, H_i]``."""
+        return isinstance(self.k, tuple)
+
+    def stacked(self) -> "KVCache":
+        """The same cache with keys/values stacked ``[L, B, K, S, H]`` (they must share a width)."""
+        if not self.is_per_layer:
+            return self
+        return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
 
     @property
     def nbytes(self) -> int:

@@ -142,7 +142,10 @@ def generate_tokens(
     process = compose(processors)
     stop = jnp.asarray(stop_tokens, jnp.int32) if stop_tokens else None
 
-    cache = KVCache.init(model.config, B, P + N, cache_dtype)
+    # one buffer per layer (unrolled models): each layer's keys/values are updated in place and
+    # read by the attention matmuls directly, never sliced out of a stacked [L, ...] array
+    per_layer = not model.config.scan_layers
+    cache = KVCache.init(model.config, B, P + N, cache_dtype, per_layer=per_layer)
     out = model.backbone(
         prompt_tokens, cache=cache, mask=prompt_mask, condition=condition, interventions=interventions
     )
@@ -198,7 +201,10 @@ def generate_tokens(
         out = model.backbone(last, cache=s.cache, condition=condition, interventions=interventions)
         return choose(s.replace(logits=model.unembed(out.hidden[:, 0]), cache=out.cache))
 
-    return jax.lax.while_loop(cond, body, choose(state))
+    final = jax.lax.while_loop(cond, body, choose(state))
+    if per_layer and not model.config.per_layer_kv:
+        final = final.replace(cache=final.cache.stacked())  # the model's own cache layout
+    return final
 
 
 def _as_token_lists(prompts, tokenizer, add_bos: bool) -> list[list[int]]:

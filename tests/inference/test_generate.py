@@ -185,3 +185,57 @@ def test_user_processor_composes(model):
 def test_bad_generate_inputs(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         jaxlm.generate(model, **kwargs)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_batched_greedy_equals_per_row_decoding(scan_layers):
+    """Each row of a batched greedy decode (left-padded, one cache per layer or the scanned
+    stacked cache) is what decoding its prompt alone gives, and equals a cache-free
+    recomputation of every prefix."""
+    model = jaxlm.build_model(CFG.replace(scan_layers=scan_layers), seed=2)
+    graphdef, params = nnx.split(model)
+    forward = jax.jit(lambda t, m: nnx.merge(graphdef, params)(t, mask=m).logits)
+    n = 10
+    batched = jaxlm.generate(model, PROMPTS, max_new_tokens=n, temperature=0)
+    for b, prompt in enumerate(PROMPTS):
+        alone = jaxlm.generate(model, [prompt], max_new_tokens=n, temperature=0, bucket=1)
+        np.testing.assert_array_equal(np.asarray(batched.tokens[b]), np.asarray(alone.tokens[0]))
+        np.testing.assert_allclose(np.asarray(batched.logprobs[b]), np.asarray(alone.logprobs[0]), atol=1e-5)
+    seqs = batched.sequences()
+    tokens, mask = _left_pad(seqs)
+    logits = np.asarray(forward(tokens, mask))
+    T = tokens.shape[1]
+    np.testing.assert_array_equal(logits[:, T - n - 1: T - 1].argmax(-1), np.asarray(batched.tokens))
+    assert len({tuple(r) for r in np.asarray(batched.tokens)}) == len(PROMPTS)
+
+
+def test_final_cache_keeps_the_stacked_layout_and_equals_a_prefill(model):
+    """The decode loop keeps one buffer per layer; the returned cache is the model's stacked
+    ``[L, B, K, S, H]`` layout and holds what a prefill of prompt + completion writes."""
+    from jaxlm.inference import KVCache, generate_tokens
+
+    graphdef, params = nnx.split(model)
+    tokens, mask = _left_pad(PROMPTS)
+    n = 5
+    final = generate_tokens(graphdef, params, tokens, mask, jax.random.key(0), max_new_tokens=n, greedy=True)
+    B, P = tokens.shape
+    assert final.cache.k.shape == (CFG.n_layers, B, CFG.n_kv_heads, P + n, CFG.head_dim)
+    # the last generated token is chosen but never fed back, so the cache holds P + n - 1 tokens
+    seq = jnp.concatenate([tokens, final.tokens[:, : n - 1]], axis=1)
+    seq_mask = jnp.concatenate([mask, jnp.ones((B, n - 1), bool)], axis=1)
+    pre = model.backbone(seq, cache=KVCache.init(CFG, B, P + n), mask=seq_mask).cache
+    valid = np.asarray(seq_mask)
+    for got, want in ((final.cache.k, pre.k), (final.cache.v, pre.v)):
+        got, want = np.asarray(got)[:, :, :, : P + n - 1], np.asarray(want)[:, :, :, : P + n - 1]
+        got, want = got.transpose(1, 3, 0, 2, 4)[valid], want.transpose(1, 3, 0, 2, 4)[valid]
+        # one prefill vs token-by-token: float32 rounding, relative to the keys' scale (~7)
+        np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(np.asarray(final.cache.valid)[:, : P + n - 1], valid)
+
+
+def test_per_layer_cache_needs_unrolled_layers():
+    with pytest.raises(ValueError, match="per_layer=True.*scan_layers=False"):
+        jaxlm.KVCache.init(CFG.replace(scan_layers=True), 1, 8, per_layer=True)
+    cache = jaxlm.KVCache.init(CFG, 2, 8, per_layer=True)
+    assert cache.is_per_layer and len(cache.k) == CFG.n_layers and cache.k[0].shape == (2, CFG.n_kv_heads, 8, CFG.head_dim)
+    assert cache.stacked().k.shape == (CFG.n_layers, 2, CFG.n_kv_heads, 8, CFG.head_dim)
