@@ -35,7 +35,7 @@ def _spikes(grad_norms: list[float], window: int = 20, factor: float = 3.0) -> i
 
 
 def run(name: str, overrides: list[str]):
-    from trainers.config import load_config
+    from trainers.recipes import load_config
     from trainers.loop import train
 
     t0 = time.perf_counter()
@@ -49,7 +49,7 @@ def evaluate(model_dir: Path, cfg_name: str, overrides: list[str]) -> dict:
     from flax import nnx
 
     from jaxlm.data.pipeline import eval_batches
-    from trainers.config import load_config
+    from trainers.recipes import load_config
     from trainers.evaluate import heldout_metrics
     from trainers.step import make_eval_loss
 
@@ -106,7 +106,7 @@ def experiment_b(out: Path, scale: float) -> str:
         result, secs = run("megan", common + [f"trainer.out_dir={d}", f"trainer.steps={steps}", "trainer.progress=false",
                                               f"trainer.eval_every={max(steps // 2, 1)}", f"trainer.save_every={steps}"])
         held = evaluate(d / "model", "megan", common + ["data.source.eval_on=held_out"])
-        from trainers.config import load_config
+        from trainers.recipes import load_config
 
         cfg = load_config("megan", common)
         n_train = _count_trainable(cfg)

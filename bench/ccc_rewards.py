@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from trainers.config import load_config  # noqa: E402
+from trainers.recipes import load_config  # noqa: E402
 from trainers.loop import initial_model, make_tokenizer, train  # noqa: E402
 from trainers.rl.ccc import evaluate_regression  # noqa: E402
 from trainers.rl.loop import GRPOTrainer  # noqa: E402

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from jaxlm.data.facts import FactWorld, write_requests  # noqa: E402
 from trainers.cli import main as jaxlm_main  # noqa: E402
-from trainers.config import load_config  # noqa: E402
+from trainers.recipes import load_config  # noqa: E402
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -26,7 +26,7 @@ from jaxlm.quant.apply import calibration_batches  # noqa: E402
 from jaxlm.quant.qat_export import export_qat  # noqa: E402
 from jaxlm.quant.qfit import fold_qfit, qfit_calibrate  # noqa: E402
 from trainers.config import ExperimentConfig, OptimizerConfig, SFTConfig, TrainerConfig  # noqa: E402
-from trainers.evaluate import task_accuracy  # noqa: E402
+from jaxlm.eval import task_accuracy  # noqa: E402
 from trainers.loop import train  # noqa: E402
 
 TASK = Arithmetic(digits=2)

@@ -17,7 +17,11 @@ undo a swap that a killed writer left half done (docs/reliability.md).
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -27,13 +31,21 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxlm.data.tokenizers import load_tokenizer, save_tokenizer
-from jaxlm.fileio import atomic_directory, describe_leftovers, recover_directory, staging_token
+from jaxlm.fileio import (
+    DirectoryLock,
+    atomic_directory,
+    describe_leftovers,
+    recover_directory,
+    staging_token,
+)
 from jaxlm.models.config import ModelConfig
-from jaxlm.models.hf.io import CheckpointError, load_hf
+from jaxlm.models.hf.io import CheckpointError, load_hf, save_hf
 from jaxlm.models.layers.rope import RopeFrequencies
 from jaxlm.models.transformer import Transformer, abstract_model
 from jaxlm.quant.storage import abstract_targets, from_storable, to_storable
 from jaxlm.sharding import model_shardings
+
+log = logging.getLogger(__name__)
 
 
 def _shared_staging() -> tuple[str | None, bool]:
@@ -64,6 +76,51 @@ def _missing(path: Path, expected: str) -> CheckpointError:
     return CheckpointError(f"{path} is not a jaxlm checkpoint (expected {expected})" + (f"; {found}" if found else ""))
 
 
+def orbax_error_summary(e: BaseException) -> str:
+    """The innermost cause of a failed restore, on one line (orbax wraps tensorstore's
+    errors, e.g. ``OUT_OF_RANGE: Error reading ...``, in a bare Exception)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def quiet_orbax_read_errors():
+    """orbax's failed array reads leave coroutines (and callbacks on their closed event
+    loop) whose exceptions Python prints as 'Exception ignored in ...'; the restore error
+    says it once, so drop those."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        from_read = "_read_array_index_and_device_put" in repr(getattr(unraisable, "object", ""))
+        closed_loop = isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+            unraisable.exc_value)
+        if not (from_read or closed_loop):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = previous
+
+
+@contextlib.contextmanager
+def _quiet_item_reads():
+    """Reading one item of a checkpoint on its own is deliberate: orbax's warnings about the
+    items it was not asked for, or a step metadata file an item directory does not have,
+    are dropped (errors still show)."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def save_checkpoint(model: Transformer, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write ``model``'s parameters and config to ``path`` (a new directory).
 
@@ -89,18 +146,55 @@ def save_checkpoint(model: Transformer, path: str | os.PathLike, *, overwrite: b
     return path
 
 
+def _read_json_item(path: Path, item: str):
+    """One JSON item of a checkpoint (``path/<item>/``), read on its own."""
+    try:
+        with _quiet_item_reads(), ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
+            return ckptr.restore(path / item)
+    except Exception as e:  # noqa: BLE001 (a damaged item: name it)
+        raise CheckpointError(f"{path}/{item} could not be read ({orbax_error_summary(e)})") from None
+
+
 def read_config(path: str | os.PathLike) -> ModelConfig:
     """The `ModelConfig` stored in a checkpoint directory."""
     path = Path(path).absolute()
     recover(path)
     if not (path / "config").exists() or not (path / "params").exists():
         raise _missing(path, "config/ and params/")
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        stored = ckptr.restore(path, ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    stored = _read_json_item(path, "config")
     try:
         return ModelConfig.from_dict(stored)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}/config holds an invalid ModelConfig: {e}") from None
+
+
+def _dotted(key_path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
+
+
+def _check_stored_shapes(path: Path, target_dict) -> None:
+    """The stored arrays' shapes (orbax metadata) against those the stored config implies:
+    a `CheckpointError` naming the first parameters that differ (an edited config/)."""
+    try:
+        with _quiet_item_reads(), ocp.StandardCheckpointer() as ckptr:
+            metadata = ckptr.metadata(path / "params")
+    except Exception as e:  # noqa: BLE001 (damaged metadata: the restore below reports it)
+        log.debug("no array metadata in %s: %s", path, e)
+        return
+    tree = getattr(metadata, "item_metadata", metadata)
+    stored = {_dotted(kp): tuple(leaf.shape) for kp, leaf in jax.tree_util.tree_leaves_with_path(tree)
+              if getattr(leaf, "shape", None) is not None}
+    wanted = {_dotted(kp): tuple(leaf.shape) for kp, leaf in jax.tree_util.tree_leaves_with_path(target_dict)}
+    bad = [f"{name} is {stored[name]} in params/ but {shape} by config/" for name, shape in wanted.items()
+           if name in stored and stored[name] != shape]
+    missing = [name for name in wanted if stored and name not in stored]
+    if bad or missing:
+        raise CheckpointError(
+            f"{path}: the stored parameters do not match the stored config ("
+            + "; ".join(bad[:4] + [f"{n} is missing from params/" for n in missing[:4]])
+            + (f"; {len(bad) + len(missing) - 8} more" if len(bad) + len(missing) > 8 else "")
+            + "): config/ was edited or belongs to another model"
+        )
 
 
 def load_checkpoint(
@@ -133,17 +227,17 @@ def load_checkpoint(
     target_dict = nnx.to_pure_dict(targets)
     specs = None
     if (path / "quant").exists():
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-            specs = ckptr.restore(path, ocp.args.Composite(quant=ocp.args.JsonRestore()))["quant"]
+        specs = _read_json_item(path, "quant")
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target_dict = abstract_targets(target_dict, specs, single)
+    if not specs:
+        _check_stored_shapes(path, target_dict)
     try:
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-            restored = ckptr.restore(
-                path, ocp.args.Composite(params=ocp.args.StandardRestore(target_dict))
-            )["params"]
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise CheckpointError(f"{path}: stored parameters do not match the stored config: {e}") from None
+        with quiet_orbax_read_errors(), _quiet_item_reads(), ocp.StandardCheckpointer() as ckptr:
+            restored = ckptr.restore(path / "params", target_dict)
+    except Exception as e:  # orbax/tensorstore raise bare Exceptions for damaged files
+        raise CheckpointError(f"{path}/params could not be read ({orbax_error_summary(e)}): the checkpoint is "
+                              "damaged (a truncated or overwritten file); restore it from a copy") from None
     if specs:
         restored = from_storable(restored, specs)
         model = nnx.merge(graphdef, restored)
@@ -168,3 +262,21 @@ def load_model(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None
         f"{path} is neither a jaxlm checkpoint (config/ + params/) nor a HF directory (config.json)"
         + ("" if path.exists() else " (it does not exist)") + (f"; {found}" if found else "")
     )
+
+
+def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: str = "orbax", overwrite: bool = False,
+                       hint: str = "pass overwrite=True to replace it", **hf_kwargs) -> Path:
+    """Read ``src`` (a jaxlm checkpoint or a HF directory) and write it to ``dst`` as a jaxlm
+    checkpoint (``to="orbax"``) or a HF directory (``to="hf"``): what ``jaxlm convert`` runs.
+    ``dst`` is locked while it is written and replaced atomically, so it may be ``src``
+    itself (with ``overwrite``)."""
+    if to not in ("orbax", "hf"):
+        raise ValueError(f"to={to!r} is invalid: must be 'orbax' or 'hf'")
+    dst = Path(dst)
+    with DirectoryLock(dst, beside=True, what="converted model being written"):
+        if dst.exists() and not overwrite and (not dst.is_dir() or any(dst.iterdir())):
+            raise FileExistsError(f"{dst} exists; {hint}")
+        model = load_model(src, **hf_kwargs)
+        if to == "orbax":
+            return save_checkpoint(model, dst, overwrite=True)
+        return save_hf(model, dst)

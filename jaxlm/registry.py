@@ -1,7 +1,8 @@
 """String-keyed registries: how variants plug in without touching their callers.
 
-Layers (attention, MLP, RoPE) and, later, RL pieces (advantage estimators, policy
-losses, aggregators, KL estimators, rewards) are chosen by a config string. A
+Layers (attention, MLP, RoPE), RL pieces (advantage estimators, policy losses,
+aggregators, KL estimators, rewards, collectors), token weights and training algorithms
+are chosen by a config string. A
 registry is a mapping with a ``register`` decorator and an error that lists the
 known keys when a lookup fails.
 """

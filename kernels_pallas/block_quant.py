@@ -15,7 +15,7 @@ different tensors, e.g. the sequences of a batch, quantize in one call). Outputs
 like weights (even element in the low nibble) and are consumed by `kernels_pallas.w4a4`.
 
 Grid over row-blocks; each program holds whole rows (full-width blocks keep Mosaic's
-(8, 128) tiling rule satisfied). Interpret mode run here; GPU/TPU lowering not run.
+(8, 128) tiling rule satisfied). Tested in interpret mode; the compiled GPU/TPU lowering is not yet verified on hardware.
 """
 
 from __future__ import annotations

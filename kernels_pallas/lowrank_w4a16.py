@@ -10,7 +10,7 @@ and the rank-``r`` down-projection (``z``, kept on chip); after the last K step 
 
 Each ``(m, n)`` program recomputes ``z`` for its row-block: an extra ``r / bn`` of the
 residual's MACs, and ``P`` re-read per N-block (``K r`` 16-bit values, which stay in L2
-on a GPU). Backends as in `w4a16`: interpret mode run here; GPU/TPU lowering not run.
+on a GPU). Backends as in `w4a16`: tested in interpret mode, compiled lowering not yet verified on hardware.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ the kernel so the packed layout needs no in-kernel interleave). The full-size bf
 never exists in HBM. Formats: ``e2m1`` + ``e8m0`` (MXFP4), ``e2m1`` + ``e4m3`` + fp32
 tensor scale (NVFP4), ``int4`` + float16 (INT4-g).
 
-Backends: run in interpret mode on CPU (jax 0.10) in the tests. The GPU (Triton) and TPU
-(Mosaic) lowerings have not been run here (no accelerator was lent to this task); block
-shapes are multiples of (8, 128) so Mosaic tiling is plausible.
+Backends: the tests run the kernel in Pallas interpret mode on CPU against `reference`; the
+same tests run compiled where a GPU (Triton) or TPU (Mosaic) is present. The compiled
+lowerings are not yet verified on hardware. Block shapes are multiples of (8, 128), as
+Mosaic tiling requires.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Both operands are packed along K (even k in the low nibble) with block scales al
 Hardware without FP4 matrix units (e.g. H200, CPUs) is emulated: each K-tile of both
 operands is dequantised in-kernel to ``compute_dtype`` (E2M1 x E8M0/E4M3 values are exact in
 bf16) and multiplied with float32 accumulation; tensor scales and alphas are applied once in
-the epilogue. Interpret mode run here; GPU/TPU lowering not run.
+the epilogue. Tested in interpret mode; the compiled GPU/TPU lowering is not yet verified on hardware.
 """
 
 from __future__ import annotations

@@ -12,13 +12,10 @@ naming each by path and step; `CheckpointCorruptError` when none does.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import gc
 import hashlib
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+
+from jaxlm.checkpoint import orbax_error_summary, quiet_orbax_read_errors
 
 log = logging.getLogger(__name__)
 
@@ -197,37 +196,6 @@ def verify_digest(state, stored: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _read_error(e: BaseException) -> str:
-    """The innermost cause of a failed restore, on one line (orbax wraps tensorstore's
-    errors, e.g. ``OUT_OF_RANGE: Error reading ...``, in a bare Exception)."""
-    while e.__cause__ is not None:
-        e = e.__cause__
-    text = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-@contextlib.contextmanager
-def _quiet_orbax_read_errors():
-    """orbax's failed array reads leave coroutines (and callbacks on their closed event
-    loop) whose exceptions Python prints as 'Exception ignored in ...'; the restore error
-    says it once, so drop those."""
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        from_read = "_read_array_index_and_device_put" in repr(getattr(unraisable, "object", ""))
-        closed_loop = isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
-            unraisable.exc_value)
-        if not (from_read or closed_loop):
-            previous(unraisable)
-
-    sys.unraisablehook = hook
-    try:
-        yield
-    finally:
-        gc.collect()
-        sys.unraisablehook = previous
-
-
 class TrainCheckpointer:
     """keep-N (async) orbax checkpoints of a run, each with a digest of its arrays.
 
@@ -285,7 +253,7 @@ class TrainCheckpointer:
                 digest = self._mngr.restore(step, args=ocp.args.Composite(**{DIGEST_ITEM: ocp.args.JsonRestore()}))[
                     DIGEST_ITEM]
             except Exception as e:
-                reason = _read_error(e)
+                reason = orbax_error_summary(e)
                 raise CheckpointCorruptError(f"checkpoint step {step} at {path}: its digest could not be read "
                                              f"({reason})", failures=[(step, path, reason)]) from e
             mismatch = _structure_mismatch(digest, abstract_state)
@@ -296,15 +264,17 @@ class TrainCheckpointer:
                 )
             checked = (step,)
         items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}
-        try:
-            with _quiet_orbax_read_errors():
+        reason = None
+        with quiet_orbax_read_errors():
+            try:
                 restored = self._mngr.restore(step, args=ocp.args.Composite(**items))
-        except Exception as e:  # orbax/tensorstore raise bare Exception on unreadable files
-            reason = _read_error(e)
+            except Exception as e:  # orbax/tensorstore raise bare Exception on unreadable files
+                reason = orbax_error_summary(e)  # (not chained: its frames hold orbax's pending reads)
+        if reason is not None:
             raise CheckpointCorruptError(
                 f"checkpoint step {step} at {path} could not be read ({reason})",
                 failures=[(step, path, reason)], checked=checked,
-            ) from e
+            )
         state, data = restored["state"], restored["data"]
         if not has_digest:
             log.warning("checkpoint step %d at %s has no digest (written by an older jaxlm): restored "
@@ -393,7 +363,7 @@ class TrainCheckpointer:
         try:
             restored = self._mngr.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:
-            reason = _read_error(e)
+            reason = orbax_error_summary(e)
             raise CheckpointCorruptError(f"the config of checkpoint step {step} at {path} could not be read "
                                          f"({reason})", failures=[(step, path, reason)]) from e
         config = restored["config"]

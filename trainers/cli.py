@@ -1,19 +1,23 @@
-"""The ``jaxlm`` command line (arguments parsed and type-checked by `tyro`).
+"""The ``jaxlm`` command line: arguments parsed and type-checked by `tyro`, each verb a thin
+call into a library function.
 
     jaxlm quickstart [--steps N] [--rl-steps N] [--out DIR]
-    jaxlm train CONFIG [key=value ...] [--multihost]   # CONFIG: configs/<name>.py or a .py path
+    jaxlm train CONFIG [KEY=VALUE ...] [--multihost]     # CONFIG: configs/<name>.py or a .py path
+    jaxlm train CONFIG --help                             # the config's keys, types, defaults
     jaxlm eval --model DIR [source:countdown] [--n 200]
-    jaxlm generate --prompt "12+30=" [--model DIR] [--max-new-tokens 32] [--temperature 0]
-    jaxlm convert SRC DST [--to orbax|hf]
-    jaxlm quantize MODEL --out DIR [--method rtn|hadamard|wush|quarot|twinquant|qat] [--format mxfp4|nvfp4|int4]
-                   [--inner rtn|gptq]
-    jaxlm compress MODEL --out DIR [--method a3] [--budget 0.5] [--components qk,ov,mlp] [--calib N]
-        [--allocation uniform|global]
-    jaxlm edit MODEL --requests FILE [--method crispedit|finetune|alphaedit|memit|all] [--batches K]
+    jaxlm generate --prompt "12+30=" [--model DIR] [--chat] [--max-new-tokens 32] [--temperature 0]
+    jaxlm convert SRC DST [--to orbax|hf] [--overwrite]
+    jaxlm quantize MODEL --out DIR [--method wush] [--format nvfp4] [--inner gptq]
+    jaxlm compress MODEL --out DIR [--budget 0.5] [--components qk,ov,mlp]
+    jaxlm edit MODEL --requests FILE [--method crispedit|finetune|alphaedit|memit|all]
 
-``--model`` takes a HuggingFace directory or a jaxlm (orbax) checkpoint; without it
-the embedded default is used: a tiny random `ModelConfig.tiny()` model with the
-byte-level tokenizer (untrained: its text is noise, its plumbing is real).
+``--model`` / ``MODEL`` take a HuggingFace directory or a jaxlm (orbax) checkpoint; without
+``--model``, ``generate`` uses the embedded default: a tiny random `ModelConfig.tiny()` model
+with the byte-level tokenizer (untrained: its text is noise, its plumbing is real).
+
+Usage errors (a bad flag, config, override, file or checkpoint) print one ``jaxlm: error:``
+line and exit with status 2; a run that fails (training that diverges) exits with 1. This
+module imports JAX only after the arguments are parsed, so ``--help`` is instant.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from jaxlm.data.tasks import Arithmetic, Countdown, Sorting
 from jaxlm.editing.crispedit import GradientEditConfig
 from jaxlm.editing.locate import LocateEditConfig
 
+Task = Arithmetic | Countdown | Sorting
+CalibrationTask = Arithmetic | Countdown | Sorting | FactWorld
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerateArgs:
@@ -38,14 +45,21 @@ class GenerateArgs:
 
     prompt: tuple[str, ...] = ("Hello",)
     """Prompt text(s); several prompts are decoded as one batch."""
-    model: Path | None = None
+    model: Annotated[Path | None, tyro.conf.arg(metavar="DIR")] = None
     """HF directory or jaxlm checkpoint; default: the embedded tiny random model."""
+    chat: bool = False
+    """Send each prompt as a user message through the model's chat template (with the
+    assistant's generation prompt); the built-in format for tokenizers without a template."""
     max_new_tokens: int = 32
+    """Tokens to generate per prompt."""
     temperature: float = 1.0
-    """0 means greedy."""
+    """Sampling temperature; 0 means greedy."""
     top_k: int | None = None
+    """Keep only the k most likely tokens (default: all)."""
     top_p: float | None = None
+    """Nucleus sampling: keep the smallest set of tokens with this much probability."""
     seed: int = 0
+    """Random seed of the sampler."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Compute dtype for HF directories (default: the checkpoint's)."""
 
@@ -54,20 +68,25 @@ class GenerateArgs:
 class ConvertArgs:
     """Convert between a HuggingFace directory and a jaxlm (orbax) checkpoint."""
 
-    src: Annotated[Path, tyro.conf.Positional]
-    dst: Annotated[Path, tyro.conf.Positional]
+    src: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="SRC")]
+    """The model to read: a HF directory or a jaxlm checkpoint."""
+    dst: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="DST")]
+    """Where to write it (may be SRC itself with --overwrite)."""
     to: Literal["orbax", "hf"] = "orbax"
+    """Output format: orbax (a jaxlm checkpoint) or hf (safetensors + config.json)."""
     overwrite: bool = False
+    """Replace DST if it exists (written beside it, then swapped in)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainArgs:
-    """Train an experiment config; re-running the same command resumes it."""
+    """Train an experiment config; re-running the same command resumes it.
+    Add --help after CONFIG for the config's keys, types and defaults."""
 
-    config: Annotated[str, tyro.conf.Positional]
+    config: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="CONFIG")]
     """A config name in configs/ (e.g. quickstart) or a path to a .py file with get_config()."""
-    overrides: Annotated[tuple[str, ...], tyro.conf.Positional] = ()
-    """key=value overrides, e.g. trainer.steps=200 model.n_layers=4."""
+    overrides: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="[KEY=VALUE ...]")] = ()
+    """Config overrides, e.g. trainer.steps=200 model.n_layers=4 (none by default)."""
     multihost: bool = False
     """Multi-host run: calls jax.distributed.initialize() first (same as trainer.multihost=true)."""
 
@@ -76,11 +95,16 @@ class TrainArgs:
 class EvalArgs:
     """Task accuracy of a model by greedy decoding on held-out synthetic problems."""
 
-    model: Path
-    source: Arithmetic | Countdown | Sorting = Arithmetic()
+    model: Annotated[Path, tyro.conf.arg(metavar="DIR")]
+    """HF directory or jaxlm checkpoint with a tokenizer."""
+    source: Task = Arithmetic()
+    """The task whose held-out split is decoded."""
     n: int = 200
+    """Held-out problems to decode (>= 1)."""
     max_new_tokens: int = 16
+    """Tokens generated per problem."""
     batch_size: int = 64
+    """Problems decoded together (>= 1)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,38 +115,46 @@ class QuickstartArgs:
     """SFT steps (default: the config's 1000)."""
     rl_steps: int | None = None
     """GRPO iterations after SFT (default: configs/grpo_arithmetic.py's 30; 0 skips the stage)."""
-    out: Path = Path("runs/quickstart")
-    overrides: tuple[str, ...] = ()
-    """Extra key=value overrides of the SFT config."""
-    rl_overrides: tuple[str, ...] = ()
-    """Extra key=value overrides of the GRPO config."""
+    out: Annotated[Path, tyro.conf.arg(metavar="DIR")] = Path("runs/quickstart")
+    """Run directory (SFT in DIR, GRPO in DIR/grpo, the W4A4 model in DIR/model_w4a4)."""
+    overrides: Annotated[tuple[str, ...], tyro.conf.arg(metavar="KEY=VALUE")] = ()
+    """Extra overrides of the SFT config."""
+    rl_overrides: Annotated[tuple[str, ...], tyro.conf.arg(metavar="KEY=VALUE")] = ()
+    """Extra overrides of the GRPO config."""
     progress: bool = True
+    """Show progress bars."""
 
 
 @dataclasses.dataclass(frozen=True)
 class EditArgs:
     """Edit facts into a model and report efficacy, generalisation, locality and capability."""
 
-    model: Annotated[Path, tyro.conf.Positional]
-    """jaxlm checkpoint (or HF directory) with a tokenizer."""
-    requests: Path
-    """jsonl of edit requests: prompt, target_new [, subject, target_true, paraphrase_prompts,
-    neighborhood] (see jaxlm.data.facts.FactWorld.edit_requests)."""
+    model: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL")]
+    """A jaxlm checkpoint (or HF directory) with a tokenizer."""
+    requests: Annotated[Path, tyro.conf.arg(metavar="FILE")]
+    """jsonl of edit requests (prompt, target_new; optionally subject, target_true, paraphrase_prompts, neighborhood)."""
     method: Literal["crispedit", "finetune", "alphaedit", "memit", "all"] = "crispedit"
+    """The editing method, or all four for a comparison table."""
     batches: int = 1
     """Apply the requests as this many sequential batches."""
-    corpus: FactWorld | Arithmetic | Countdown | Sorting = FactWorld()
+    corpus: CalibrationTask = FactWorld()
     """The corpus whose curvature / key covariance the edit protects (the model's training data)."""
     corpus_size: int = 512
-    capability: Arithmetic | Countdown | Sorting = Arithmetic()
+    """Corpus texts used for that curvature."""
+    capability: Task = Arithmetic()
     """Capability task: exact match on its held-out split measures retention."""
     capability_n: int = 200
+    """Held-out capability problems."""
     gradient: GradientEditConfig = GradientEditConfig()
+    """Settings of the gradient methods (crispedit, finetune)."""
     locate: LocateEditConfig = LocateEditConfig()
-    out: Path | None = None
+    """Settings of the locate-then-edit methods (alphaedit, memit)."""
+    out: Annotated[Path | None, tyro.conf.arg(metavar="DIR")] = None
     """Save the edited model here (one method only)."""
-    report: Path | None = None
+    report: Annotated[Path | None, tyro.conf.arg(metavar="FILE")] = None
     """Write the metrics as JSON here."""
+    overwrite: bool = False
+    """Replace --out if it exists."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,37 +162,45 @@ class QuantizeArgs:
     """Quantize a model's attention/MLP projections (W4A4, or W4A16 with --weights-only) and
     save it; reports held-out accuracy before and after on the calibration task."""
 
-    model: Annotated[Path, tyro.conf.Positional]
-    out: Path
+    model: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL")]
+    """A jaxlm checkpoint or HF directory with a tokenizer."""
+    out: Annotated[Path, tyro.conf.arg(metavar="DIR")]
+    """Where to save the quantized model (may be MODEL itself with --overwrite)."""
     method: Literal["rtn", "hadamard", "wush", "quarot", "twinquant", "qat"] = "wush"
-    """Post-training methods, or qat: store the trained weights of a model trained with
+    """A post-training method, or qat: store the trained weights of a model trained with
     model.qat_format (required for such a model; --format must be that format)."""
     format: str = "mxfp4"
     """mxfp4 | nvfp4 | int4, with options after a colon, e.g. int4:group=32,scale=rms (WUSH's
     RMS-scaled midrise INT4) or mxfp4:rule=alpha3."""
     inner: Literal["rtn", "gptq"] = "rtn"
-    """rtn / hadamard / wush: rounding of the transformed weights, rtn (each block on its own)
-    or gptq (WUSH's GPTQ mode: error feedback through the calibration Hessian's Cholesky factor)."""
+    """For rtn / hadamard / wush: round the transformed weights block by block (rtn) or with
+    GPTQ error feedback through the calibration Hessian (gptq, WUSH's GPTQ mode)."""
     weights_only: bool = False
     """Quantize weights only (activations stay in the model's dtype)."""
     rank: float | None = None
     """twinquant: rank of the high-precision part, an integer (e.g. 16) or a fraction of each
     projection's input width (e.g. 0.125); default 16."""
-    task: Arithmetic | Countdown | Sorting | FactWorld = Arithmetic()
+    task: CalibrationTask = Arithmetic()
     """Calibration texts come from its train split; accuracy from its held-out split."""
     calibration_n: int = 256
+    """Calibration texts."""
     eval_n: int = 200
+    """Held-out problems for the accuracy before and after (0 skips the measurement)."""
     overwrite: bool = False
+    """Replace --out if it exists (written beside it, then swapped in)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class CompressArgs:
-    """Shrink a model's attention heads and MLP in place with A^3 (analytical low-rank, arXiv
-    2505.12942) and save it; reports sizes and held-out accuracy before and after."""
+    """Shrink a model's attention heads and MLP with A^3 (analytical low-rank compression,
+    arXiv 2505.12942) and save it; reports sizes and held-out accuracy before and after."""
 
-    model: Annotated[Path, tyro.conf.Positional]
-    out: Path
+    model: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL")]
+    """A jaxlm checkpoint or HF directory with a tokenizer."""
+    out: Annotated[Path, tyro.conf.arg(metavar="DIR")]
+    """Where to save the compressed model (may be MODEL itself with --overwrite)."""
     method: Literal["a3"] = "a3"
+    """The compression method."""
     budget: float = 0.5
     """Kept fraction of each compressed component's parameters, in (0, 1]."""
     components: str = "qk,ov,mlp"
@@ -179,142 +219,46 @@ class CompressArgs:
     (a second calibration pass); --no-qk-rope-refit keeps the selected columns unchanged."""
     qk_refit_rank: int | None = None
     """Refit along this many leading input directions only (default: all; large models need it)."""
-    task: Arithmetic | Countdown | Sorting | FactWorld = Arithmetic()
+    task: CalibrationTask = Arithmetic()
     """Calibration texts come from its train split; accuracy from its held-out split."""
     calib: int = 256
     """Number of calibration texts."""
     eval_n: int = 200
+    """Held-out problems for the accuracy before and after (0 skips the measurement)."""
     overwrite: bool = False
+    """Replace --out if it exists (written beside it, then swapped in)."""
 
 
-def run_compress(args: CompressArgs) -> dict:
-    import jaxlm
+class UsageError(ValueError):
+    """A command-line argument is invalid (exit status 2)."""
+
+
+_OVERWRITE_HINT = "pass --overwrite to replace it"
+
+
+def _load(path: Path, **kwargs):
     from jaxlm.checkpoint import load_model
-    from jaxlm.compress import A3Config, compress_with, kv_cache_bytes
-    from trainers.evaluate import task_accuracy
 
-    a3 = A3Config(components=args.components, budget=args.budget, qk_head_dim=args.qk_head_dim,
-                  v_head_dim=args.v_head_dim, ffn_dim=args.ffn_dim, allocation=args.allocation,
-                  qk_rope_refit=args.qk_rope_refit, qk_refit_rank=args.qk_refit_rank)
-    if args.out.exists() and not args.overwrite:
-        raise SystemExit(f"{args.out} exists; pass --overwrite to replace it")
-    model = load_model(args.model)
-    if model.tokenizer is None:
-        raise SystemExit(f"{args.model} has no tokenizer; cannot encode calibration texts")
-    texts = [e["prompt"] + e["completion"] for e in (args.task.example(i, "train") for i in range(args.calib))]
-    small = compress_with(model, args.method, texts, a3)
-    held = [args.task.example(i, "eval") for i in range(args.eval_n)]
-    before = task_accuracy(model, held, args.task.verify, tokenizer=model.tokenizer, max_new_tokens=8).accuracy
-    after = task_accuracy(small, held, args.task.verify, tokenizer=model.tokenizer, max_new_tokens=8).accuracy
-    jaxlm.save_checkpoint(small, args.out, overwrite=args.overwrite)
-    c0, c1 = model.config, small.config
-    kv = kv_cache_bytes(c1, 1, 1) / kv_cache_bytes(c0, 1, 1)
-    w = lambda c, n: getattr(c, f"layer_{n}s") or getattr(c, n)  # noqa: E731 (per-layer widths when mixed)
-    print(f"{args.method} ({','.join(a3.components)}, budget {args.budget}, {args.allocation}): qk_head_dim "
-          f"{c0.qk_head_dim}->{w(c1, 'qk_head_dim')}, v_head_dim {c0.v_head_dim}->{w(c1, 'v_head_dim')}, "
-          f"ffn_dim {c0.ffn_dim}->{w(c1, 'ffn_dim')}; "
-          f"parameters {c0.num_params():,} -> {c1.num_params():,}; KV cache x{kv:.3f}")
-    print(f"held-out accuracy {before:.1%} -> {after:.1%} ({args.eval_n} problems) -> {args.out}")
-    return {"before": before, "after": after, "kv_cache_ratio": kv}
-
-
-def run_quantize(args: QuantizeArgs) -> dict:
-    import jaxlm
-    from jaxlm.checkpoint import load_model
-    from jaxlm.quant.apply import quantize_with
-    from trainers.evaluate import task_accuracy
-
-    from jaxlm.quant.formats import get_format
-
-    get_format(args.format)  # a bad --format fails before the model is loaded
-    if args.inner != "rtn" and args.method not in ("rtn", "hadamard", "wush"):
-        raise SystemExit(f"--inner {args.inner} applies to --method rtn|hadamard|wush (got --method {args.method})")
-    model = load_model(args.model)
-    if model.tokenizer is None:
-        raise SystemExit(f"{args.model} has no tokenizer; cannot encode calibration texts")
-    if args.out.exists() and not args.overwrite:
-        raise SystemExit(f"{args.out} exists; pass --overwrite to replace it")
-    texts = [e["prompt"] + e["completion"] for e in (args.task.example(i, "train") for i in range(args.calibration_n))]
-    rank = args.rank
-    if rank is not None and rank >= 1:
-        if rank != int(rank):
-            raise SystemExit(f"--rank {rank} is invalid: an integer >= 1 or a fraction in (0, 1)")
-        rank = int(rank)
-    if rank is not None and args.method != "twinquant":
-        raise SystemExit(f"--rank applies to --method twinquant only (got --method {args.method})")
-    quantized = quantize_with(model, args.method, args.format, texts, weights_only=args.weights_only, rank=rank,
-                              inner=args.inner)
-    held = [args.task.example(i, "eval") for i in range(args.eval_n)]
-    before = task_accuracy(model, held, args.task.verify, tokenizer=model.tokenizer, max_new_tokens=8).accuracy
-    after = task_accuracy(quantized, held, args.task.verify, tokenizer=model.tokenizer, max_new_tokens=8).accuracy
-    jaxlm.save_checkpoint(quantized, args.out, overwrite=args.overwrite)
-    mode = "W4A16" if args.weights_only else "W4A4"
-    inner = f" (inner {args.inner})" if args.inner != "rtn" else ""
-    print(f"{args.method}{inner} {args.format} {mode}: held-out accuracy {before:.1%} -> {after:.1%} "
-          f"({args.eval_n} problems) -> {args.out}")
-    return {"before": before, "after": after}
-
-
-def run_edit(args: EditArgs) -> dict:
-    import json
-
-    from jaxlm.checkpoint import load_model
-    from jaxlm.data.facts import read_requests
-    from jaxlm.editing.benchmark import METHODS, corpus_texts, markdown_table, run_method
-    from jaxlm.editing.metrics import EditEvaluator
-
-    requests = read_requests(args.requests)
-    model = load_model(args.model)
-    if model.tokenizer is None:
-        raise SystemExit(f"{args.model} has no tokenizer; cannot encode edit requests")
-    if args.out is not None and args.method == "all":
-        raise SystemExit("--out saves one edited model: pick one --method")
-    capability = [args.capability.example(i, "eval") for i in range(args.capability_n)]
-    evaluator = EditEvaluator(model, requests, model.tokenizer, capability)
-    corpus = corpus_texts(args.corpus, args.corpus_size)
-    unedited = evaluator(model)
-    runs = []
-    for method in METHODS if args.method == "all" else (args.method,):
-        runs.append(run_method(
-            model, requests, method, tokenizer=model.tokenizer, corpus=corpus, evaluator=evaluator,
-            batches=args.batches, gradient=args.gradient, locate=args.locate,
-        ))
-    print(f"{len(requests)} edits in {args.batches} batch(es) on {args.model}")
-    print(markdown_table(runs, unedited))
-    report = {"unedited": unedited, **{r.method: {**r.metrics, "seconds": r.seconds, "per_batch": r.per_batch,
-                                                  **r.info} for r in runs}}
-    if args.report is not None:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=2))
-    if args.out is not None:
-        import jaxlm
-
-        jaxlm.save_checkpoint(runs[0].model, args.out)
-        print(f"edited model -> {args.out}")
-    return report
-
-
-def _embedded_default():
-    import jaxlm
-
-    return jaxlm.build_model(jaxlm.ModelConfig.tiny(init_std=0.5), tokenizer=jaxlm.ByteTokenizer())
+    return load_model(path, **kwargs)
 
 
 def run_generate(args: GenerateArgs) -> list[str]:
     import jaxlm
-    from jaxlm.checkpoint import load_model
 
     if args.model is None:
-        model = _embedded_default()
+        model = jaxlm.build_model(jaxlm.ModelConfig.tiny(init_std=0.5), tokenizer=jaxlm.ByteTokenizer())
         print("model: embedded default (ModelConfig.tiny, random weights, byte tokenizer)", file=sys.stderr)
     else:
-        kwargs = {"dtype": args.dtype} if args.dtype else {}
-        model = load_model(args.model, **kwargs)
+        model = _load(args.model, **({"dtype": args.dtype} if args.dtype else {}))
     if model.tokenizer is None:
-        raise SystemExit(f"{args.model} has no tokenizer (tokenizer.json); cannot encode text prompts")
+        raise UsageError(f"{args.model} has no tokenizer (tokenizer.json); cannot encode text prompts")
+    prompts: list = list(args.prompt)
+    if args.chat:
+        prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                   for p in prompts]
     start = time.perf_counter()
     result = jaxlm.generate(
-        model, list(args.prompt), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, rng=args.seed,
     )
     elapsed = time.perf_counter() - start
@@ -326,38 +270,119 @@ def run_generate(args: GenerateArgs) -> list[str]:
 
 
 def run_convert(args: ConvertArgs) -> Path:
-    import jaxlm
-    from jaxlm.checkpoint import load_model, save_checkpoint
+    from jaxlm.checkpoint import convert_checkpoint
 
-    model = load_model(args.src)
-    if args.to == "orbax":
-        out = save_checkpoint(model, args.dst, overwrite=args.overwrite)
-    else:
-        if args.dst.exists() and any(args.dst.iterdir()) and not args.overwrite:
-            raise SystemExit(f"{args.dst} is not empty; pass --overwrite to write into it")
-        out = jaxlm.save_hf(model, args.dst)
+    out = convert_checkpoint(args.src, args.dst, to=args.to, overwrite=args.overwrite, hint=_OVERWRITE_HINT)
     print(f"wrote {args.to} checkpoint to {out}")
     return out
 
 
 def run_eval(args: EvalArgs) -> float:
-    from jaxlm.checkpoint import load_model
-    from trainers.evaluate import task_accuracy
+    from jaxlm.eval import heldout_accuracy
 
-    model = load_model(args.model)
-    if model.tokenizer is None:
-        raise SystemExit(f"{args.model} has no tokenizer; cannot encode prompts")
-    examples = [args.source.example(i, "eval") for i in range(args.n)]
-    result = task_accuracy(
-        model, examples, args.source.verify, tokenizer=model.tokenizer,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-    )
+    for name in ("n", "batch_size", "max_new_tokens"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 1")
+    model = _load(args.model)
+    result = heldout_accuracy(model, args.source, args.n, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.batch_size, desc="eval", progress=True)
     name = type(args.source).__name__.lower()
     print(f"{name}: exact-match accuracy {result.accuracy:.1%} on {result.n} held-out problems "
           f"(chance {args.source.chance_accuracy():.2%})")
     for s in result.samples[:5]:
         print(f"  {s['prompt']!r} -> {s['completion']!r} (reference {s['reference']!r})")
     return result.accuracy
+
+
+def run_quantize(args: QuantizeArgs):
+    from jaxlm.quant.apply import quantize_checkpoint
+
+    if args.inner != "rtn" and args.method not in ("rtn", "hadamard", "wush"):
+        raise UsageError(f"--inner {args.inner} applies to --method rtn|hadamard|wush (got --method {args.method})")
+    if args.rank is not None and args.method != "twinquant":
+        raise UsageError(f"--rank applies to --method twinquant only (got --method {args.method})")
+    rank = args.rank
+    if rank is not None and rank >= 1:
+        if rank != int(rank):
+            raise UsageError(f"--rank {rank} is invalid: an integer >= 1 or a fraction in (0, 1)")
+        rank = int(rank)
+    for name in ("calibration_n", "eval_n"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 0")
+    report = quantize_checkpoint(
+        args.model, args.out, method=args.method, fmt=args.format, inner=args.inner,
+        weights_only=args.weights_only, rank=rank, task=args.task, calibration_n=args.calibration_n,
+        eval_n=args.eval_n, overwrite=args.overwrite, overwrite_hint=_OVERWRITE_HINT, progress=True,
+    )
+    print(report.summary())
+    return report
+
+
+def run_compress(args: CompressArgs):
+    from jaxlm.compress import A3Config
+    from jaxlm.compress.apply import compress_checkpoint
+
+    try:
+        a3 = A3Config(components=args.components, budget=args.budget, qk_head_dim=args.qk_head_dim,
+                      v_head_dim=args.v_head_dim, ffn_dim=args.ffn_dim, allocation=args.allocation,
+                      qk_rope_refit=args.qk_rope_refit, qk_refit_rank=args.qk_refit_rank)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    for name in ("calib", "eval_n"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 0")
+    report = compress_checkpoint(args.model, args.out, method=args.method, a3=a3, task=args.task,
+                                 calibration_n=args.calib, eval_n=args.eval_n, overwrite=args.overwrite,
+                                 overwrite_hint=_OVERWRITE_HINT, progress=True)
+    print(report.summary())
+    return report
+
+
+def run_edit(args: EditArgs) -> dict:
+    import json
+
+    from jaxlm.editing.benchmark import edit_checkpoint, markdown_table
+
+    if args.out is not None and args.method == "all":
+        raise UsageError("--out saves one edited model: pick one --method, not all")
+    report, runs = edit_checkpoint(
+        args.model, args.requests, method=args.method, batches=args.batches, corpus=args.corpus,
+        corpus_size=args.corpus_size, capability=args.capability, capability_n=args.capability_n,
+        gradient=args.gradient, locate=args.locate, out=args.out, overwrite=args.overwrite,
+        overwrite_hint=_OVERWRITE_HINT, progress=True,
+    )
+    n = sum(1 for _ in open(args.requests, encoding="utf-8") if _.strip())
+    print(f"{n} edits in {args.batches} batch(es) on {args.model}")
+    print(markdown_table(runs, report["unedited"]))
+    if args.report is not None:
+        from jaxlm.fileio import atomic_write_text
+
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.report, json.dumps(report, indent=2))
+    if args.out is not None:
+        print(f"edited model -> {args.out}")
+    return report
+
+
+def run_train(args: TrainArgs):
+    from trainers.loop import train
+    from trainers.recipes import load_config
+
+    overrides = list(args.overrides) + (["trainer.multihost=true"] if args.multihost else [])
+    result = train(load_config(args.config, overrides))
+    print(f"finished at step {result.step}: {result.final_eval} -> {result.out_dir}")
+    return result
+
+
+def run_quickstart(args: QuickstartArgs):
+    from trainers.quickstart import run_quickstart as quickstart
+
+    if args.rl_steps is not None and args.rl_steps < 0:
+        raise UsageError(f"--rl-steps={args.rl_steps} is invalid: must be >= 0 (0 skips GRPO)")
+    if args.steps is not None and args.steps <= 0:
+        raise UsageError(f"--steps={args.steps} is invalid: must be >= 1")
+    return quickstart(steps=args.steps, out_dir=args.out, overrides=args.overrides, progress=args.progress,
+                      rl_steps=args.rl_steps, rl_overrides=args.rl_overrides)
 
 
 def _quiet_logs() -> None:
@@ -374,50 +399,78 @@ def _quiet_logs() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> None:
-    cmd = tyro.cli(
-        Annotated[QuickstartArgs, tyro.conf.subcommand("quickstart")]
-        | Annotated[TrainArgs, tyro.conf.subcommand("train")]
-        | Annotated[EvalArgs, tyro.conf.subcommand("eval")]
-        | Annotated[GenerateArgs, tyro.conf.subcommand("generate")]
-        | Annotated[ConvertArgs, tyro.conf.subcommand("convert")]
-        | Annotated[QuantizeArgs, tyro.conf.subcommand("quantize")]
-        | Annotated[CompressArgs, tyro.conf.subcommand("compress")]
-        | Annotated[EditArgs, tyro.conf.subcommand("edit")],
-        args=argv,
-        prog="jaxlm",
-    )
-    _quiet_logs()
-    from jaxlm.models.hf.io import CheckpointError
+def _config_help(argv: list[str]) -> bool:
+    """``jaxlm train CONFIG --help``: the config's keys with their types, defaults and
+    descriptions (tyro's help of the config dataclass, the recipe's values as defaults)."""
+    if len(argv) < 2 or argv[0] != "train" or not ({"--help", "-h"} & set(argv[1:])):
+        return False
+    positional = [a for a in argv[1:] if not a.startswith("-")]
+    if not positional:
+        return False
+    from trainers.config_help import describe_config
+    from trainers.recipes import load_config
 
+    config = load_config(positional[0], [a for a in positional[1:] if "=" in a])
+    print(describe_config(config, positional[0]))
+    return True
+
+
+def _parse(union, argv: list[str]):
+    """tyro's parse; its help text (``-h``) printed without reStructuredText markup."""
+    kwargs = dict(args=argv, prog="jaxlm",
+                  description="jaxlm: train, evaluate, decode, convert, quantize, compress and edit models.")
+    if not {"-h", "--help"} & set(argv):
+        return tyro.cli(union, **kwargs)
+    import contextlib
+    import io
+
+    from trainers.config_help import plain
+
+    text = io.StringIO()
     try:
-        if isinstance(cmd, QuickstartArgs):
-            from trainers.quickstart import run_quickstart
+        with contextlib.redirect_stdout(text):
+            return tyro.cli(union, **kwargs)
+    finally:
+        sys.stdout.write(plain(text.getvalue()))
 
-            if cmd.rl_steps is not None and cmd.rl_steps < 0:
-                raise SystemExit(f"jaxlm quickstart: --rl-steps={cmd.rl_steps} must be >= 0 (0 skips GRPO)")
-            run_quickstart(steps=cmd.steps, out_dir=cmd.out, overrides=cmd.overrides, progress=cmd.progress,
-                           rl_steps=cmd.rl_steps, rl_overrides=cmd.rl_overrides)
-        elif isinstance(cmd, TrainArgs):
-            from trainers.config import load_config
-            from trainers.loop import train
 
-            overrides = list(cmd.overrides) + (["trainer.multihost=true"] if cmd.multihost else [])
-            result = train(load_config(cmd.config, overrides))
-            print(f"finished at step {result.step}: {result.final_eval} -> {result.out_dir}")
-        elif isinstance(cmd, EvalArgs):
-            run_eval(cmd)
-        elif isinstance(cmd, GenerateArgs):
-            run_generate(cmd)
-        elif isinstance(cmd, EditArgs):
-            run_edit(cmd)
-        elif isinstance(cmd, QuantizeArgs):
-            run_quantize(cmd)
-        elif isinstance(cmd, CompressArgs):
-            run_compress(cmd)
-        else:
-            run_convert(cmd)
-    except (CheckpointError, ValueError, FileExistsError, FileNotFoundError) as e:
+VERBS = {
+    "quickstart": (QuickstartArgs, run_quickstart),
+    "train": (TrainArgs, run_train),
+    "eval": (EvalArgs, run_eval),
+    "generate": (GenerateArgs, run_generate),
+    "convert": (ConvertArgs, run_convert),
+    "quantize": (QuantizeArgs, run_quantize),
+    "compress": (CompressArgs, run_compress),
+    "edit": (EditArgs, run_edit),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if _config_help(argv):
+            return
+    except ValueError as e:  # the config itself is invalid
+        print(f"jaxlm: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    union = None
+    for name, (args_type, _) in VERBS.items():
+        entry = Annotated[args_type, tyro.conf.subcommand(name)]
+        union = entry if union is None else union | entry
+    cmd = _parse(union, argv)
+    _quiet_logs()
+    from jaxlm.fileio import DirectoryLockedError
+    from trainers.loop import TrainingDiverged
+
+    run = next(fn for args_type, fn in VERBS.values() if isinstance(cmd, args_type))
+    try:
+        run(cmd)
+    except TrainingDiverged as e:
+        print(f"jaxlm: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+            DirectoryLockedError) as e:  # config, data, checkpoint and argument errors name what is wrong
         print(f"jaxlm: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -1,30 +1,24 @@
-"""Experiment configs: typed frozen dataclasses, loaded from ``configs/*.py`` and overridden
-from the command line.
+"""Experiment configs: typed frozen dataclasses, each field validated on construction (a bad
+value raises ``ValueError`` naming the field and what is allowed).
 
-A config file exposes ``get_config() -> ExperimentConfig``. Overrides are ``a.b=value``
-strings; they are parsed and type-checked by `tyro` (an unknown key fails with the
-closest valid keys, a badly typed value names the field and the expected type)::
-
-    cfg = load_config("quickstart", ["model.n_layers=4", "trainer.steps=200"])
+An `ExperimentConfig` is a model, data, optimizer, trainer and algorithm section plus the
+tokenizer and the initial weights. Recipes (``configs/*.py``) build one; `trainers.recipes`
+loads them and applies ``key=value`` overrides.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib
-import importlib.util
-import io
 import json
-import os
-from pathlib import Path
-from typing import Any, Literal, Sequence
-
-import tyro
+import math
+import re
+from typing import Any, Literal
 
 from jaxlm.data.pipeline import DataConfig
 from jaxlm.models.config import ModelConfig
+from trainers.losses import TOKEN_WEIGHTS
 from trainers.rl.environments import RPSConfig
+from trainers.rl.registries import check_grpo_config
 
 
 class ConfigError(ValueError):
@@ -43,33 +37,48 @@ class OptimizerConfig:
     ``min_lr_ratio * lr``; global-norm clipping at ``clip_norm`` (None = off)."""
 
     lr: float = 1e-3
+    """Peak learning rate."""
     warmup_steps: int = 100
+    """Linear warmup from 0 to lr over this many steps."""
     schedule: Literal["cosine", "constant"] = "cosine"
+    """After warmup: cosine decay to min_lr_ratio * lr, or constant."""
     min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine schedule, as a fraction of lr."""
     weight_decay: float = 0.01
+    """Decoupled weight decay on matrices (not norms, biases or buffers)."""
     b1: float = 0.9
+    """Adam's first-moment decay."""
     b2: float = 0.95
+    """Adam's second-moment decay."""
     eps: float = 1e-8
+    """Adam's epsilon."""
     clip_norm: float | None = 1.0
+    """Clip the gradient to this global norm (None: no clipping)."""
     trainable: str = ""
     """Regex over parameter names (e.g. 'meta_gate' to train only MeGan's hypernetwork);
     empty = everything. Frozen parameters get no update and no optimizer state."""
 
     def __post_init__(self):
         if self.trainable:
-            import re
-
             try:
                 re.compile(self.trainable)
             except re.error as e:
                 raise ValueError(f"OptimizerConfig.trainable={self.trainable!r} is not a valid regex: {e}") from None
+        for name in ("lr", "b1", "b2", "eps", "weight_decay", "min_lr_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"OptimizerConfig.{name}={value!r} is invalid: must be a finite number")
         if not self.lr > 0:
             raise ValueError(f"OptimizerConfig.lr={self.lr!r} is invalid: must be > 0")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+            raise ValueError(f"OptimizerConfig.b1={self.b1!r}, b2={self.b2!r} are invalid: each must be in [0, 1)")
+        if not self.eps > 0 or self.weight_decay < 0:
+            raise ValueError(f"OptimizerConfig.eps={self.eps!r} must be > 0 and weight_decay={self.weight_decay!r} >= 0")
         if self.warmup_steps < 0:
             raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps!r} must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"OptimizerConfig.min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
-        if self.clip_norm is not None and not self.clip_norm > 0:
+        if self.clip_norm is not None and not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
             raise ValueError(f"OptimizerConfig.clip_norm={self.clip_norm!r} must be > 0 or None")
 
 
@@ -78,32 +87,47 @@ class MeshConfig:
     """Device mesh sizes; one may be -1 (= all remaining devices)."""
 
     data: int = -1
+    """Data-parallel replicas (rows of each batch split over them)."""
     fsdp: int = 1
+    """Fully sharded data parallelism: rows split and parameters sharded over the model width."""
     tensor: int = 1
+    """Tensor parallelism: heads, MLP width and vocabulary sharded."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
+    """How a run proceeds: its length, logging, evaluation, checkpoints and devices."""
+
     steps: int = 1000
+    """Optimizer steps (SFT) or iterations (GRPO) of the whole run."""
     grad_accum: int = 1
     """Micro-batches per step; data.batch_size must be divisible by it."""
     seed: int = 0
+    """Seed of the initial weights, the training RNG and the samplers."""
     out_dir: str = "runs/default"
+    """Run directory: checkpoints, the final model, metrics.jsonl, TensorBoard, curves.png."""
     log_every: int = 10
+    """Log training metrics every N steps."""
     eval_every: int = 0
     """Evaluate every N steps (0: only at the end)."""
     eval_generate: int = 64
     """Held-out examples decoded greedily for task accuracy (0: loss only)."""
     eval_max_new_tokens: int = 16
+    """Tokens generated per held-out example for task accuracy."""
     eval_attention_stats: bool = False
     """Also report attention entropy and first-token mass on the held-out batches."""
     save_every: int = 100
+    """Save a checkpoint every N steps (and at the end)."""
     keep_checkpoints: int = 3
+    """Newest checkpoints kept on disk."""
     async_checkpoint: bool = True
+    """Write checkpoints in the background while training continues."""
     mesh: MeshConfig = MeshConfig()
+    """The device mesh the state and the batches are split over."""
     multihost: bool = False
     """Call jax.distributed.initialize() first (one process per host)."""
     progress: bool = True
+    """Show a progress bar."""
     stop_after: int | None = None
     """End this invocation after N steps without a final checkpoint (a preemption, for tests)."""
 
@@ -123,7 +147,9 @@ class SFTConfig:
     by ``TOKEN_WEIGHTS[token_weights](batch, logits)`` (`trainers.losses`)."""
 
     name: Literal["sft"] = "sft"
+    """The algorithm's registered name (`trainers.algorithm.ALGORITHMS`)."""
     token_weights: str = "uniform"
+    """How each trained token counts in the loss (`trainers.losses.TOKEN_WEIGHTS`)."""
     beta_l1: float = 0.0
     """MeGan regulariser: adds beta_l1 * sum |beta| (per real token) to the loss."""
     sem_lambda: float = 0.0
@@ -192,23 +218,32 @@ class GRPOConfig:
     optimizer steps over the rollouts with the log-probs recorded before the first update."""
 
     name: Literal["grpo"] = "grpo"
+    """The algorithm's registered name (`trainers.algorithm.ALGORITHMS`)."""
     collector: str = "single_turn"
     """Where rollouts come from (`trainers.rl.collectors.COLLECTORS`): single_turn samples the
     data source's prompts; multi-turn environments register their own."""
     num_generations: int = 8
+    """Rollouts per prompt (the group G)."""
     max_new_tokens: int = 16
+    """Tokens sampled per rollout."""
     temperature: float = 1.0
+    """Sampling temperature of the rollouts."""
     top_p: float | None = None
+    """Nucleus sampling of the rollouts (None: off)."""
     advantage: str = "grpo"
     """grpo | dr_grpo | rloo | turn_level (`trainers.rl.advantages.ADVANTAGES`)."""
     adv_eps: float = 1e-6
+    """Added to the group std: (r - mean) / (std + adv_eps)."""
     turn_gamma: float | None = None
     """turn_level only: per-turn rewards -> returns-to-go with this discount (None: per-turn reward)."""
     policy_loss: str = "ppo_clip"
     """ppo_clip | gspo (`POLICY_LOSSES`)."""
     eps_low: float = 0.2
+    """PPO clip: ratios below 1 - eps_low are clipped."""
     eps_high: float = 0.2
+    """PPO clip: ratios above 1 + eps_high are clipped (DAPO's clip-higher when larger)."""
     dual_clip: float | None = None
+    """Dual-clip PPO: negative-advantage losses are capped at dual_clip * |A| (None: off)."""
     aggregation: str = "token_mean"
     """token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (`AGGREGATORS`)."""
     beta: float = 0.0
@@ -231,8 +266,11 @@ class GRPOConfig:
     buffer_sampler: str = "uniform"
     """How minibatches are drawn from the rollouts (`trainers.rl.buffer.BUFFER_SAMPLERS`)."""
     qpas_quantile: float = 0.25
+    """buffer_sampler=qpas: rollouts whose |advantage| is below this quantile are dropped."""
     qpas_alpha: float = 1.0
+    """buffer_sampler=qpas: slots drawn with probability proportional to |A|^qpas_alpha."""
     qpas_beta: float = 1.0
+    """buffer_sampler=qpas: prioritized-replay weight exponent (0: no correction)."""
     ccc_invalid_reward: float = -1.0
     """CCC-GRPO (reward ``ccc``): the reward of a rollout whose answer does not parse, r_min
     ([INFERRED] in the method card B.2; -1 is the worst CCC)."""
@@ -250,8 +288,6 @@ class GRPOConfig:
     """Multi-turn collectors' environment (rps_memory: MemoPilot's Rock-Paper-Scissors)."""
 
     def __post_init__(self):
-        from trainers.rl.registries import check_grpo_config
-
         check_grpo_config(self)
 
 
@@ -269,6 +305,19 @@ class ExperimentConfig:
     may add variant parameters, e.g. meta_swiglu; those start at their neutral init)."""
 
     def __post_init__(self):
+        for name, kinds in (("model", ModelConfig), ("data", DataConfig), ("optimizer", OptimizerConfig),
+                            ("trainer", TrainerConfig), ("algorithm", (SFTConfig, GRPOConfig))):
+            value = getattr(self, name)
+            if not isinstance(value, kinds):
+                allowed = " | ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+                raise ValueError(
+                    f"ExperimentConfig.{name} must be a {allowed}, got {type(value).__name__} "
+                    f"(e.g. {name}={allowed.split(' | ')[0]}(...), not {name}=dict(...))"
+                )
+        if not isinstance(self.tokenizer, str):
+            raise ValueError(f"ExperimentConfig.tokenizer={self.tokenizer!r} must be 'byte' or a directory (str)")
+        if self.init_from is not None and not isinstance(self.init_from, str):
+            raise ValueError(f"ExperimentConfig.init_from={self.init_from!r} must be a path (str) or None")
         if not isinstance(self.algorithm, GRPOConfig) and self.data.batch_size % self.trainer.grad_accum:
             raise ValueError(
                 f"data.batch_size={self.data.batch_size} is not divisible by "
@@ -278,8 +327,6 @@ class ExperimentConfig:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
-        from trainers.losses import TOKEN_WEIGHTS
-
         if isinstance(self.algorithm, GRPOConfig):
             if self.data.batch_size * self.algorithm.num_generations % (
                 self.algorithm.minibatches * self.trainer.grad_accum
@@ -298,133 +345,3 @@ class ExperimentConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self), default=str))
-
-
-def _load_module(name_or_path: str):
-    path = Path(name_or_path)
-    if path.suffix == ".py":
-        if not path.exists():
-            raise ConfigError(f"config file {path} does not exist")
-        spec = importlib.util.spec_from_file_location(f"jaxlm_config_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    try:
-        return importlib.import_module(f"configs.{name_or_path}")
-    except ModuleNotFoundError:
-        import configs
-
-        known = sorted(p.stem for p in Path(configs.__file__).parent.glob("*.py") if p.stem != "__init__")
-        raise ConfigError(f"no config named {name_or_path!r}; known: {known} (or pass a .py path)") from None
-
-
-def _optional_section(obj: Any, name: str) -> type | None:
-    """The dataclass ``X`` when field ``name`` of dataclass ``obj`` is declared ``X | None``."""
-    import types
-    import typing
-
-    hint = typing.get_type_hints(type(obj)).get(name)
-    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
-        return None
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if type(None) in typing.get_args(hint) and len(args) == 1 and dataclasses.is_dataclass(args[0]):
-        return args[0]
-    return None
-
-
-def _replace_path(obj: Any, parts: list[str], value: Any) -> Any:
-    if not parts:
-        return value
-    head = getattr(obj, parts[0])
-    return dataclasses.replace(obj, **{parts[0]: _replace_path(head, parts[1:], value)})
-
-
-def _switch_optional_sections(config: ExperimentConfig, items: list[tuple[str, str]]):
-    """Optional sections (``algorithm.prefix``, ``algorithm.environment``: ``X | None``) are
-    switched here, before tyro sees the rest: ``algorithm.prefix=None`` turns one off, and an
-    override of a field inside a section that is None (``algorithm.prefix.problems=32``) turns it
-    on with its defaults first. Returns the config and the overrides still to apply."""
-    rest = []
-    for key, value in items:
-        parts = key.split(".")
-        obj, consumed = config, False
-        for i, name in enumerate(parts):
-            if not dataclasses.is_dataclass(obj) or not hasattr(obj, name):
-                break
-            section = _optional_section(obj, name)
-            if section is not None and i == len(parts) - 1 and value in ("None", "none", "null"):
-                config, consumed = _replace_path(config, parts, None), True
-                break
-            if section is not None and i < len(parts) - 1 and getattr(obj, name) is None:
-                config = _replace_path(config, parts[: i + 1], section())
-            obj = _walk(config, parts[: i + 1])
-        if not consumed:
-            rest.append((key, value))
-    return config, rest
-
-
-def _walk(obj: Any, parts: list[str]) -> Any:
-    for name in parts:
-        obj = getattr(obj, name)
-    return obj
-
-
-def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:
-    """``["model.n_layers=4", ...]`` -> a new config, parsed and type-checked by tyro."""
-    items: list[tuple[str, str]] = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is invalid: expected key=value (e.g. trainer.steps=100)")
-        items.append((key.strip(), value))
-    try:
-        config, items = _switch_optional_sections(config, items)
-    except ValueError as e:  # a section's own validation
-        raise ConfigError(str(e)) from None
-    args: list[str] = []
-    for key, value in items:
-        if value.lower() in ("true", "false"):
-            value = value.capitalize()
-        args += [f"--{key}", value]
-    if not args:
-        return config
-    err = io.StringIO()
-    columns = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "400"  # keep tyro's messages on one line each
-    try:
-        with contextlib.redirect_stderr(err):
-            return tyro.cli(
-                type(config), default=config, args=args, use_underscores=True,
-                config=(tyro.conf.AvoidSubcommands, tyro.conf.FlagConversionOff),
-            )
-    except SystemExit:
-        raise ConfigError(_unbox(err.getvalue()) or f"invalid overrides {list(overrides)}") from None
-    except ValueError as e:  # a config's own validation (e.g. n_heads not divisible)
-        raise ConfigError(str(e)) from None
-    finally:
-        if columns is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = columns
-
-
-def _unbox(text: str) -> str:
-    """tyro's boxed message as plain lines."""
-    lines = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line[0] in "╭╰" or set(line) <= set("│─ "):
-            continue
-        lines.append(line.strip("│").strip())
-    return "\n".join(l for l in lines if l and not l.startswith("For full helptext"))
-
-
-def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """``configs/<name>.py`` (or any ``.py`` path) -> ``get_config()`` -> overrides applied."""
-    module = _load_module(name_or_path)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"{name_or_path} has no get_config() function")
-    config = module.get_config()
-    if not isinstance(config, ExperimentConfig):
-        raise ConfigError(f"{name_or_path}: get_config() returned {type(config).__name__}, not ExperimentConfig")
-    return apply_overrides(config, overrides)

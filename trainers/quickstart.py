@@ -19,8 +19,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from trainers.config import load_config
+import jaxlm
+from jaxlm.eval import task_accuracy
+from jaxlm.quant.apply import quantize_with
 from trainers.loop import TrainResult, train
+from trainers.recipes import load_config
 
 
 def run_quickstart(
@@ -126,10 +129,6 @@ def _grpo_stage(out: Path, rl_steps, rl_overrides, progress, console, summary) -
 
 def _quantization_stage(cfg, model_dir: Path, out: Path, console) -> dict[str, float]:
     """Quantize the final model (NVFP4 W4A4: RTN and WUSH) and re-measure accuracy."""
-    import jaxlm
-    from jaxlm.quant.apply import quantize_with
-    from trainers.evaluate import task_accuracy
-
     task = cfg.data.source
     model = jaxlm.load_checkpoint(model_dir)
     texts = [e["prompt"] + e["completion"] for e in (task.example(i, "train") for i in range(256))]

@@ -18,7 +18,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlm.models.masks import segment_mask
-from trainers.losses import sem_entropy_sum, sft_loss_sum, uniform_weights
+from trainers.losses import next_token_targets, sem_entropy_sum, sft_loss_sum, token_nll, uniform_weights
 
 Batch = dict[str, jax.Array]
 
@@ -194,8 +194,6 @@ def make_eval_loss(graphdef, *, sliding_window: int | None = None, attention_sta
     under teacher forcing), ``rows``; with ``attention_stats``, the attention entropy summed
     over real query rows (``entropy``, ``queries``) and the mass on each row's first token
     (``first_mass``)."""
-    from trainers.losses import next_token_targets, token_nll
-
     def eval_fn(params, batch: Batch):
         collect = ("attn_probs",) if attention_stats else ()
         out = forward(graphdef, params, batch, sliding_window=sliding_window, collect=collect)

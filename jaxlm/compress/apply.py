@@ -1,16 +1,28 @@
-"""Model-level entry points: calibrate, compress and rebuild in one call (what ``jaxlm
-compress`` runs)."""
+"""Model-level entry points: calibrate, compress and rebuild in one call (`compress_with`),
+and load, compress, measure and save (`compress_checkpoint`, what ``jaxlm compress`` runs)."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
-from jaxlm.compress.a3 import A3Config, needs_qk_refit, a3_compress, check_compressible, qk_rope_refit
+from jaxlm.checkpoint import load_model, save_checkpoint
+from jaxlm.compress.a3.compress import a3_compress
+from jaxlm.compress.a3.config import A3Config, check_compressible, needs_qk_refit
+from jaxlm.compress.a3.refit import qk_rope_refit
 from jaxlm.compress.calibrate import a3_statistics
+from jaxlm.compress.metrics import kv_cache_bytes
 from jaxlm.compress.svd import svd_baseline
+from jaxlm.data.tasks import Arithmetic
+from jaxlm.eval.accuracy import heldout_accuracy, task_texts
+from jaxlm.fileio import DirectoryLock
 from jaxlm.models.params import flat_params, model_from_flat
+from jaxlm.quant.apply import calibration_batches
 
 METHODS = ("a3",)
 
@@ -44,8 +56,6 @@ def svd_model(model, compressed_config, components: Sequence[str]):
 def compress_with(model, method: str, calibration_texts: Sequence[str], a3: A3Config = A3Config(), *,
                   seq_len: int = 64, batch_size: int = 64):
     """``method`` in `METHODS` on the tokenized ``calibration_texts``."""
-    from jaxlm.quant.apply import calibration_batches
-
     if method not in METHODS:
         raise ValueError(f"method={method!r} is invalid: must be one of {METHODS}")
     if not calibration_texts:
@@ -54,3 +64,84 @@ def compress_with(model, method: str, calibration_texts: Sequence[str], a3: A3Co
         raise ValueError("the model has no tokenizer to encode the calibration texts")
     batches = calibration_batches(model.tokenizer, calibration_texts, batch_size=batch_size, seq_len=seq_len)
     return compress_model(model, batches, a3)
+
+
+@dataclasses.dataclass
+class CompressReport:
+    """What `compress_checkpoint` did: sizes, KV cache ratio, held-out accuracy before and
+    after, and where the compressed model went."""
+
+    method: str
+    a3: A3Config
+    before_config: Any
+    after_config: Any
+    kv_cache_ratio: float
+    before: float | None  # None: not measured (eval_n=0)
+    after: float | None
+    out: Path
+    n: int
+
+    def summary(self) -> str:
+        c0, c1 = self.before_config, self.after_config
+        w = lambda c, n: getattr(c, f"layer_{n}s") or getattr(c, n)  # noqa: E731 (per-layer widths when mixed)
+        lines = [f"{self.method} ({','.join(self.a3.components)}, budget {self.a3.budget}, {self.a3.allocation}): "
+                 f"qk_head_dim {c0.qk_head_dim}->{w(c1, 'qk_head_dim')}, v_head_dim {c0.v_head_dim}->"
+                 f"{w(c1, 'v_head_dim')}, ffn_dim {c0.ffn_dim}->{w(c1, 'ffn_dim')}; parameters "
+                 f"{c0.num_params():,} -> {c1.num_params():,}; KV cache x{self.kv_cache_ratio:.3f}"]
+        acc = ("" if self.before is None else
+               f"held-out accuracy {self.before:.1%} -> {self.after:.1%} ({self.n} problems) ")
+        return "\n".join(lines + [f"{acc}-> {self.out}"])
+
+
+def compress_checkpoint(
+    model,
+    out: str | os.PathLike,
+    *,
+    method: str = "a3",
+    a3: A3Config = A3Config(),
+    task=None,
+    calibration_n: int = 256,
+    eval_n: int = 200,
+    overwrite: bool = False,
+    overwrite_hint: str = "pass overwrite=True to replace it",
+    progress: bool = False,
+) -> CompressReport:
+    """Load (a checkpoint or HF directory, or take a model), compress with `compress_with` on
+    ``calibration_n`` texts of ``task``'s train split (default: `Arithmetic`), measure held-out
+    accuracy before and after on ``eval_n`` examples (0: skip), and save to ``out``: what
+    ``jaxlm compress`` runs. ``out`` is locked while it is written and replaced atomically,
+    so it may be the input directory itself."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is invalid: must be one of {METHODS}")
+    for name, value in (("calibration_n", calibration_n), ("eval_n", eval_n)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r} is invalid: must be an int >= 0")
+    task = Arithmetic() if task is None else task
+    out = Path(out)
+    with DirectoryLock(out, beside=True, what="compressed model being written"):
+        if out.exists() and not overwrite:
+            raise FileExistsError(f"{out} exists; {overwrite_hint}")
+        stages = ["load", "compress"] + (["accuracy before", "accuracy after"] if eval_n else []) + ["save"]
+        with tqdm(total=len(stages), desc=f"compress {method}", disable=not progress) as bar:
+            bar.set_postfix_str("load")
+            source = load_model(model) if isinstance(model, (str, os.PathLike)) else model
+            if getattr(source, "tokenizer", None) is None:
+                raise ValueError(f"{model} has no tokenizer; cannot encode calibration texts")
+            bar.update()
+            bar.set_postfix_str("compress")
+            small = compress_with(source, method, task_texts(task, calibration_n), a3)
+            bar.update()
+            before = after = None
+            if eval_n:
+                bar.set_postfix_str("accuracy before")
+                before = heldout_accuracy(source, task, eval_n, desc="before", progress=progress).accuracy
+                bar.update()
+                bar.set_postfix_str("accuracy after")
+                after = heldout_accuracy(small, task, eval_n, desc="after", progress=progress).accuracy
+                bar.update()
+            bar.set_postfix_str("save")
+            save_checkpoint(small, out, overwrite=overwrite)
+            bar.update()
+    kv = kv_cache_bytes(small.config, 1, 1) / kv_cache_bytes(source.config, 1, 1)
+    return CompressReport(method=method, a3=a3, before_config=source.config, after_config=small.config,
+                          kv_cache_ratio=kv, before=before, after=after, out=out, n=eval_n)

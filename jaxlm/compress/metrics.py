@@ -22,6 +22,8 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.compress.calibrate import check_components
+from jaxlm.data.encoding import encode
+from jaxlm.inference.cache import KVCache
 from jaxlm.models.layers.attention import attention_scores, weighted_values
 from jaxlm.models.masks import build_attention_mask
 from jaxlm.models.params import flat_params, model_from_flat
@@ -129,10 +131,8 @@ def mean_token_nll(model, batches: Iterable[tuple[np.ndarray, ...]]) -> float:
 
 def example_batches(tokenizer, examples, *, batch_size: int, seq_len: int):
     """Right-padded ``(tokens, valid, targets)`` batches of prompt/completion examples encoded
-    as in training (`jaxlm.data.pipeline.encode`: BOS + prompt + completion + EOS, the
+    as in training (`jaxlm.data.encoding.encode`: BOS + prompt + completion + EOS, the
     completion and EOS are the targets); rows longer than ``seq_len`` are cut."""
-    from jaxlm.data.pipeline import encode
-
     rows = [encode(e, tokenizer) for e in examples]
     out = []
     for i in range(0, len(rows), batch_size):
@@ -149,7 +149,5 @@ def example_batches(tokenizer, examples, *, batch_size: int, seq_len: int):
 
 def kv_cache_bytes(config, batch_size: int = 1, max_len: int | None = None) -> int:
     """Bytes of the K and V caches for ``batch_size`` sequences of ``max_len`` slots."""
-    from jaxlm.inference.cache import KVCache
-
     cache = jax.eval_shape(lambda: KVCache.init(config, batch_size, max_len or config.max_seq_len))
     return cache.nbytes  # stacked [L, ...] or per layer (mixed widths): the sum over layers

@@ -1,4 +1,5 @@
-"""Data: tokenizers (and, later, synthetic tasks, loaders and packing)."""
+"""Data: tokenizers and chat templates, synthetic tasks with verifiers, local files, and the
+grain pipeline from examples to training batches."""
 
 from jaxlm.data.tokenizers import ByteTokenizer, HFTokenizer
 

@@ -14,6 +14,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxlm.data.encoding import encode
 from jaxlm.data.tasks import TASKS, Task
 
 _OPS = {
@@ -78,8 +79,6 @@ class ConditionedDigits(Task):
                 "_split_key": cond}
 
     def encode_arrays(self, example, tokenizer):
-        from jaxlm.data.pipeline import encode
-
         enc = encode(example, tokenizer)
         if self.condition_in == "hyper":
             ids = tokenizer.encode(example["condition"])[: self.cond_len]

@@ -65,9 +65,13 @@ class FactWorld(Task):
     ``capability`` examples at rate ``capability_fraction``."""
 
     n_subjects: int = 100
+    """Fictional subjects, each with one fact per relation."""
     relations: tuple[str, ...] = ("city", "job")
+    """Relations every subject has a value for."""
     capability: Arithmetic | None = Arithmetic(digits=2)
+    """A task mixed into training, whose held-out accuracy measures what an edit preserves."""
     capability_fraction: float = 0.5
+    """Fraction of training examples drawn from the capability task."""
 
     def __post_init__(self):
         super().__post_init__()

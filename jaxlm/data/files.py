@@ -50,17 +50,25 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path} does not exist")
+    if path.is_dir():
+        raise DataError(f"{path} is a directory, not a .jsonl or .parquet file")
     rows: list[dict[str, Any]] = []
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-                rows.append(_check_row(row, f"{path}:{lineno}"))
+        offset = 0
+        for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+            start, offset = offset, offset + len(raw) + 1
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {start + e.start} of the file, "
+                                f"{raw[e.start:e.start + 4]!r}); save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            rows.append(_check_row(row, f"{path}:{lineno}"))
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -83,5 +91,8 @@ class Files:
     evaluation; without it, ``eval_fraction`` of ``path``'s rows are (by index hash)."""
 
     path: str = "data.jsonl"
+    """Training rows: a .jsonl or .parquet file."""
     eval_path: str | None = None
+    """Held-out rows (None: eval_fraction of path's rows, chosen by index hash)."""
     eval_fraction: float = 0.05
+    """Fraction of path's rows held out when eval_path is None."""

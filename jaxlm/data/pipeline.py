@@ -1,9 +1,8 @@
 """From a data source to training batches, through `grain`.
 
-A prompt/completion example becomes ``segments``: ``[(text, trainable), ...]`` (the prompt
-is not trained, the completion and EOS are); chat ``messages`` are rendered in the
-tokenizer's chat format and the assistant output is trained (`jaxlm.data.chat.encode_chat`).
-Encoded, each is ``tokens`` and ``loss_mask``; batches are
+Each example is encoded to ``tokens`` and ``loss_mask`` (`jaxlm.data.encoding.encode`:
+the prompt is not trained, the completion and EOS are; chat ``messages`` are rendered in the
+tokenizer's chat format and the assistant output is trained); batches are
 
     tokens      int32 [B, T]
     loss_mask   bool  [B, T]  token t is a training target
@@ -25,8 +24,8 @@ from typing import Any, Callable
 import grain
 import numpy as np
 
-from jaxlm.data.chat import builtin_segments, encode_chat
 from jaxlm.data.conditioned import ConditionedDigits
+from jaxlm.data.encoding import encode
 from jaxlm.data.facts import FactWorld
 from jaxlm.data.files import DataError, Files, read_rows
 from jaxlm.data.graphs import GraphLabels
@@ -48,42 +47,23 @@ class DataConfig:
     """What to train on and how it is batched."""
 
     source: Source = Arithmetic()
+    """Where examples come from: a synthetic task (generated from its seed) or local Files."""
     seq_len: int = 64
+    """Tokens per row; a longer example is an error (synthetic) or dropped with a count (files)."""
     batch_size: int = 32
+    """Rows per step, over all processes and devices (GRPO: prompts per iteration)."""
     pack: bool = False
+    """Pack several examples per row (block-diagonal causal mask) instead of one padded example."""
     shuffle_seed: int = 0
+    """Seed of the data order (files, packing)."""
     eval_examples: int = 200
+    """Held-out examples for the loss and the accuracy."""
 
     def __post_init__(self):
         for name in ("seq_len", "batch_size", "eval_examples"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"DataConfig.{name}={v!r} is invalid: must be a positive int")
-
-
-def to_segments(example: dict[str, Any]) -> list[tuple[str, bool]]:
-    """Prompt (untrained) and completion; chat ``messages`` in the built-in format."""
-    if "messages" in example:
-        return builtin_segments(example["messages"])
-    return [(example["prompt"], False), (example["completion"], True)]
-
-
-def encode(example: dict[str, Any], tokenizer) -> dict[str, np.ndarray]:
-    """BOS + segments + EOS as ``tokens`` and ``loss_mask`` (EOS is trained); chat
-    ``messages``: the tokenizer's chat format with its assistant mask (`encode_chat`)."""
-    if "messages" in example:
-        tokens, mask = encode_chat(tokenizer, example["messages"])
-        return {"tokens": np.asarray(tokens, np.int32), "loss_mask": np.asarray(mask, bool)}
-    tokens: list[int] = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    mask: list[bool] = [False] * len(tokens)
-    for text, trainable in to_segments(example):
-        ids = tokenizer.encode(text)
-        tokens += ids
-        mask += [trainable] * len(ids)
-    if tokenizer.eos_id is not None:
-        tokens.append(tokenizer.eos_id)
-        mask.append(True)
-    return {"tokens": np.asarray(tokens, np.int32), "loss_mask": np.asarray(mask, bool)}
 
 
 class ExampleSource:

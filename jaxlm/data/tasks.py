@@ -39,7 +39,9 @@ class Task:
     """Base: subclasses implement `_draw(rng) -> example dict` and `verify`."""
 
     seed: int = 0
+    """Seed of the generated examples."""
     eval_fraction: float = 0.1
+    """Fraction of the distinct prompts held out for evaluation (by hash: never trained on)."""
 
     def __post_init__(self):
         if not 0 < self.eval_fraction < 1:
@@ -80,8 +82,11 @@ class Arithmetic(Task):
     """
 
     digits: int = 2
+    """Digits of each operand (1-9)."""
     ops: tuple[str, ...] = ("+",)
+    """Operators to draw from: + - *."""
     carry_slip: float = 0.0
+    """Probability that a + demonstration with a ones carry drops it (a flawed teacher)."""
 
     _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
@@ -157,7 +162,9 @@ class Countdown(Task):
     """
 
     n_numbers: int = 3
+    """Numbers given per problem."""
     max_number: int = 20
+    """Largest given number."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -195,7 +202,9 @@ class Sorting(Task):
     """Sort ``length`` integers in ``[0, max_value]`` ascending."""
 
     length: int = 5
+    """Integers per list."""
     max_value: int = 99
+    """Largest integer."""
 
     def __post_init__(self):
         super().__post_init__()

@@ -15,7 +15,13 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from jaxlm.data.chat import SPECIAL_TOKEN_NAMES, TEMPLATE_FILE, ChatTemplate, apply_chat_template, read_chat_template
+from jaxlm.data.chat import (
+    SPECIAL_TOKEN_NAMES,
+    TEMPLATE_FILE,
+    ChatTemplate,
+    apply_chat_template,
+    read_chat_template,
+)
 
 
 class ByteTokenizer:

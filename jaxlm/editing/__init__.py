@@ -14,7 +14,12 @@ from jaxlm.editing.benchmark import METHODS, run_method
 from jaxlm.editing.crispedit import EditResult, GradientEditConfig, gradient_edit, sequential_edit
 from jaxlm.editing.kfac import ESTIMATORS, KFACFactors, kfac_factors, merge_factors
 from jaxlm.editing.locate import (
-    LocateEditConfig, alphaedit_update, compute_targets, locate_edit, memit_update, nullspace_projector,
+    LocateEditConfig,
+    alphaedit_update,
+    compute_targets,
+    locate_edit,
+    memit_update,
+    nullspace_projector,
 )
 from jaxlm.editing.metrics import EditEvaluator
 from jaxlm.editing.projection import KroneckerProjector, project_updates, projector_from_factors

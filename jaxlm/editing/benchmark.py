@@ -1,22 +1,31 @@
 """The editing comparison in one call: the same requests, the same capability corpus and
 the same metrics for CrispEdit, plain fine-tuning, AlphaEdit and MEMIT.
 
-``jaxlm edit MODEL --method all --requests FILE`` and ``bench/editing.py`` run it;
-`EditEvaluator` (``jaxlm.editing.metrics``) defines the metrics.
+`edit_checkpoint` loads, edits, measures and saves (``jaxlm edit MODEL --method all
+--requests FILE``; ``bench/editing.py``); `EditEvaluator` (``jaxlm.editing.metrics``) defines
+the metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
+from jaxlm.checkpoint import load_model, save_checkpoint
+from jaxlm.data.facts import FactWorld, read_requests
+from jaxlm.data.tasks import Arithmetic
 from jaxlm.editing.crispedit import GradientEditConfig, sequential_edit
 from jaxlm.editing.kfac import kfac_factors, token_batches
 from jaxlm.editing.locate import LocateEditConfig, locate_edit
 from jaxlm.editing.metrics import EditEvaluator
+from jaxlm.fileio import DirectoryLock
 
 METHODS = ("crispedit", "finetune", "alphaedit", "memit")
 
@@ -97,3 +106,67 @@ def markdown_table(runs: Sequence[EditRun], unedited: dict[str, float] | None = 
             + f" | {r.seconds:.1f} |"
         )
     return "\n".join(lines)
+
+
+def edit_checkpoint(
+    model,
+    requests: str | os.PathLike | Sequence[dict[str, Any]],
+    *,
+    method: str = "crispedit",
+    batches: int = 1,
+    corpus=None,
+    corpus_size: int = 512,
+    capability=None,
+    capability_n: int = 200,
+    gradient: GradientEditConfig = GradientEditConfig(),
+    locate: LocateEditConfig = LocateEditConfig(),
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    overwrite_hint: str = "pass overwrite=True to replace it",
+    progress: bool = False,
+) -> tuple[dict[str, Any], list[EditRun]]:
+    """Load a model (a checkpoint or HF directory, or take one), apply ``requests`` (a jsonl
+    file or a list) with ``method`` (one of `METHODS`, or ``"all"``) in ``batches`` sequential
+    chunks, measure every method against the unedited model, and save the edited model to
+    ``out`` (one method only; locked and written atomically): what ``jaxlm edit`` runs.
+    ``corpus`` (default `FactWorld`): the texts whose curvature / key covariance the edit
+    protects; ``capability`` (default `Arithmetic`): the task whose held-out exact match
+    measures retention. Returns the report (``"unedited"`` and one entry per method) and the
+    runs."""
+    methods = METHODS if method == "all" else (method,)
+    if method != "all" and method not in METHODS:
+        raise ValueError(f"method={method!r} is invalid: must be one of {METHODS} or 'all'")
+    if out is not None and method == "all":
+        raise ValueError("out saves one edited model: pick one method, not 'all'")
+    for name, value in (("corpus_size", corpus_size), ("capability_n", capability_n)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r} is invalid: must be a positive int")
+    if isinstance(requests, (str, os.PathLike)):
+        requests = read_requests(requests)
+    corpus = FactWorld() if corpus is None else corpus
+    capability = Arithmetic() if capability is None else capability
+    lock = DirectoryLock(out, beside=True, what="edited model being written") if out is not None else None
+    with lock or contextlib.nullcontext():
+        if out is not None and Path(out).exists() and not overwrite:
+            raise FileExistsError(f"{out} exists; {overwrite_hint}")
+        source = load_model(model) if isinstance(model, (str, os.PathLike)) else model
+        if getattr(source, "tokenizer", None) is None:
+            raise ValueError(f"{model} has no tokenizer; cannot encode edit requests")
+        held = [capability.example(i, "eval") for i in range(capability_n)]
+        evaluator = EditEvaluator(source, requests, source.tokenizer, held)
+        texts = corpus_texts(corpus, corpus_size)
+        runs = []
+        with tqdm(total=len(methods) + 1, desc="edit", disable=not progress) as bar:
+            bar.set_postfix_str("unedited")
+            unedited = evaluator(source)
+            bar.update()
+            for m in methods:
+                bar.set_postfix_str(m)
+                runs.append(run_method(source, requests, m, tokenizer=source.tokenizer, corpus=texts,
+                                       evaluator=evaluator, batches=batches, gradient=gradient, locate=locate))
+                bar.update()
+        if out is not None:
+            save_checkpoint(runs[0].model, out, overwrite=overwrite)
+    report = {"unedited": unedited, **{r.method: {**r.metrics, "seconds": r.seconds, "per_batch": r.per_batch,
+                                                  **r.info} for r in runs}}
+    return report, runs

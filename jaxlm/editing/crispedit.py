@@ -30,7 +30,12 @@ import optax
 from flax import nnx
 
 from jaxlm.editing.kfac import ESTIMATORS, KFACFactors, check_module, kfac_factors, merge_factors
-from jaxlm.editing.projection import KroneckerProjector, check_energy, project_updates, projector_from_factors
+from jaxlm.editing.projection import (
+    KroneckerProjector,
+    check_energy,
+    project_updates,
+    projector_from_factors,
+)
 from jaxlm.editing.requests import EncodedPairs, rewrite_pairs
 from jaxlm.editing.weights import layer_kernels, with_layer_kernels
 

@@ -19,7 +19,11 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from jaxlm.dtypes import dtype_name
+from jaxlm.models.layers import ATTENTION, MLP, ROPE
+
 _ROPE_SCALINGS = ("none", "linear", "llama3")
+#: the HuggingFace families a model maps to (their tables: `jaxlm.models.hf.families`)
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _REMAT = ("none", "full", "dots")
 #: per-layer field -> the scalar field it overrides
 _LAYER_FIELDS = {"layer_qk_head_dims": "qk_head_dim", "layer_v_head_dims": "v_head_dim", "layer_ffn_dims": "ffn_dim"}
@@ -46,10 +50,15 @@ class RopeScaling:
     """
 
     kind: str = "none"
+    """none | linear | llama3."""
     factor: float = 1.0
+    """linear / llama3: the scaling factor."""
     low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_len / low_freq_factor are scaled."""
     high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_len / high_freq_factor are kept."""
     original_max_len: int = 8192
+    """llama3: the context length the model was pretrained at."""
 
     def __post_init__(self):
         if self.kind not in _ROPE_SCALINGS:
@@ -79,48 +88,87 @@ class ModelConfig:
     """
 
     vocab_size: int = 256
+    """Rows of the embedding and the LM head (at least the tokenizer's vocabulary)."""
     d_model: int = 64
+    """Width of the residual stream (HF hidden_size)."""
     n_layers: int = 2
+    """Transformer blocks."""
     n_heads: int = 4
-    n_kv_heads: int | None = None  # None -> n_heads (plain multi-head attention)
-    head_dim: int | None = None  # None -> d_model // n_heads
-    qk_head_dim: int | None = None  # None -> head_dim (query/key width per head; smaller after A^3-QK)
-    v_head_dim: int | None = None  # None -> head_dim (value width per head; smaller after A^3-OV)
+    """Query heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads: fewer than n_heads is GQA, 1 is MQA (None: n_heads, plain multi-head)."""
+    head_dim: int | None = None
+    """Width of each head (None: d_model // n_heads)."""
+    qk_head_dim: int | None = None
+    """Query/key width per head (None: head_dim; smaller after A^3-QK compression)."""
+    v_head_dim: int | None = None
+    """Value width per head (None: head_dim; smaller after A^3-OV compression)."""
     ffn_dim: int = 128
-    # Per-layer widths (A^3 with mixed ranks): None = every layer uses the scalar field; a tuple of
-    # n_layers ints overrides it layer by layer (unrolled layers only; `layer_config` is the view
-    # each Block is built from, and the KV cache then stores keys/values per layer).
+    """SwiGLU inner width (HF intermediate_size)."""
     layer_qk_head_dims: tuple[int, ...] | None = None
+    """Per-layer query/key widths (A^3 with mixed ranks; unrolled layers only): None = every
+    layer uses qk_head_dim. `layer_config` is the view each Block is built from, and the KV
+    cache then stores keys/values per layer."""
     layer_v_head_dims: tuple[int, ...] | None = None
+    """Per-layer value widths (as layer_qk_head_dims; None = every layer uses v_head_dim)."""
     layer_ffn_dims: tuple[int, ...] | None = None
+    """Per-layer MLP widths (as layer_qk_head_dims; None = every layer uses ffn_dim)."""
     norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
     rope_theta: float = 10_000.0
+    """RoPE base: inverse frequencies theta^(-2i/head_dim)."""
     rope_scaling: RopeScaling = RopeScaling()
+    """RoPE frequency scaling (linear position interpolation, Llama 3.1)."""
     qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2)."""
     qk_norm: bool = False
+    """RMSNorm over head_dim on queries and keys before RoPE (Qwen3)."""
     tie_embeddings: bool = False
+    """The LM head is the transposed embedding."""
     sliding_window: int | None = None
+    """Each query sees at most this many latest keys (Mistral); None: full causal attention."""
     max_seq_len: int = 2048
-    dtype: str = "float32"  # compute dtype; a jnp/numpy dtype is accepted and stored by name
-    param_dtype: str = "float32"  # weight dtype (likewise)
-    attention: str = "softmax"  # softmax | affine_scaled | sink
-    mlp: str = "swiglu"  # swiglu | meta_swiglu
-    rope: str = "default"  # default | none | graph
+    """Longest sequence (prompt + generated tokens) the model and its KV cache hold."""
+    dtype: str = "float32"
+    """Compute dtype: float32 | bfloat16 | float16 (a jnp/numpy dtype is accepted and stored by name)."""
+    param_dtype: str = "float32"
+    """Weight dtype (as dtype)."""
+    attention: str = "softmax"
+    """Attention variant: softmax | affine_scaled | sink."""
+    mlp: str = "swiglu"
+    """MLP variant: swiglu | meta_swiglu (MeGan)."""
+    rope: str = "default"
+    """Position encoding: default (RoPE) | none | graph (Weaver's two-axis RoPE)."""
     # Variant options (read only by the variant that names them):
-    affine_bias: str = "free"  # affine_scaled: "free" b_i, or "coupled" b_i = (1 - s_i) / n_i
-    affine_scale_act: str = "sigmoid2"  # affine_scaled: s_i = 2 sigmoid(z) | exp(z); both 1 at z = 0
-    sink_init: float = 0.0  # sink: initial per-head sink logit
-    meta_rank: int = 64  # meta_swiglu: width r of the hypernetwork's cross-attention
-    graph_rope_pairs: int | None = None  # graph: frequency pairs driven by the graph coordinate
-    graph_rope_band: str = "low"  # graph: those pairs are the lowest ("low") or highest frequencies
-    qat_format: str | None = None  # fake-quantize attention/MLP projections (inputs + weights, STE): QAT
-    kv_quant: str | None = None  # fake-quantize post-RoPE keys and values (a low-bit KV cache)
-    k_shift: bool = False  # a per-layer post-RoPE key shift parameter [n_kv_heads, qk_head_dim] (Q-FIT)
-    k_shift_trainable: bool = False  # train the shift (default frozen: ReQAT applies a fixed calibrated shift)
+    affine_bias: str = "free"
+    """affine_scaled: free per-head bias b_i, or coupled b_i = (1 - s_i) / n_i."""
+    affine_scale_act: str = "sigmoid2"
+    """affine_scaled: s_i = 2 sigmoid(z) (sigmoid2) or exp(z); both 1 at z = 0."""
+    sink_init: float = 0.0
+    """sink: initial per-head sink logit."""
+    meta_rank: int = 64
+    """meta_swiglu: width r of the hypernetwork's cross-attention."""
+    graph_rope_pairs: int | None = None
+    """graph: frequency pairs driven by the graph coordinate."""
+    graph_rope_band: str = "low"
+    """graph: those pairs are the lowest (low) or highest (high) frequencies."""
+    qat_format: str | None = None
+    """Quantization-aware training: fake-quantize attention/MLP projections (inputs and
+    weights, straight-through) in this format (mxfp4 | nvfp4 | int4 | e1m2)."""
+    kv_quant: str | None = None
+    """Fake-quantize post-RoPE keys and values in this format (a simulated low-bit KV cache)."""
+    k_shift: bool = False
+    """A per-layer post-RoPE key shift parameter [n_kv_heads, qk_head_dim] (Q-FIT)."""
+    k_shift_trainable: bool = False
+    """Train the key shift (default frozen: ReQAT applies a fixed calibrated shift)."""
     scan_layers: bool = False
+    """Stack the blocks' parameters [L, ...] and run them with lax.scan (compile time independent of depth)."""
     remat: str = "none"
-    family: str = "llama"  # HF family this model maps to: llama | qwen2 | qwen3 | mistral
+    """Rematerialise each block in the backward pass: none | full | dots (keep matmul outputs)."""
+    family: str = "llama"
+    """HF family this model maps to: llama | qwen2 | qwen3 | mistral."""
     init_std: float = 0.02
+    """Standard deviation of the random initial weights."""
 
     def __post_init__(self):
         # Resolve the derived defaults first so every later check sees concrete values.
@@ -206,16 +254,11 @@ class ModelConfig:
                 raise _err(name, getattr(self, name), "must be a bool")
         if self.k_shift_trainable and not self.k_shift:
             raise _err("k_shift_trainable", self.k_shift_trainable, "needs k_shift=True (there is no shift to train)")
-        # Registry keys are checked lazily to keep this module import-light.
-        from jaxlm.models.layers import ATTENTION, MLP, ROPE
-
         for name, registry in (("attention", ATTENTION), ("mlp", MLP), ("rope", ROPE)):
             if getattr(self, name) not in registry:
                 raise _err(name, getattr(self, name), f"must be one of {sorted(registry)}")
-        from jaxlm.models.hf.families import FAMILIES
-
-        if self.family not in FAMILIES:
-            raise _err("family", self.family, f"must be one of {sorted(FAMILIES)}")
+        if self.family not in HF_FAMILIES:
+            raise _err("family", self.family, f"must be one of {sorted(HF_FAMILIES)}")
 
     def _validate_layer_dims(self) -> None:
         """Per-layer widths: a tuple of ``n_layers`` values, each valid where the scalar field is."""

@@ -8,7 +8,8 @@ care whether ``config.scan_layers`` is on.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import functools
+from typing import Callable, Mapping, MutableMapping
 
 import jax
 import numpy as np
@@ -30,6 +31,21 @@ def _walk(model: Transformer):
         yield _path_name(path), var
 
 
+@functools.lru_cache(maxsize=8)
+def _abstract_split(config):
+    return nnx.split(abstract_model(config))
+
+
+def _abstract(config) -> Transformer:
+    """A fresh abstract model (new Variables each call). Tracing the constructor of a real-size
+    model takes seconds, so its split is cached per (hashable) config."""
+    try:
+        graphdef, state = _abstract_split(config)
+    except TypeError:  # an unhashable config
+        return abstract_model(config)
+    return nnx.merge(graphdef, state, copy=True)
+
+
 def flat_params(model: Transformer) -> dict[str, jax.Array]:
     """``{name: array}`` with one entry per layer even when layers are stacked."""
     config = model.config
@@ -47,14 +63,26 @@ def flat_params(model: Transformer) -> dict[str, jax.Array]:
 
 def param_shapes(config) -> dict[str, jax.ShapeDtypeStruct]:
     """Expected ``{name: ShapeDtypeStruct}`` of the flat view, without allocating."""
+    return {name: shape for name, (shape, _) in _flat_specs(config).items()}
+
+
+def param_axes(config) -> dict[str, tuple[str | None, ...] | None]:
+    """Logical axes of each entry of the flat view (a stacked layer's entries: its axes
+    without ``layers``), for placing flat arrays on a mesh (`jaxlm.sharding.param_sharding`)."""
+    return {name: axes for name, (_, axes) in _flat_specs(config).items()}
+
+
+def _flat_specs(config):
     out = {}
-    for name, var in _walk(abstract_model(config)):
+    for name, var in _walk(_abstract(config)):
         v = var.get_value()
+        axes = var.get_metadata().get("out_sharding")
         if config.scan_layers and name.startswith("layers."):
             for i in range(config.n_layers):
-                out[f"layers.{i}.{name[len('layers.'):]}"] = jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+                out[f"layers.{i}.{name[len('layers.'):]}"] = (
+                    jax.ShapeDtypeStruct(v.shape[1:], v.dtype), None if axes is None else tuple(axes[1:]))
         else:
-            out[name] = jax.ShapeDtypeStruct(v.shape, v.dtype)
+            out[name] = (jax.ShapeDtypeStruct(v.shape, v.dtype), None if axes is None else tuple(axes))
     return out
 
 
@@ -63,14 +91,20 @@ def model_from_flat(
     flat: Mapping[str, jax.Array | np.ndarray],
     *,
     place: Callable[[str, tuple[str | None, ...], np.ndarray], jax.Array] | None = None,
+    release: bool = False,
 ) -> Transformer:
     """Build a `Transformer` from a flat ``{name: array}`` without random initialisation.
 
     Every expected name must be present with the expected shape (else ``KeyError`` /
     ``ValueError`` naming it); values are cast to ``config.param_dtype``. ``place``
-    (name, logical axes, array) -> device array lets the caller shard on load.
+    (name, logical axes, array) -> device array lets the caller shard on load. ``release``:
+    delete each entry from ``flat`` (a mutable mapping) once it is used, so a caller that
+    hands over its only references holds one copy of the weights, not two (stacking layers
+    makes new arrays).
     """
-    model = abstract_model(config)
+    if release and not isinstance(flat, MutableMapping):
+        raise TypeError(f"release=True needs a mutable mapping, got {type(flat).__name__}")
+    model = _abstract(config)
     graphdef, state = nnx.split(model)
     flat_state = nnx.to_flat_state(state)
     dtype = config.weight_dtype
@@ -78,10 +112,16 @@ def model_from_flat(
         name = _path_name(path)
         if config.scan_layers and name.startswith("layers."):
             rest = name[len("layers."):]
-            parts = [_fetch(flat, f"layers.{i}.{rest}", var.shape[1:]) for i in range(config.n_layers)]
+            keys = [f"layers.{i}.{rest}" for i in range(config.n_layers)]
+            parts = [_fetch(flat, k, var.shape[1:]) for k in keys]
             value = np.stack([np.asarray(p) for p in parts]) if isinstance(parts[0], np.ndarray) else jax.numpy.stack(parts)
+            del parts
         else:
+            keys = [name]
             value = _fetch(flat, name, var.shape)
+        if release:
+            for k in keys:
+                del flat[k]
         value = value.astype(var.get_value().dtype if isinstance(var, RopeFrequencies) else dtype)
         axes = var.get_metadata().get("out_sharding")
         var.set_value(place(name, axes, value) if place is not None else jax.numpy.asarray(value))

@@ -43,7 +43,7 @@ def check_collect(names: Iterable[str]) -> frozenset[str]:
 
 class Taps:
     """Keeps the requested tensors of one layer and applies the interventions
-    (`jaxlm.interp.Intervention`) aimed at a site; ``layer`` is the traced layer index."""
+    (`jaxlm.models.interventions.Intervention`) aimed at a site; ``layer`` is the traced layer index."""
 
     def __init__(self, names: frozenset[str], interventions: tuple = (), layer: jax.Array | None = None):
         self.names = names

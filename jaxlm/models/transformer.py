@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jaxlm.inference.cache import KVCache, LayerKV
-from jaxlm.interp.interventions import check_interventions
 from jaxlm.models.config import ModelConfig
+from jaxlm.models.interventions import check_interventions
 from jaxlm.models.layers.attention import ATTENTION
 from jaxlm.models.layers.linear import Linear, linear, param
 from jaxlm.models.layers.meta_gate import MetaGate

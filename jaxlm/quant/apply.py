@@ -1,19 +1,32 @@
-"""One entry point for post-training quantization of a model: ``quantize_with(model,
-method, fmt, calibration_texts)`` -> a new model (what ``jaxlm quantize`` and the
-quickstart stage run)."""
+"""Post-training quantization of a model in one call: ``quantize_with(model, method, fmt,
+calibration_texts)`` -> a new model (the quickstart's stage), and
+``quantize_checkpoint(src, out, ...)``: load, quantize, measure, save (``jaxlm quantize``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from pathlib import Path
 from typing import Sequence
 
+from tqdm.auto import tqdm
+
+from jaxlm.checkpoint import load_model, save_checkpoint
+from jaxlm.data.tasks import Arithmetic
+from jaxlm.editing.kfac import token_batches
+from jaxlm.eval.accuracy import heldout_accuracy, task_texts
+from jaxlm.fileio import DirectoryLock
 from jaxlm.quant.formats import get_format
+from jaxlm.quant.gptq import INNER
+from jaxlm.quant.qat_export import export_for_quantize
+from jaxlm.quant.quarot import quarot_quantize
+from jaxlm.quant.twinquant import twinquant_quantize_model
+from jaxlm.quant.w4a4 import transform_quantize_model
 
 PTQ_METHODS = ("rtn", "hadamard", "wush", "quarot", "twinquant")
 
 
 def calibration_batches(tokenizer, texts: Sequence[str], *, batch_size: int = 64, seq_len: int = 64):
-    from jaxlm.editing.kfac import token_batches
-
     return list(token_batches(tokenizer, texts, batch_size=batch_size, seq_len=seq_len))
 
 
@@ -30,18 +43,12 @@ def quantize_with(model, method: str, fmt: str, calibration_texts: Sequence[str]
     ``"qat"`` (required for, and only for, a model with ``config.qat_format``):
     `jaxlm.quant.qat_export.export_qat`, its trained weights stored in that format (``fmt``
     None or the same format)."""
-    from jaxlm.quant.w4a4 import transform_quantize_model
-
     if method == "qat" or getattr(model.config, "qat_format", None) is not None:
         # a quantization-aware-trained model: its trained weights stored in the trained format
-        from jaxlm.quant.qat_export import export_for_quantize
-
         return export_for_quantize(model, method, fmt, weights_only=weights_only, inner=inner)
     if method not in PTQ_METHODS:
         raise ValueError(f"method={method!r} is invalid: must be one of {PTQ_METHODS}")
     fmt = get_format(fmt)
-    from jaxlm.quant.gptq import INNER
-
     if inner not in INNER:
         raise ValueError(f"inner={inner!r} is invalid: must be one of {INNER}")
     if inner != "rtn" and method in ("quarot", "twinquant"):
@@ -53,12 +60,95 @@ def quantize_with(model, method: str, fmt: str, calibration_texts: Sequence[str]
     if getattr(model, "tokenizer", None) is None and calibration_texts:
         raise ValueError("the model has no tokenizer to encode the calibration texts")
     if method == "quarot":
-        from jaxlm.quant.quarot import quarot_quantize
-
         return quarot_quantize(model, fmt, quantize_activations=not weights_only)
     batches = calibration_batches(model.tokenizer, calibration_texts, seq_len=seq_len) if calibration_texts else None
     if method == "twinquant":
-        from jaxlm.quant.twinquant import twinquant_quantize_model
-
         return twinquant_quantize_model(model, fmt, batches, rank=rank, quantize_activations=not weights_only)
     return transform_quantize_model(model, method, fmt, batches, quantize_activations=not weights_only, inner=inner)
+
+
+@dataclasses.dataclass
+class QuantizeReport:
+    """What `quantize_checkpoint` did: held-out accuracy before and after, and where the
+    quantized model went."""
+
+    method: str
+    format: str
+    inner: str
+    mode: str  # "W4A4" or "W4A16"
+    before: float | None  # None: not measured (eval_n=0)
+    after: float | None
+    out: Path
+    n: int
+
+    def summary(self) -> str:
+        inner = f" (inner {self.inner})" if self.inner != "rtn" else ""
+        acc = ("" if self.before is None else
+               f": held-out accuracy {self.before:.1%} -> {self.after:.1%} ({self.n} problems)")
+        return f"{self.method}{inner} {self.format} {self.mode}{acc} -> {self.out}"
+
+
+def quantize_checkpoint(
+    model,
+    out: str | os.PathLike,
+    *,
+    method: str = "wush",
+    fmt: str = "mxfp4",
+    inner: str = "rtn",
+    weights_only: bool = False,
+    rank: int | float | None = None,
+    task=None,
+    calibration_n: int = 256,
+    eval_n: int = 200,
+    overwrite: bool = False,
+    overwrite_hint: str = "pass overwrite=True to replace it",
+    progress: bool = False,
+) -> QuantizeReport:
+    """Load (a checkpoint or HF directory, or take a model), quantize with `quantize_with`
+    on ``calibration_n`` texts of ``task``'s train split (default: `Arithmetic`), measure
+    held-out accuracy before and after on ``eval_n`` examples (0: skip), and save to
+    ``out``: what ``jaxlm quantize`` runs. ``out`` is locked while it is written (a second
+    writer is refused) and replaced atomically (`jaxlm.fileio.atomic_directory`), so
+    ``out`` may be the input directory itself."""
+    get_format(fmt)  # a bad format fails before anything is loaded
+    if inner not in INNER:
+        raise ValueError(f"inner={inner!r} is invalid: must be one of {INNER}")
+    if inner != "rtn" and method not in ("rtn", "hadamard", "wush"):
+        raise ValueError(f"inner={inner!r} applies to method rtn | hadamard | wush (got method={method!r})")
+    if rank is not None and method != "twinquant":
+        raise ValueError(f"rank applies to method twinquant only (got method={method!r})")
+    for name, value in (("calibration_n", calibration_n), ("eval_n", eval_n)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r} is invalid: must be an int >= 0")
+    task = Arithmetic() if task is None else task
+    out = Path(out)
+    with DirectoryLock(out, beside=True, what="quantized model being written"):
+        if out.exists() and not overwrite:
+            raise FileExistsError(f"{out} exists; {overwrite_hint}")
+        stages = ["load", "quantize"] + (["accuracy before", "accuracy after"] if eval_n else []) + ["save"]
+        with tqdm(total=len(stages), desc=f"quantize {method} {fmt}", disable=not progress) as bar:
+            def stage(name):
+                bar.set_postfix_str(name)
+
+            stage("load")
+            source = load_model(model) if isinstance(model, (str, os.PathLike)) else model
+            if getattr(source, "tokenizer", None) is None:
+                raise ValueError(f"{model} has no tokenizer; cannot encode calibration texts")
+            bar.update()
+            stage("quantize")
+            quantized = quantize_with(source, method, fmt, task_texts(task, calibration_n), weights_only=weights_only,
+                                      rank=rank, inner=inner)
+            bar.update()
+            before = after = None
+            if eval_n:
+                stage("accuracy before")
+                before = heldout_accuracy(source, task, eval_n, desc="before", progress=progress).accuracy
+                bar.update()
+                stage("accuracy after")
+                after = heldout_accuracy(quantized, task, eval_n, desc="after", progress=progress).accuracy
+                bar.update()
+            stage("save")
+            save_checkpoint(quantized, out, overwrite=overwrite)
+            bar.update()
+    return QuantizeReport(method=method, format=str(fmt), inner=inner, mode="W4A16" if weights_only else "W4A4",
+                          before=before, after=after, out=out, n=eval_n)

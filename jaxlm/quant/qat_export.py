@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jaxlm.quant.linear  # noqa: F401  (registers linear() for QArray weights)
-from jaxlm.models.layers.linear import fake_quant_tokens, linear
-from jaxlm.quant.formats import QArray, QFormat, get_format, quantize
+from jaxlm.models.layers.linear import Linear, linear
+from jaxlm.models.params import flat_params, model_from_flat
+from jaxlm.quant.formats import QArray, QFormat, fake_quant_tokens, get_format, quantize
+from jaxlm.quant.w4a4 import map_projections
 
 
 @jax.tree_util.register_dataclass
@@ -49,8 +50,6 @@ def act_quant_linear(x: jax.Array, w: ActQuantWeight) -> jax.Array:
 def qat_projections(model) -> tuple[str, ...]:
     """The fake-quantized projections of ``model`` as ``"attn.q_proj"``-style names
     (relative to a layer)."""
-    from jaxlm.models.layers.linear import Linear
-
     names = []
     for path, module in nnx.iter_graph(model.layers):
         if isinstance(module, Linear) and module.fake_quant is not None:
@@ -68,9 +67,6 @@ def export_qat(model):
     (`ActQuantWeight(quantize(W, F, axis=-2), act_format=F)`), config ``qat_format=None``;
     everything else (embeddings, norms, LM head, ``kv_quant``, ``k_shift``) unchanged.
     Stacked (scanned) and unrolled layers alike."""
-    from jaxlm.models.params import flat_params, model_from_flat
-    from jaxlm.quant.w4a4 import map_projections
-
     c = model.config
     if c.qat_format is None:
         raise ValueError("export_qat: ModelConfig.qat_format is None: the model was not trained with fake-quantized "

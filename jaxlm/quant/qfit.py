@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxlm.interp.interventions import Intervention, _layer_mask
+from jaxlm.models.interventions import Intervention, layer_mask
 from jaxlm.models.layers.rope import ROPE
+from jaxlm.models.params import flat_params, model_from_flat
 from jaxlm.quant.formats import fake_quant, get_format
 
 
@@ -152,7 +153,7 @@ def qfit_shift(result: QFitResult) -> Intervention:
     ``k_rot``; pass it with the model's other interventions)."""
     L = result.shift.shape[0]
     return Intervention(vector=-(result.alpha_m[:, None, None] * result.shift), alpha=jnp.ones((), jnp.float32),
-                        layers=_layer_mask(None, L), site="k_rot", kind="add")
+                        layers=layer_mask(None, L), site="k_rot", kind="add")
 
 
 def fold_qfit(model, result: QFitResult):
@@ -161,8 +162,6 @@ def fold_qfit(model, result: QFitResult):
     (config ``k_shift=True``; the model's other config fields, e.g. ``kv_quant``, are kept).
     Before quantization it computes the original function (softmax is shift-invariant), so
     ``attention="sink"`` (a fixed sink logit the shift does not move) is refused."""
-    from jaxlm.models.params import flat_params, model_from_flat
-
     c = model.config
     if c.k_shift:
         raise ValueError("fold_qfit: the model already has ModelConfig.k_shift=True; fit Q-FIT on a model "

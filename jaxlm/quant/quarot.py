@@ -35,6 +35,11 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.models.transformer import abstract_model
+from jaxlm.quant.calibrate import INPUT_TAPS
+from jaxlm.quant.formats import QArray
+from jaxlm.quant.qat_export import ActQuantWeight
+from jaxlm.quant.twinquant import LowRankTransformedWeight
+from jaxlm.quant.w4a4 import TransformedWeight, transform_quantize_model
 from kernels_pallas.formats import walsh_hadamard
 
 #: attention variants whose only reads of the residual stream are the normed input to
@@ -69,11 +74,6 @@ def _check_supported(model, what: str) -> None:
 
 
 def _structured(x) -> bool:
-    from jaxlm.quant.formats import QArray
-    from jaxlm.quant.qat_export import ActQuantWeight
-    from jaxlm.quant.twinquant import LowRankTransformedWeight
-    from jaxlm.quant.w4a4 import TransformedWeight
-
     return isinstance(x, (QArray, TransformedWeight, LowRankTransformedWeight, ActQuantWeight))
 
 
@@ -259,9 +259,6 @@ def quarot_quantize(model, fmt, *, seed: int = 0, quantize_weights: bool = True,
     """QuaRot W4A4 (or W4A16 without ``quantize_activations``): `quarot_transform`, then RTN
     on q/k/v/o/gate/up and RTN after the per-block shared Hadamard on ``down_proj`` (the
     emulated online Hadamard). Embeddings and the LM head stay in full precision."""
-    from jaxlm.quant.calibrate import INPUT_TAPS
-    from jaxlm.quant.w4a4 import transform_quantize_model
-
     rotated = quarot_transform(model, seed=seed)
     kw = dict(quantize_weights=quantize_weights, quantize_activations=quantize_activations)
     rtn = tuple(m for m in INPUT_TAPS if m != "mlp.down_proj")

@@ -13,13 +13,12 @@ import jax
 import numpy as np
 
 from jaxlm.quant.formats import QArray, QFormat
+from jaxlm.quant.qat_export import ActQuantWeight
+from jaxlm.quant.twinquant import LowRankTransformedWeight
+from jaxlm.quant.w4a4 import TransformedWeight
 
 
 def _types() -> dict[str, type]:
-    from jaxlm.quant.qat_export import ActQuantWeight
-    from jaxlm.quant.twinquant import LowRankTransformedWeight
-    from jaxlm.quant.w4a4 import TransformedWeight
-
     return {"QArray": QArray, "TransformedWeight": TransformedWeight,
             "LowRankTransformedWeight": LowRankTransformedWeight, "ActQuantWeight": ActQuantWeight}
 

@@ -39,12 +39,18 @@ import numpy as np
 import optax
 
 from jaxlm.models.layers.linear import linear
-from jaxlm.quant.formats import QFormat, fake_quant, fake_quant_tokens, get_format
-from jaxlm.quant.linear import resolved_backend
+from jaxlm.quant.backend import resolved_backend
+from jaxlm.quant.calibrate import INPUT_TAPS, input_samples
+from jaxlm.quant.formats import QFormat, fake_quant, fake_quant_tokens, get_format, quantize
 from jaxlm.quant.transforms import hadamard_transform, identity_transform, transform_activations
 from jaxlm.quant.w4a4 import (
-    TransformedWeight, kernel_weight, kernel_with_jnp_gradient, transformed_linear,
+    TransformedWeight,
+    kernel_weight,
+    kernel_with_jnp_gradient,
+    map_projections,
+    transformed_linear,
 )
+from kernels_pallas import lowrank_w4a16
 
 
 @jax.tree_util.register_dataclass
@@ -172,8 +178,6 @@ def fused_operands(d: LowRankPlusResidual, fmt: str | QFormat):
     (``x' P' = x P``) and the residual is quantized as stored. Returns
     ``(qarray, P', L)``; call ``lowrank_w4a16_matmul(x', q.codes, q.scales,
     q.global_scale, P', L, ...)``."""
-    from jaxlm.quant.formats import quantize
-
     fmt = get_format(fmt)
     return quantize(d.residual, fmt, axis=-2), _blockwise_left_solve(d.T, d.P), d.L
 
@@ -230,8 +234,6 @@ def _fused_lowrank_forward(x: jax.Array, w: LowRankTransformedWeight, mode: str)
     x P``, `fused_operands`). ``P'`` is solved per call (``C/B`` ``B x B`` solves, ``O(C B r)``
     flops, small next to the ``C N`` residual when ``r << N``): storing it would change the
     checkpoint format."""
-    from kernels_pallas import lowrank_w4a16
-
     q = w.residual.weight
     C, N = q.shape
     xt = transform_activations(x, w.T).astype(x.dtype).reshape(-1, C)
@@ -280,10 +282,6 @@ def twinquant_quantize_model(
     projection's input width (``None``: ``cfg.rank``). The objective is W4A4 with
     ``quantize_activations`` and W4A16 without. ``quantize_weights=quantize_activations=False``
     keeps the residual dense and unquantized: the model then computes the original function."""
-    from jaxlm.quant.calibrate import INPUT_TAPS, input_samples
-    from jaxlm.quant.formats import quantize
-    from jaxlm.quant.w4a4 import map_projections
-
     fmt = get_format(fmt)
     cfg = MODEL_CONFIG if cfg is None else cfg
     modules = tuple(INPUT_TAPS) if modules is None else tuple(modules)

@@ -32,15 +32,28 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.models.layers.linear import linear
+from jaxlm.quant.backend import backend, resolved_backend
 from jaxlm.quant.calibrate import INPUT_TAPS, input_second_moments
 from jaxlm.quant.formats import (
-    QArray, QFormat, fake_quant_tokens, get_format, int4, mxfp4, nvfp4, quantize,
+    QArray,
+    QFormat,
+    fake_quant_tokens,
+    get_format,
+    int4,
+    mxfp4,
+    nvfp4,
+    quantize,
 )
 from jaxlm.quant.gptq import INNER, gptq_transform_quantize
-from jaxlm.quant.linear import backend, resolved_backend
 from jaxlm.quant.transforms import (
-    hadamard_transform, identity_transform, transform_activations, transform_weights, wush_transform,
+    hadamard_transform,
+    identity_transform,
+    transform_activations,
+    transform_weights,
+    wush_transform,
 )
+from kernels_pallas import block_quant
+from kernels_pallas import w4a4 as w4a4_kernel
 
 METHODS = ("rtn", "hadamard", "wush")
 
@@ -110,9 +123,6 @@ def _fmt_kw(fmt: QFormat) -> dict:
 
 
 def _fused_w4a4_forward(x: jax.Array, w: TransformedWeight, mode: str) -> jax.Array:
-    from kernels_pallas import block_quant
-    from kernels_pallas import w4a4 as w4a4_kernel
-
     act, q = w.act_format, w.weight
     C, N = q.shape
     rows = x.reshape(-1, C)

@@ -13,7 +13,8 @@ import pytest
 from jaxlm.data import ByteTokenizer, HFTokenizer
 from jaxlm.data.chat import ChatTemplateError, encode_chat
 from jaxlm.data.files import Files
-from jaxlm.data.pipeline import DataConfig, encode, train_dataset
+from jaxlm.data.encoding import encode
+from jaxlm.data.pipeline import DataConfig, train_dataset
 from jaxlm.data.tokenizers import load_tokenizer, save_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -9,7 +9,8 @@ import pytest
 
 import jaxlm
 from jaxlm.data.files import DataError, Files, read_rows
-from jaxlm.data.pipeline import DataConfig, encode, eval_batches, train_dataset
+from jaxlm.data.encoding import encode
+from jaxlm.data.pipeline import DataConfig, eval_batches, train_dataset
 
 TOK = jaxlm.ByteTokenizer()
 

@@ -1,4 +1,4 @@
-"""The emotion-circuit steering claim in miniature (`jaxlm.interp.steering_demo`): a tiny
+"""The emotion-circuit steering claim in miniature (`trainers.steering_demo`): a tiny
 model trained on the polarity task, its class direction steers negative prompts to "pos",
 and ablating the direction removes the effect. The thresholds are the measured values of
 this seeded run (docs/interp.md) with a little slack, not a goal the run was tuned to."""
@@ -7,7 +7,7 @@ import pytest
 
 from jaxlm.data.polarity import NEGATIVE, NEUTRAL, POSITIVE, Polarity
 from jaxlm.data.tasks import TASKS, make_task
-from jaxlm.interp import steering_demo
+from trainers import steering_demo
 
 DOSE = 16.0  # the smallest dose of DEFAULT_DOSES with a flip rate >= 0.9 (measured 0.973)
 

@@ -121,7 +121,8 @@ def test_presets_export_to_transformers_configs(name):
     """config_to_hf(preset) builds the same-size model in transformers (meta device)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from jaxlm.models.hf.families import FAMILIES, config_from_hf, config_to_hf
+    from jaxlm.models.hf.configs import config_from_hf, config_to_hf
+    from jaxlm.models.hf.families import FAMILIES
 
     cfg = preset(name)
     hf = config_to_hf(cfg, FAMILIES[cfg.family])

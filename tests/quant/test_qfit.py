@@ -224,7 +224,8 @@ def test_k_shift_errors():
     with pytest.raises(ValueError, match="sink"):
         fold_qfit(sink, res)
     from jaxlm.compress.a3 import check_compressible
-    from jaxlm.models.hf.families import FAMILIES, UnsupportedConfigError, config_to_hf
+    from jaxlm.models.hf.configs import config_to_hf
+    from jaxlm.models.hf.families import FAMILIES, UnsupportedConfigError
 
     with pytest.raises(UnsupportedConfigError, match="k_shift"):
         config_to_hf(jaxlm.ModelConfig.tiny(k_shift=True), FAMILIES["llama"])

@@ -19,7 +19,7 @@ kernel does not (those values are exact in its bf16 compute), and the low-rank b
 ``A^{-1} P`` rounded to bf16 instead of ``P``: a few bf16 roundings, so 2^-6 of the output
 scale (measured <= 0.0056). On an accelerator the compiled in-kernel transform may run at
 reduced (TF32) precision; the compiled variant then allows 1% of the activation codes to
-differ and 2^-6 of the output scale (not run here: no accelerator was lent)."""
+differ and 2^-6 of the output scale (that variant runs only where a GPU or TPU is present)."""
 
 import dataclasses
 import functools

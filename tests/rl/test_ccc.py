@@ -214,7 +214,7 @@ def test_long_tailed_regression_task():
 
 
 def test_task_is_a_config_source():
-    from trainers.config import load_config
+    from trainers.recipes import load_config
 
     cfg = load_config("ccc_grpo", ["data.source.imbalance=50"])
     assert isinstance(cfg.data.source, LongTailedRegression) and cfg.data.source.imbalance == 50
@@ -239,7 +239,7 @@ def miniature(tmp_path_factory):
 
     import jax
 
-    from trainers.config import load_config
+    from trainers.recipes import load_config
     from trainers.loop import initial_model, make_tokenizer, train
     from trainers.rl.loop import GRPOTrainer
 

@@ -12,7 +12,8 @@ import pytest
 from jaxlm.data.pipeline import DataConfig
 from jaxlm.data.tasks import Arithmetic
 from jaxlm.models.config import ModelConfig
-from trainers.config import ConfigError, ExperimentConfig, GRPOConfig, OptimizerConfig, TrainerConfig, load_config
+from trainers.config import ConfigError, ExperimentConfig, GRPOConfig, OptimizerConfig, TrainerConfig
+from trainers.recipes import load_config
 from trainers.loop import initial_model, make_tokenizer, train
 from trainers.rl.loop import GRPOTrainer
 

@@ -1,4 +1,4 @@
-"""GRPO's claim in miniature (Shao et al. 2024; issue 5): reinforcement with a verifier raises
+"""GRPO's claim in miniature (Shao et al. 2024): reinforcement with a verifier raises
 accuracy over the SFT start. The SFT demonstrations come from a flawed teacher that drops the
 ones carry in 70% of the 2-digit additions that have one (`Arithmetic.carry_slip`), so the SFT
 model imitates the slip; GRPO with the exact-match verifier (the true answer) fixes it.
@@ -12,7 +12,7 @@ import jaxlm
 from jaxlm.data.pipeline import DataConfig, eval_examples
 from jaxlm.data.tasks import Arithmetic
 from trainers.config import ExperimentConfig, GRPOConfig, OptimizerConfig, TrainerConfig
-from trainers.evaluate import task_accuracy
+from jaxlm.eval import task_accuracy
 from trainers.loop import train
 from tiny_training import train_tiny
 

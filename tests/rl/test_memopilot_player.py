@@ -72,7 +72,8 @@ def test_player_config_validation_names_the_field():
         RPSConfig(player="llm")
     with pytest.raises(ValueError, match="RPSConfig.player_model is required"):
         RPSConfig(player="lm")
-    from trainers.config import ConfigError, load_config
+    from trainers.config import ConfigError
+    from trainers.recipes import load_config
 
     over = ["algorithm.environment.player=lm", "algorithm.environment.player_model=runs/x/player"]
     env = load_config("memopilot_rps", over).algorithm.environment

@@ -16,7 +16,8 @@ import pytest
 import jaxlm
 from jaxlm.data.pipeline import DataConfig
 from jaxlm.models.config import ModelConfig
-from trainers.config import ConfigError, ExperimentConfig, GRPOConfig, OptimizerConfig, TrainerConfig, load_config
+from trainers.config import ConfigError, ExperimentConfig, GRPOConfig, OptimizerConfig, TrainerConfig
+from trainers.recipes import load_config
 from trainers.loop import make_tokenizer
 from trainers.rl.advantages import ADVANTAGES
 from trainers.rl.collectors import COLLECTORS

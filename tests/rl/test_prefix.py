@@ -25,8 +25,9 @@ from flax import nnx
 import jaxlm
 from configs.prefix_rl_base import write_data
 from jaxlm.data.pipeline import ExampleSource
-from trainers.config import ConfigError, GRPOConfig, PrefixConfig, load_config
-from trainers.evaluate import task_accuracy
+from trainers.config import ConfigError, GRPOConfig, PrefixConfig
+from trainers.recipes import load_config
+from jaxlm.eval import task_accuracy
 from trainers.loop import make_tokenizer, train
 from trainers.rl import prefix as prefix_mod
 from trainers.rl.collectors import COLLECTORS, SingleTurnCollector

@@ -4,7 +4,8 @@ fail with the field named (and the closest valid keys)."""
 import pytest
 
 from jaxlm.data.tasks import Arithmetic, Countdown
-from trainers.config import ConfigError, ExperimentConfig, apply_overrides, load_config
+from trainers.config import ConfigError, ExperimentConfig
+from trainers.recipes import apply_overrides, load_config
 
 
 def test_overrides_are_typed():

@@ -12,7 +12,8 @@ import jaxlm
 from jaxlm.data.pipeline import DataConfig
 from jaxlm.data.tasks import Arithmetic
 from trainers.checkpointing import TrainCheckpointer
-from trainers.config import ConfigError, ExperimentConfig, OptimizerConfig, TrainerConfig, apply_overrides
+from trainers.config import ConfigError, ExperimentConfig, OptimizerConfig, TrainerConfig
+from trainers.recipes import apply_overrides
 from trainers.losses import TOKEN_WEIGHTS
 from trainers.loop import TrainingDiverged, train
 

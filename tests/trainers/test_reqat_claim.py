@@ -20,7 +20,7 @@ from jaxlm.data.tasks import Arithmetic
 from jaxlm.models.params import flat_params, model_from_flat
 from jaxlm.quant.qat_export import ActQuantWeight, export_qat
 from tiny_training import train_tiny
-from trainers.evaluate import task_accuracy
+from jaxlm.eval import task_accuracy
 
 TASK = Arithmetic(digits=2)
 MODEL = jaxlm.ModelConfig.tiny(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import jaxlm
-from jaxlm.data.pipeline import encode
+from jaxlm.data.encoding import encode
 from jaxlm.models.masks import segment_mask
 from trainers.optim import make_optimizer
 from trainers.config import OptimizerConfig

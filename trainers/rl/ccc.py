@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import jaxlm
 from jaxlm.data.regression import parse_number
 from trainers.rl.rewards import REWARDS
 
@@ -203,8 +204,6 @@ def evaluate_regression(model, task, examples, tokenizer=None, *, max_new_tokens
     (``bias_few``: negative when the tail is pulled toward the head), the CCC of the parsed
     answers, the invalid rate, exact-match accuracy (the task's verifier) overall and on the
     few-shot bucket."""
-    import jaxlm
-
     out = jaxlm.generate(model, [e["prompt"] for e in examples], max_new_tokens=max_new_tokens, temperature=0,
                          tokenizer=tokenizer)
     err: dict[str, list[float]] = {"many": [], "medium": [], "few": []}

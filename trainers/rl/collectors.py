@@ -1,10 +1,13 @@
 """Collectors (``COLLECTORS``): where rollouts come from.
 
-``collector(params, iteration, rng) -> Experience`` produces the rows of one iteration
+A registered factory ``(cfg, graphdef, tokenizer, *, base_params) -> collector`` builds one
+(``base_params``: the policy the run starts from). ``collector(params, iteration, rng) ->
+Experience`` produces the rows of one iteration
 (`trainers.rl.rollout` format) and their rewards: ``[B, G]`` per rollout (outcome
 advantages) or ``[B, G, K]`` per turn (turn-level advantages; each token's ``turn``
-picks its turn's advantage). ``single_turn`` samples G completions per prompt of the
-configured data source and scores them with the configured rewards.
+picks its turn's advantage). `SingleTurnCollector` samples G completions per prompt of the
+configured data source and scores them with the configured rewards (registered as
+``single_turn`` in `trainers.rl.registries`, with PrefixRL's variant).
 """
 
 from __future__ import annotations
@@ -52,7 +55,19 @@ class SingleTurnCollector:
             )
 
     def prompt_ids(self, example: dict) -> list[int]:
+        """BOS + the prompt; a chat example's messages before its last assistant turn (all of
+        them if it has none), rendered with the tokenizer's chat template and its generation
+        prompt."""
+        if "messages" in example:
+            return list(self.tokenizer.apply_chat_template(_prompt_messages(example), add_generation_prompt=True))
         return self.tokenizer.encode(example["prompt"], add_bos=True)
+
+    def prompt_text(self, example: dict) -> str:
+        """The prompt as the rewards and the samples see it (a chat prompt rendered as text)."""
+        if "messages" in example:
+            return self.tokenizer.apply_chat_template(_prompt_messages(example), add_generation_prompt=True,
+                                                      tokenize=False)
+        return example["prompt"]
 
     def __call__(self, params, iteration: int, rng) -> Experience:
         a, B = self.cfg.algorithm, self.cfg.data.batch_size
@@ -67,25 +82,26 @@ class SingleTurnCollector:
         )
         texts = [self.tokenizer.decode(c[:n]) for c, n in zip(rows["completion"], rows["lengths"])]
         flat_examples = [e for e in examples for _ in range(G)]
+        prompts = [self.prompt_text(e) for e in examples]
         total, parts = combine_rewards(
-            self.reward_fns, a.reward_weights, [e["prompt"] for e in flat_examples], texts,
+            self.reward_fns, a.reward_weights, [p for p in prompts for _ in range(G)], texts,
             examples=flat_examples, group=np.repeat(np.arange(B), G), num_generations=G, task=self.task,
             policy=(self.graphdef, params), tokenizer=self.tokenizer, config=a,
         )
         metrics = {"reward": float(np.nanmean(total)), "completion_len": float(rows["lengths"].mean())}
         for name, p in zip(a.rewards, parts):
             metrics[f"reward/{name}"] = float(np.nanmean(p))
-        samples = [{"prompt": e["prompt"], "completion": t, "reward": float(r)}
-                   for e, t, r in zip(flat_examples[::G], texts[::G], total[::G])]
+        samples = [{"prompt": p, "completion": t, "reward": float(r)} for p, t, r in zip(prompts, texts[::G], total[::G])]
         rewards = total.reshape(B, G)
         return Experience(rows=rows, rewards=np.nan_to_num(rewards, nan=0.0), valid=~np.isnan(rewards),
                           metrics=metrics, samples=samples, prompt_block=self.prompt_block)
 
 
-@COLLECTORS.register("single_turn")
-def single_turn(cfg, graphdef, tokenizer):
-    if getattr(cfg.algorithm, "prefix", None) is not None:  # PrefixRL (B.1): prefixed problems
-        from trainers.rl.prefix import PrefixRLCollector
-
-        return PrefixRLCollector(cfg, graphdef, tokenizer)
-    return SingleTurnCollector(cfg, graphdef, tokenizer)
+def _prompt_messages(example: dict) -> list[dict]:
+    """A chat example's messages before its final assistant turn(s): what the policy answers."""
+    messages = list(example["messages"])
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages:
+        raise ValueError(f"a chat example has no message before its assistant turn: {example['messages']!r}")
+    return messages

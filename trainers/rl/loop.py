@@ -1,7 +1,9 @@
-"""The GRPO loop: `train_grpo(config)` collects, scores, updates, evaluates, checkpoints,
-resumes and plots, with the platform's pieces (optimizer, logger, orbax checkpoints).
+"""GRPO as a run-harness algorithm (``algorithm.name = "grpo"``): `GRPOTrainer` collects,
+scores and updates; the harness (`trainers.loop.train`) logs, evaluates, checkpoints,
+resumes and plots, as for SFT.
 
-One iteration (``trainer.steps`` of them):
+One iteration (``trainer.steps`` of them; the harness's ``batch`` is steps 1-3, its
+``step`` is step 4):
 
 1. the collector samples ``G`` rollouts for each of ``data.batch_size`` prompts (or plays
    ``G`` episodes per environment seed) and scores them;
@@ -21,15 +23,16 @@ must divide evenly; the shared prompts are replicated). The sampler runs jaxlm's
 decoding with the sharded parameters, on prompts split over the same devices (collectors
 with a ``prompt_sharding``). Single process (rows are host arrays).
 
-A checkpoint stores the train state (params, optimizer state, step, rng) and the iteration;
-all randomness derives from them, so a resumed run repeats an uninterrupted one exactly.
-The reference model is the initial model, rebuilt identically on resume.
+A checkpoint stores the train state (params, optimizer state, step, rng), the iteration
+(the checkpoint's step) and the collector's own state if it has one (PrefixRL's cuts); all
+randomness derives from them, so a resumed run repeats an uninterrupted one exactly. The
+reference model is the initial model, rebuilt identically on resume.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -38,12 +41,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-import jaxlm
+from jaxlm.data.pipeline import eval_examples
+from jaxlm.eval import task_accuracy
 from jaxlm.sharding import make_mesh, model_shardings
-from trainers.checkpointing import TrainCheckpointer, abstract_like
+from trainers.algorithm import ALGORITHMS, RunSetup
 from trainers.config import ConfigError, ExperimentConfig, GRPOConfig
-from trainers.evaluate import task_accuracy
-from trainers.logger import MetricsLogger
 from trainers.optim import make_optimizer
 from trainers.rl.advantages import ADVANTAGES
 from trainers.rl.buffer import BUFFER_SAMPLERS
@@ -78,10 +80,23 @@ def zero_variance_groups(rewards: np.ndarray, valid: np.ndarray | None) -> np.nd
     return ~(hi > lo)
 
 
+@dataclasses.dataclass
+class GRPOBatch:
+    """One iteration's prepared rollouts: the rows every epoch reuses, and a few samples."""
+
+    rows: dict[str, np.ndarray]
+    iteration: int
+    samples: list[dict[str, Any]]
+
+
 class GRPOTrainer:
     """The pieces of a GRPO run, usable from a notebook one iteration at a time:
-    ``trainer.iteration(state, k) -> (state, metrics, samples)``. ``mesh``: the devices of the
-    train state and the rows (default: ``cfg.trainer.mesh`` over every device)."""
+    ``trainer.iteration(state, k) -> (state, metrics, samples)``, and the run harness's
+    algorithm (`trainers.algorithm.Algorithm`: ``batch`` collects and prepares, ``step``
+    updates). ``mesh``: the devices of the train state and the rows (default:
+    ``cfg.trainer.mesh`` over every device)."""
+
+    unit = "iteration"
 
     def __init__(self, cfg: ExperimentConfig, model, tokenizer, *, reference_params=None, mesh=None):
         if not isinstance(cfg.algorithm, GRPOConfig):
@@ -98,7 +113,7 @@ class GRPOTrainer:
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self.updates_per_iteration = a.mu * a.minibatches
         self.tx, self.schedule = make_optimizer(cfg.optimizer, t.steps * self.updates_per_iteration)
-        self.collector = COLLECTORS[a.collector](cfg, self.graphdef, tokenizer)
+        self.collector = COLLECTORS[a.collector](cfg, self.graphdef, tokenizer, base_params=self.params)
         if hasattr(self.collector, "prompt_sharding"):  # each data-parallel device decodes its prompts
             self.collector.prompt_sharding = self._rows
         self.logprob_fn = make_logprob_fn(self.graphdef, chunk=a.logprob_chunk)
@@ -110,6 +125,10 @@ class GRPOTrainer:
         if a.beta:
             ref = reference_params if reference_params is not None else jax.tree.map(jnp.copy, self.params)
             self.reference = jax.device_put(ref, self.param_shardings)  # committed, like the state
+        self._examples, self._verify = [], None
+        if a.collector == "single_turn":  # held-out greedy accuracy needs a verifier
+            examples, self._verify = eval_examples(cfg.data)
+            self._examples = examples[: t.eval_generate]
 
     def init_state(self) -> TrainState:
         # a copy (updates donate the state's buffers; self.params stays usable), committed to
@@ -174,7 +193,9 @@ class GRPOTrainer:
         return rows, metrics
 
     def update(self, state: TrainState, rows: dict[str, np.ndarray], iteration: int):
-        """``mu`` epochs of ``minibatches`` optimizer steps over the prepared rows."""
+        """``mu`` epochs of ``minibatches`` optimizer steps over the prepared rows; the mean
+        of their metrics, and ``finite`` (False: a non-finite loss or gradient stopped the
+        update there)."""
         a = self.a
         R = rows["tokens"].shape[0]
         keys = list(_TRAIN_KEYS) + (["ref_logp"] if "ref_logp" in rows else [])
@@ -193,118 +214,62 @@ class GRPOTrainer:
                     mb["prompts"], mb["prompt_index"] = rows["prompts"], rows["prompt_index"][idx]
                 state, m = self.step_fn(state, self.place_rows(mb, what="minibatch"))
                 m = jax.device_get(m)
-                if not bool(m["finite"]):
-                    raise FloatingPointError(
-                        f"non-finite loss or gradient (loss={float(m['loss'])}, grad_norm={float(m['grad_norm'])})"
-                    )
+                if not bool(m["finite"]):  # the state is left as it was before this minibatch
+                    return state, {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "finite": False}
                 steps += 1
                 for k, v in m.items():
                     if k != "finite":
                         metrics_sum[k] = metrics_sum.get(k, 0.0) + float(v)
-        return state, {k: v / max(steps, 1) for k, v in metrics_sum.items()}
+        return state, {**{k: v / max(steps, 1) for k, v in metrics_sum.items()}, "finite": True}
 
     def iteration(self, state: TrainState, k: int):
-        """Collect, prepare and update once: ``(state, metrics, samples)``."""
+        """Collect, prepare and update once: ``(state, metrics, samples)``; a non-finite loss
+        or gradient raises `FloatingPointError`."""
+        batch, info = self.batch(state, k)
+        state, upd = self.step(state, batch)
+        if not upd.pop("finite"):
+            raise FloatingPointError(f"non-finite loss or gradient (loss={upd['loss']}, grad_norm={upd['grad_norm']})")
+        return state, {**info, **upd}, batch.samples
+
+    # ------------------------------------------------- the harness's algorithm interface
+    def batch(self, state: TrainState, k: int) -> tuple[GRPOBatch, dict[str, float]]:
+        """Iteration ``k``'s rollouts from the current policy, scored and prepared."""
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), k)
         exp = self.collector(state.params, k, rng)
         rows, prep = self.prepare(state, exp)
-        state, upd = self.update(state, rows, k)
-        return state, {**exp.metrics, **prep, **upd}, exp.samples
+        return GRPOBatch(rows=rows, iteration=k, samples=exp.samples), {**exp.metrics, **prep}
+
+    def step(self, state: TrainState, batch: GRPOBatch) -> tuple[TrainState, dict[str, Any]]:
+        return self.update(state, batch.rows, batch.iteration)
+
+    def tokens(self, batch: GRPOBatch) -> float:
+        """Policy tokens over the iteration's ``mu`` epochs."""
+        return float(batch.rows["loss_mask"].sum()) * self.a.mu
+
+    def evaluate(self, state: TrainState, k: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Held-out greedy accuracy (single-turn sources with a verifier; nothing otherwise)."""
+        if self._verify is None or not self._examples:
+            return {}, []
+        acc = task_accuracy(
+            nnx.merge(self.graphdef, state.params), self._examples, self._verify, tokenizer=self.tokenizer,
+            max_new_tokens=self.a.max_new_tokens, batch_size=min(64, len(self._examples)),
+        )
+        return {"accuracy": acc.accuracy}, acc.samples
+
+    def data_state(self) -> dict[str, Any]:
+        # collectors with state of their own (PrefixRL's current cuts)
+        return {"collector": self.collector.state_dict()} if hasattr(self.collector, "state_dict") else {}
+
+    def load_data_state(self, data_state: dict[str, Any]) -> None:
+        if "collector" in data_state:
+            self.collector.load_state_dict(data_state["collector"])
+
+    def final_model(self, state: TrainState):
+        model = nnx.merge(self.graphdef, state.params)
+        model.tokenizer = self.tokenizer
+        return model
 
 
-def train_grpo(cfg: ExperimentConfig):
-    """Run (or resume) a GRPO experiment; the run directory matches SFT's."""
-    import json
-
-    from trainers.loop import TrainingDiverged, TrainResult, _check_resume_config, initial_model, make_tokenizer
-
-    t = cfg.trainer
-    out_dir = Path(t.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config_dict = cfg.to_dict()
-    tokenizer = make_tokenizer(cfg.tokenizer)
-    model = initial_model(cfg)
-    model.tokenizer = tokenizer
-    trainer = GRPOTrainer(cfg, model, tokenizer)
-    state = trainer.init_state()
-
-    ckpt = TrainCheckpointer(out_dir / "checkpoints", keep=t.keep_checkpoints, async_save=t.async_checkpoint)
-    start = 0
-    latest = ckpt.latest_step()
-    if latest is not None:
-        stored = out_dir / "config.json"
-        if stored.exists():
-            _check_resume_config(json.loads(stored.read_text()), config_dict, out_dir)
-        state, data_state = ckpt.restore(latest, abstract_like(state))
-        start = int(data_state["iteration"])
-        if "collector" in data_state:  # e.g. PrefixRL's current cuts
-            trainer.collector.load_state_dict(data_state["collector"])
-        log.info("resumed from iteration %d", start)
-    (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2))
-
-    examples, verify = _eval_set(cfg)
-    logger = MetricsLogger(out_dir, total_steps=t.steps, start_step=start, progress=t.progress)
-
-    def evaluate(k: int):
-        result: dict[str, Any] = {}
-        samples: list[dict[str, Any]] = []
-        if verify is not None and examples:
-            acc = task_accuracy(
-                nnx.merge(trainer.graphdef, state.params), examples, verify, tokenizer=tokenizer,
-                max_new_tokens=trainer.a.max_new_tokens, batch_size=min(64, len(examples)),
-            )
-            result["accuracy"], samples = acc.accuracy, acc.samples
-        logger.log(k, result, kind="eval")
-        return result, samples
-
-    k = start
-    final_eval: dict[str, Any] = {}
-    samples: list[dict[str, Any]] = []
-    stopped_early = False
-    try:
-        if start == 0 and t.eval_every:
-            evaluate(0)
-        while k < t.steps:
-            try:
-                state, metrics, _ = trainer.iteration(state, k)
-            except FloatingPointError as e:
-                done = ckpt.latest_step()
-                raise TrainingDiverged(
-                    f"iteration {k + 1}: {e}; training stopped. Last good checkpoint: "
-                    + (f"iteration {done} in {ckpt.directory}" if done is not None else "none yet")
-                ) from None
-            k += 1
-            logger.count_tokens(metrics.get("policy_tokens", 0.0) * trainer.updates_per_iteration)
-            logger.advance()
-            if k % t.log_every == 0 or k == t.steps:
-                logger.log(k, metrics)
-            if k % t.save_every == 0 or k == t.steps:
-                data_state: dict[str, Any] = {"iteration": k}
-                if hasattr(trainer.collector, "state_dict"):  # collectors with state of their own
-                    data_state["collector"] = trainer.collector.state_dict()
-                ckpt.save(k, state, data_state, config_dict)
-            if t.eval_every and k % t.eval_every == 0 and k != t.steps:
-                evaluate(k)
-            if t.stop_after is not None and k - start >= t.stop_after and k < t.steps:
-                stopped_early = True
-                break
-        if not stopped_early:
-            final_eval, samples = evaluate(k)
-            ckpt.wait()
-            final = nnx.merge(trainer.graphdef, state.params)
-            final.tokenizer = tokenizer
-            jaxlm.save_checkpoint(final, out_dir / "model", overwrite=True)
-    finally:
-        ckpt.close()
-        logger.close()
-    return TrainResult(out_dir=out_dir, step=k, final_eval=final_eval, samples=samples, stopped_early=stopped_early)
-
-
-def _eval_set(cfg: ExperimentConfig):
-    """Held-out examples for greedy accuracy (single-turn sources with a verifier)."""
-    if cfg.algorithm.collector != "single_turn":
-        return [], None
-    from jaxlm.data.pipeline import eval_examples
-
-    examples, verify = eval_examples(cfg.data)
-    return examples[: cfg.trainer.eval_generate], verify
+@ALGORITHMS.register("grpo")
+def grpo(setup: RunSetup) -> GRPOTrainer:
+    return GRPOTrainer(setup.cfg, setup.model, setup.tokenizer, mesh=setup.mesh)

@@ -51,6 +51,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import jaxlm
 from trainers.rl.collectors import COLLECTORS, Experience
 from trainers.rl.environments import MOVES, RockPaperScissors, RPSConfig, counter, parse_move
 from trainers.rl.multiturn import TurnRows, sample_turn
@@ -123,8 +124,6 @@ def player_warm_start(config, tokenizer, *, steps: int = 400, batch_size: int = 
                       seed: int = 0):
     """A frozen LM player: a ``config`` model SFT'd on ``"<dice>|<memory>|" -> move`` with the
     target `counter_player`'s move, on `random_memory` memories and random ``(seed, round)``."""
-    import jaxlm
-
     rng = np.random.default_rng([seed, 0x5EED])
     n = 64 * batch_size
     memories = [random_memory(rng) for _ in range(n)]
@@ -174,7 +173,6 @@ def load_player(cfg: RPSConfig, tokenizer) -> Player:
     """The player ``cfg`` names (``lm``: its checkpoint loaded once, frozen)."""
     if cfg.player == "scripted":
         return scripted_player
-    import jaxlm
 
     model = jaxlm.load_checkpoint(cfg.player_model)
     graphdef, params = nnx.split(model)
@@ -334,7 +332,7 @@ class MemoPilotCollector:
 
 
 @COLLECTORS.register("rps_memory")
-def rps_memory(cfg, graphdef, tokenizer):
+def rps_memory(cfg, graphdef, tokenizer, *, base_params=None):
     return MemoPilotCollector(cfg, graphdef, tokenizer)
 
 

@@ -14,13 +14,19 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
+import jaxlm
+from trainers.loop import make_tokenizer
+from trainers.recipes import load_config
+from trainers.rl.memopilot import (
+    format_warm_start,
+    lm_player,
+    player_warm_start,
+    random_memory,
+    scripted_player,
+)
+
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import jaxlm
-    from trainers.config import load_config
-    from trainers.loop import make_tokenizer
-    from trainers.rl.memopilot import format_warm_start, lm_player, player_warm_start, random_memory, scripted_player
-
     p = argparse.ArgumentParser(description="MemoPilot writer format warm start")
     p.add_argument("out", help="run directory; the checkpoint goes to OUT/model")
     p.add_argument("--config", default="configs/memopilot_rps.py")

@@ -25,12 +25,12 @@ Evaluation (`train_grpo`'s held-out accuracy) is on unprefixed problems; the pap
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from trainers.rl.collectors import SingleTurnCollector
 from trainers.rl.rollout import sample_rollouts
@@ -204,19 +204,15 @@ class PrefixRLCollector(SingleTurnCollector):
     """The single_turn collector over prefixed problems (step 3).
 
     At construction: the problems (train examples ``0 .. prefix.problems-1``), the trace pool
-    and the cuts, from the base policy ``base_params``, else `trainers.loop.initial_model(cfg)`
-    (init_from's weights, as for the reference model). With ``recalibrate_every = R`` the cuts
+    and the cuts, from the base policy ``base_params`` (the weights the run starts from, as for
+    the reference model). With ``recalibrate_every = R`` the cuts
     are re-chosen with the current policy at iterations R, 2R, ... (traces stay). The chosen
     cuts are part of the checkpoint (`state_dict`), so a run resumed between two calibrations
     continues with the cuts of the last one, bit-identically. Iteration k's prompts are
     prefixed problems ``k*B .. k*B+B-1`` of a fixed per-epoch shuffle."""
 
-    def __init__(self, cfg, graphdef, tokenizer, *, base_params=None):
+    def __init__(self, cfg, graphdef, tokenizer, *, base_params):
         super().__init__(cfg, graphdef, tokenizer, examples=self._prefixed)
-        if base_params is None:
-            from trainers.loop import initial_model
-
-            base_params = nnx.to_pure_dict(nnx.split(initial_model(cfg))[1])
         p = self.prefix = cfg.algorithm.prefix
         self.problems = [self.source[i] for i in range(p.problems)]
         self.pool = build_pool((graphdef, base_params), cfg, tokenizer, self.problems, task=self.task)
@@ -245,8 +241,6 @@ class PrefixRLCollector(SingleTurnCollector):
 
     def state_dict(self) -> dict:
         """The current cuts and when they were chosen (JSON; saved with each checkpoint)."""
-        import json
-
         def plain(o):
             return o.tolist() if hasattr(o, "tolist") else str(o)
 

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import trainers.rl.ccc  # noqa: F401  (registers the CCC-GRPO rewards)
+import trainers.rl.counterfactual  # noqa: F401  (registers counterfactual_bonus)
+import trainers.rl.memopilot  # noqa: F401  (registers the rps_memory collector)
 from trainers.rl.advantages import ADVANTAGES
 from trainers.rl.aggregation import AGGREGATORS
 from trainers.rl.buffer import BUFFER_SAMPLERS
-from trainers.rl.collectors import COLLECTORS
+from trainers.rl.collectors import COLLECTORS, SingleTurnCollector
 from trainers.rl.kl import KL_ESTIMATORS
 from trainers.rl.policy_losses import POLICY_LOSSES
+from trainers.rl.prefix import PrefixRLCollector
 from trainers.rl.rewards import REWARDS
-
-import trainers.rl.ccc  # noqa: E402,F401  (registers the CCC-GRPO rewards)
-import trainers.rl.counterfactual  # noqa: E402,F401  (registers counterfactual_bonus)
-import trainers.rl.memopilot  # noqa: E402,F401  (registers the rps_memory collector)
 
 __all__ = ["ADVANTAGES", "AGGREGATORS", "BUFFER_SAMPLERS", "COLLECTORS", "KL_ESTIMATORS", "POLICY_LOSSES", "REWARDS",
            "check_grpo_config"]
+
+
+@COLLECTORS.register("single_turn")
+def single_turn(cfg, graphdef, tokenizer, *, base_params):
+    """The data source's prompts, G samples each; with ``algorithm.prefix`` set, PrefixRL's
+    prefixed hard problems (method card B.1), built from the base policy ``base_params``."""
+    if getattr(cfg.algorithm, "prefix", None) is not None:
+        return PrefixRLCollector(cfg, graphdef, tokenizer, base_params=base_params)
+    return SingleTurnCollector(cfg, graphdef, tokenizer)
 
 
 def check_grpo_config(c) -> None:

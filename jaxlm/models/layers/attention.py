@@ -18,6 +18,7 @@ from jaxlm.models.layers.linear import Linear, param
 from jaxlm.models.layers.norms import RMSNorm
 from jaxlm.models.layers.rope import ROPE, RopeFrequencies, inv_frequencies, rotate_per_head
 from jaxlm.models.taps import Taps
+from jaxlm.quant.formats import fake_quant
 from jaxlm.registry import Registry
 
 ATTENTION: Registry = Registry("attention")
@@ -131,8 +132,6 @@ class Attention(nnx.Module):
             k = k - shift.astype(k.dtype)
         q, k = taps.put("q_rot", q), taps.put("k_rot", k)
         if c.kv_quant is not None:  # a low-bit KV cache, simulated (straight-through)
-            from jaxlm.quant.formats import fake_quant
-
             k, v = fake_quant(k, c.kv_quant, axis=-1).astype(k.dtype), fake_quant(v, c.kv_quant, axis=-1).astype(v.dtype)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
         if kv is not None:

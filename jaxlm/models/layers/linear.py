@@ -4,6 +4,8 @@ A weight is a plain ``[in, out]`` array or a registered pytree weight type (a
 quantized array, a low-rank + residual pair, ...). New weight types register an
 implementation with ``@linear.register(MyWeight)``; the model code never changes,
 so ``params = quantize(params, recipe)`` is all it takes to run a quantized model.
+`jaxlm.quant.QArray` (the 4-bit block-scaled array every quantized weight builds on) is
+registered here; the structured types register themselves in their own modules.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jaxlm.quant.formats import QArray, fake_quant, fake_quant_tokens, quantize
+from jaxlm.quant.linear import quantized_linear
+from kernels_pallas import w4a16
 
 
 def _dense(x: jax.Array, w) -> jax.Array:
@@ -43,6 +49,7 @@ def register(weight_type: type):
 
 
 linear.register = register
+linear.register(QArray)(quantized_linear)
 
 
 def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -56,14 +63,6 @@ def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
-def fake_quant_tokens(x: jax.Array, fmt) -> jax.Array:
-    """Per-token activation fake-quantization: `jaxlm.quant.formats.fake_quant_tokens`
-    (imported lazily: `jaxlm.quant` imports this module)."""
-    from jaxlm.quant.formats import fake_quant_tokens as per_token
-
-    return per_token(x, fmt)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def qat_linear(x: jax.Array, w: jax.Array, fmt: str) -> jax.Array:
     """Quantization-aware ``x @ w``: ``fake_quant_tokens(x) @ Q(w)`` with ``Q(w)`` the weight
@@ -73,9 +72,6 @@ def qat_linear(x: jax.Array, w: jax.Array, fmt: str) -> jax.Array:
     pass is straight-through (the gradient of ``fake_quant_tokens(x) @ fake_quant(w)``).
     The matmul runs the jnp reference of the quantized linear on every platform (plain XLA
     ops, so training shards as usual); an exported model uses the W4A16 kernel on GPU/TPU."""
-    from jaxlm.quant.formats import quantize
-    from kernels_pallas import w4a16
-
     q = quantize(jax.lax.stop_gradient(w), fmt, axis=-2)
     f = q.fmt
     K, N = q.shape
@@ -90,8 +86,6 @@ def _qat_linear_fwd(x, w, fmt):
 
 
 def _qat_linear_bwd(fmt, res, dy):
-    from jaxlm.quant.formats import fake_quant
-
     _, vjp = jax.vjp(lambda x, w: linear(fake_quant_tokens(x, fmt), fake_quant(w, fmt, axis=-2)), *res)
     return vjp(dy)
 

@@ -12,7 +12,7 @@ class amid filler -> ``"pos"`` / ``"neg"``). Then:
    *flips* when the logit of ``"p"`` beats that of ``"n"`` at the last prompt token;
 3. the same runs with the direction ablated (``h - (h.u) u``), see ``ABLATIONS``.
 
-Run ``python -m jaxlm.interp.steering_demo`` for the markdown table (docs/interp.md).
+Run ``python -m trainers.steering_demo`` for the markdown table (docs/interp.md).
 """
 
 from __future__ import annotations
@@ -30,9 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jaxlm
+from jaxlm.data.pipeline import DataConfig
 from jaxlm.data.polarity import Polarity
 from jaxlm.interp.directions import capture, mean_difference_directions
 from jaxlm.interp.interventions import ablate, steer
+from trainers.config import ExperimentConfig, OptimizerConfig, TrainerConfig
+from trainers.loop import train
 
 #: ``same``: ablate ``v^(l)`` at the steered layer ``l`` after the addition; ``next``: ablate
 #: ``v^(l+1)`` at layer ``l + 1`` instead (the direction the steering must travel through).
@@ -42,10 +46,6 @@ DEFAULT_DOSES = (0.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 
 def experiment_config(out_dir, *, steps: int = 250, n_layers: int = 3, lr: float = 5e-3, seed: int = 0):
     """The platform config (`trainers.loop.train`) of the tiny polarity model."""
-    import jaxlm
-    from jaxlm.data.pipeline import DataConfig
-    from trainers.config import ExperimentConfig, OptimizerConfig, TrainerConfig
-
     return ExperimentConfig(
         model=jaxlm.ModelConfig.tiny(d_model=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64),
         data=DataConfig(source=Polarity(seed=seed), seq_len=64, batch_size=32, pack=True, eval_examples=64),
@@ -57,9 +57,6 @@ def experiment_config(out_dir, *, steps: int = 250, n_layers: int = 3, lr: float
 
 def train_model(out_dir, **kw):
     """Train (or resume) the polarity model under ``out_dir``; returns the trained model."""
-    import jaxlm
-    from trainers.loop import train
-
     result = train(experiment_config(out_dir, **kw))
     return jaxlm.load_checkpoint(Path(result.out_dir) / "model")
 
@@ -194,8 +191,6 @@ def run(model, *, layer: int = 0, doses: Sequence[float] = DEFAULT_DOSES, n_grou
     chosen = min(hits) if hits else None
     generated = None
     if generate_check and chosen is not None:
-        import jaxlm
-
         def push_at(where):
             return (steer("hidden", v, alpha=chosen, n_layers=L, layers=[layer], where=where, rms_scale=True),)
 

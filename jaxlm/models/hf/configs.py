@@ -1,0 +1,145 @@
+"""HF ``config.json`` <-> `ModelConfig`, through the family tables of
+`jaxlm.models.hf.families`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxlm.models.config import ModelConfig, RopeScaling
+from jaxlm.models.hf.families import Family, UnsupportedConfigError, family_for_architecture
+
+
+def _rope_from_hf(hf: dict[str, Any]):
+    params = hf.get("rope_parameters")
+    if params is None:  # transformers < 5: rope_theta + rope_scaling
+        params = dict(hf.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    if kind == "default":
+        return theta, RopeScaling()
+    if kind == "linear":
+        return theta, RopeScaling(kind="linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return theta, RopeScaling(
+            kind="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_len=int(params["original_max_position_embeddings"]),
+        )
+    raise UnsupportedConfigError(
+        f"rope type {kind!r} is not supported; supported: ['default', 'linear', 'llama3']"
+    )
+
+
+def config_from_hf(hf: dict[str, Any], **overrides: Any):
+    """HF ``config.json`` dict -> `ModelConfig` (``overrides`` win, e.g. dtype)."""
+    fam = family_for_architecture(hf.get("architectures"))
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedConfigError(f"hidden_act={act!r} is not supported; jaxlm implements 'silu'")
+    if hf.get("mlp_bias"):
+        raise UnsupportedConfigError("mlp_bias=True is not supported")
+    if fam.name in ("llama", "mistral", "qwen3") and hf.get("attention_bias"):
+        raise UnsupportedConfigError(
+            f"attention_bias=True ({fam.architecture}: biases on q/k/v and o) is not supported"
+        )
+    if hf.get("use_sliding_window"):
+        raise UnsupportedConfigError(
+            f"use_sliding_window=True on {fam.architecture} (per-layer windows) is not supported"
+        )
+    layer_types = hf.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types) and not fam.sliding_window:
+        raise UnsupportedConfigError(f"layer_types={sorted(set(layer_types))} is not supported")
+    theta, scaling = _rope_from_hf(hf)
+    n_heads = hf["num_attention_heads"]
+    fields = dict(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        ffn_dim=hf["intermediate_size"],
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=fam.qkv_bias,
+        qk_norm=fam.qk_norm,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=hf.get("sliding_window") if fam.sliding_window else None,
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        family=fam.name,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def config_to_hf(config: ModelConfig, family: Family) -> dict[str, Any]:
+    """`ModelConfig` -> HF ``config.json`` dict; raises if the family cannot express it."""
+    problems = []
+    if config.qkv_bias != family.qkv_bias:
+        problems.append(f"qkv_bias={config.qkv_bias} (the family has {family.qkv_bias})")
+    if config.qk_norm != family.qk_norm:
+        problems.append(f"qk_norm={config.qk_norm} (the family has {family.qk_norm})")
+    for name in ("qk_head_dim", "v_head_dim"):
+        if getattr(config, name) != config.head_dim:
+            problems.append(f"{name}={getattr(config, name)} != head_dim={config.head_dim} (compressed heads; "
+                            "HF attention has one head width)")
+    for name in ("layer_qk_head_dims", "layer_v_head_dims", "layer_ffn_dims"):
+        if getattr(config, name) is not None:
+            problems.append(f"{name}={getattr(config, name)} (per-layer widths from A^3 mixed ranks; HF configs "
+                            "have one width for all layers)")
+    if config.k_shift:
+        problems.append("k_shift=True (HF attention has no post-RoPE key shift)")
+    if config.sliding_window is not None and not family.sliding_window:
+        problems.append(f"sliding_window={config.sliding_window} (the family has none)")
+    for name, default in (("attention", "softmax"), ("mlp", "swiglu"), ("rope", "default")):
+        if getattr(config, name) != default:
+            problems.append(f"{name}={getattr(config, name)!r} (the family has {default!r})")
+    if problems:
+        raise UnsupportedConfigError(
+            f"this model cannot be saved as {family.architecture}: " + "; ".join(problems)
+        )
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    s = config.rope_scaling
+    if s.kind == "linear":
+        rope.update(rope_type="linear", factor=s.factor)
+    elif s.kind == "llama3":
+        rope.update(
+            rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor, original_max_position_embeddings=s.original_max_len,
+        )
+    hf: dict[str, Any] = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "rope_parameters": rope,
+        # transformers < 5 reads these two instead of rope_parameters.
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None if s.kind == "none" else {**rope, "type": rope["rope_type"]},
+        "dtype": config.param_dtype,
+        "torch_dtype": config.param_dtype,
+        "initializer_range": config.init_std,
+    }
+    if family.name in ("llama", "qwen3"):
+        hf["attention_bias"] = False
+    if family.name == "llama":
+        hf["mlp_bias"] = False
+    if family.name in ("qwen2", "qwen3"):
+        hf["use_sliding_window"] = False
+        hf["sliding_window"] = None
+    if family.name == "mistral":
+        hf["sliding_window"] = config.sliding_window
+    return hf

@@ -1,0 +1,119 @@
+"""What every training run sets up before its first step, whatever the algorithm: the
+tokenizer, the initial model (random init or ``init_from``'s weights), the device mesh and
+the check that a resumed run is the run its directory holds."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+import jaxlm
+from jaxlm.data.tokenizers import ByteTokenizer, load_tokenizer
+from jaxlm.models.params import flat_params, init_params, model_from_flat, param_shapes
+from jaxlm.models.transformer import Transformer
+from jaxlm.sharding import make_mesh
+from trainers.config import ConfigError, ExperimentConfig
+
+log = logging.getLogger(__name__)
+
+#: fields that may differ when a run is resumed: they change how, not what, is computed
+RESUMABLE_FIELDS = frozenset({"trainer.stop_after", "trainer.progress"})
+
+
+def make_tokenizer(spec: str):
+    """``"byte"`` (the embedded default) or a directory holding ``tokenizer.json``."""
+    if spec == "byte":
+        return ByteTokenizer()
+    tok = load_tokenizer(spec)
+    if tok is None:
+        raise ConfigError(f"tokenizer={spec!r}: no tokenizer.json in that directory (or use 'byte')")
+    return tok
+
+
+def initial_model(cfg: ExperimentConfig) -> Transformer:
+    """Random init, or ``init_from``'s weights loaded into ``cfg.model`` (its variant-only
+    parameters keep their initial, neutral values)."""
+    if not cfg.init_from:
+        return jaxlm.build_model(cfg.model, seed=cfg.trainer.seed)
+    base = flat_params(jaxlm.load_model(cfg.init_from))
+    expected = param_shapes(cfg.model)
+    for name, value in base.items():
+        if name not in expected or tuple(expected[name].shape) != tuple(value.shape):
+            want = tuple(expected[name].shape) if name in expected else "absent"
+            raise ConfigError(
+                f"init_from={cfg.init_from!r}: parameter {name!r} {tuple(value.shape)} does not fit "
+                f"model ({want}); make model match the checkpoint's shapes"
+            )
+    missing = [n for n in expected if n not in base]
+    log.info("weights from %s; %d variant parameter(s) at their initial values", cfg.init_from, len(missing))
+    return model_from_flat(cfg.model, {**init_params(cfg.model, missing, seed=cfg.trainer.seed), **base})
+
+
+def check_vocabulary(model: Transformer, tokenizer) -> None:
+    if model.config.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={model.config.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer.vocab_size})"
+        )
+
+
+def run_mesh(cfg: ExperimentConfig) -> Mesh:
+    """``trainer.mesh`` over every device of every process."""
+    m = cfg.trainer.mesh
+    try:
+        return make_mesh(m.data, m.fsdp, m.tensor)
+    except ValueError as e:
+        raise ConfigError(f"trainer.mesh={m}: {e}") from None
+
+
+def check_trainable(cfg: ExperimentConfig, names: list[str]) -> None:
+    """``optimizer.trainable`` must select at least one of the parameter ``names``."""
+    if not cfg.optimizer.trainable:
+        return
+    trained = [n for n in names if re.search(cfg.optimizer.trainable, n)]
+    if not trained:
+        raise ConfigError(f"optimizer.trainable={cfg.optimizer.trainable!r} matches no parameter; e.g. {names[:5]}")
+    log.info("training %d of %d parameter arrays", len(trained), len(names))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(_flatten(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def check_resume_config(stored: dict[str, Any], current: dict[str, Any], out_dir: Path) -> None:
+    """A run directory is resumed only by the config that started it (up to `RESUMABLE_FIELDS`)."""
+    a, b = _flatten(stored), _flatten(current)
+    diffs = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in RESUMABLE_FIELDS)
+    if diffs:
+        shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in diffs[:8])
+        raise ConfigError(
+            f"{out_dir} holds a run with a different config ({shown}); resume with the same "
+            f"config or choose another trainer.out_dir"
+        )
+
+
+def initialize_distributed() -> None:
+    """``jax.distributed.initialize()`` once, one process per host. Its arguments come from the
+    cluster (SLURM, TPU, MPI, ... auto-detection) or from the environment:
+    ``JAX_COORDINATOR_ADDRESS`` (host:port of process 0), ``JAX_NUM_PROCESSES`` and
+    ``JAX_PROCESS_ID``."""
+    if jax.distributed.is_initialized():
+        return
+    kwargs = {}
+    for var, arg in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
+        if os.environ.get(var):
+            try:
+                kwargs[arg] = int(os.environ[var])
+            except ValueError:
+                raise ConfigError(f"{var}={os.environ[var]!r} must be an int") from None
+    jax.distributed.initialize(**kwargs)

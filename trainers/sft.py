@@ -1,0 +1,122 @@
+"""Supervised fine-tuning as a run-harness algorithm (``algorithm.name = "sft"``): next-token
+cross-entropy on the trained tokens of `jaxlm.data` batches, each token weighted by the
+configured token-weight function (`trainers.losses.TOKEN_WEIGHTS`), with exact gradient
+accumulation (`trainers.step.make_train_step`).
+
+``data.batch_size`` is global: each process loads its share of every batch and the rows are
+split over the mesh's ``data`` x ``fsdp`` devices. A checkpoint stores the data iterator's
+position, so a resumed run sees exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxlm.data.pipeline import eval_batches, eval_examples, train_dataset
+from jaxlm.eval import task_accuracy
+from jaxlm.sharding import model_shardings
+from trainers.algorithm import ALGORITHMS, RunSetup
+from trainers.config import ConfigError
+from trainers.evaluate import heldout_metrics
+from trainers.losses import TOKEN_WEIGHTS
+from trainers.optim import make_optimizer, param_names
+from trainers.setup import check_trainable
+from trainers.step import TrainState, init_state, make_eval_loss, make_train_step
+
+
+@ALGORITHMS.register("sft")
+class SFT:
+    """SFT on ``cfg.data``: one optimizer step per harness step."""
+
+    unit = "step"
+
+    def __init__(self, setup: RunSetup):
+        cfg, mesh = setup.cfg, setup.mesh
+        t, a = cfg.trainer, cfg.algorithm
+        self.cfg, self.mesh, self.tokenizer = cfg, mesh, setup.tokenizer
+        batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+        if (cfg.data.batch_size // t.grad_accum) % batch_shards:
+            raise ConfigError(
+                f"the micro-batch data.batch_size/trainer.grad_accum = {cfg.data.batch_size // t.grad_accum} "
+                f"is not divisible by the mesh's data x fsdp = {batch_shards} devices"
+            )
+        if cfg.data.batch_size % jax.process_count():
+            raise ConfigError(
+                f"data.batch_size={cfg.data.batch_size} is not divisible by the {jax.process_count()} processes"
+            )
+        self.graphdef, state = nnx.split(setup.model)
+        self._params = jax.device_put(nnx.to_pure_dict(state), nnx.to_pure_dict(model_shardings(setup.model, mesh)))
+        self.tx, schedule = make_optimizer(cfg.optimizer, t.steps)
+        check_trainable(cfg, list(jax.tree.leaves(param_names(self._params))))
+
+        local = dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size // jax.process_count())
+        data = train_dataset(local, setup.tokenizer, shard_index=jax.process_index(), shard_count=jax.process_count())
+        self.batches = iter(data)  # a grain iterator: get_state / set_state
+        self._batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+
+        window = setup.model.config.sliding_window
+        self._step = make_train_step(
+            self.graphdef, self.tx, schedule, grad_accum=t.grad_accum, sliding_window=window,
+            weight_fn=TOKEN_WEIGHTS[a.token_weights], beta_l1=a.beta_l1, sem_lambda=a.sem_lambda,
+            sem_threshold=a.sem_threshold,
+        )
+        self._eval_loss = make_eval_loss(self.graphdef, sliding_window=window, attention_stats=t.eval_attention_stats)
+        self._heldout = eval_batches(cfg.data, setup.tokenizer)
+        examples, self._verify = eval_examples(cfg.data)
+        self._examples = examples[: t.eval_generate]
+
+    def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows -> global arrays split over ``data`` x ``fsdp``."""
+        return {k: jax.make_array_from_process_local_data(self._batch_sharding, np.asarray(v))
+                for k, v in batch.items()}
+
+    def init_state(self) -> TrainState:
+        state = init_state(self._params, self.tx, self.cfg.trainer.seed)
+        return state.replace(step=jax.device_put(state.step, self._replicated),
+                             rng=jax.device_put(state.rng, self._replicated))
+
+    def batch(self, state: TrainState, k: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        return next(self.batches), {}
+
+    def tokens(self, batch: dict[str, np.ndarray]) -> float:
+        return float((batch["segment_ids"] > 0).sum())
+
+    def step(self, state: TrainState, batch: dict[str, np.ndarray]) -> tuple[TrainState, dict[str, Any]]:
+        state, metrics = self._step(state, self.place(batch))
+        return state, jax.device_get(metrics)
+
+    def _place_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """A global batch (every process holds all rows, e.g. the held-out set) -> this
+        process's rows, placed."""
+        n, p = jax.process_count(), jax.process_index()
+        rows = len(batch["tokens"]) // n
+        return self.place({k: v[p * rows:(p + 1) * rows] for k, v in batch.items()})
+
+    def evaluate(self, state: TrainState, k: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        result: dict[str, Any] = heldout_metrics(self._eval_loss, state.params, self._heldout, self._place_global)
+        samples: list[dict[str, Any]] = []
+        if self._verify is not None and self._examples:
+            acc = task_accuracy(
+                nnx.merge(self.graphdef, state.params), self._examples, self._verify, tokenizer=self.tokenizer,
+                max_new_tokens=self.cfg.trainer.eval_max_new_tokens, batch_size=min(64, len(self._examples)),
+            )
+            result["accuracy"], samples = acc.accuracy, acc.samples
+        return result, samples
+
+    def data_state(self) -> dict[str, Any]:
+        return self.batches.get_state()
+
+    def load_data_state(self, data_state: dict[str, Any]) -> None:
+        self.batches.set_state(data_state)
+
+    def final_model(self, state: TrainState):
+        model = nnx.merge(self.graphdef, state.params)
+        model.tokenizer = self.tokenizer
+        return model
