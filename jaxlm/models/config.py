@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxlm.dtypes import dtype_name
 from jaxlm.models.layers import ATTENTION, MLP, ROPE
+from jaxlm.models.layers.attention import ATTENTION_IMPLS
 
 _ROPE_SCALINGS = ("none", "linear", "llama3")
 #: the HuggingFace families a model maps to (their tables: `jaxlm.models.hf.families`)
@@ -135,6 +136,9 @@ class ModelConfig:
     """Weight dtype (as dtype)."""
     attention: str = "softmax"
     """Attention variant: softmax | affine_scaled | sink."""
+    attention_impl: str = "auto"
+    """How softmax attention computes its context when nothing asks for the probabilities:
+    auto | reference | chunked | xla | cudnn."""
     mlp: str = "swiglu"
     """MLP variant: swiglu | meta_swiglu (MeGan)."""
     rope: str = "default"
@@ -257,6 +261,8 @@ class ModelConfig:
         for name, registry in (("attention", ATTENTION), ("mlp", MLP), ("rope", ROPE)):
             if getattr(self, name) not in registry:
                 raise _err(name, getattr(self, name), f"must be one of {sorted(registry)}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise _err("attention_impl", self.attention_impl, f"must be one of {ATTENTION_IMPLS}")
         if self.family not in HF_FAMILIES:
             raise _err("family", self.family, f"must be one of {sorted(HF_FAMILIES)}")
 

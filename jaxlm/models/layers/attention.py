@@ -4,10 +4,20 @@
 how scores become weights by overriding `Attention.attend` (the projections,
 RoPE, qk-norm and cache handling are shared); `dot_product_attention` is the
 plain-softmax reference every variant is compared against.
+
+The probabilities ``[B, N, T, S]`` are only formed when something asks for them (the
+``attn_probs`` tap, a variant that needs them, ``ModelConfig.attention_impl="reference"``).
+Otherwise `attention_context` computes the context alone, by the implementation
+`resolve_attention_impl` picks (``ATTENTION_IMPLS``): cuDNN flash attention through
+`jax.nn.dot_product_attention` on GPU, query-chunked attention with recomputation
+(`chunked_attention`) for long sequences elsewhere, and the einsum path for short ones
+(decoding). Every implementation gives rows with no visible key the reference's uniform
+weights over all ``S`` slots (the mean of the values), never NaN.
 """
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +34,13 @@ from jaxlm.registry import Registry
 ATTENTION: Registry = Registry("attention")
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
+
+#: ``ModelConfig.attention_impl`` values: ``auto`` picks per call (`resolve_attention_impl`);
+#: ``reference`` always forms the probabilities; ``chunked`` = `chunked_attention`; ``xla`` /
+#: ``cudnn`` = `jax.nn.dot_product_attention` with that ``implementation``.
+ATTENTION_IMPLS = ("auto", "reference", "chunked", "xla", "cudnn")
+#: queries per block of `chunked_attention` (``auto`` chunks when ``T`` exceeds it)
+QUERY_CHUNK = 512
 
 
 def attention_scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
@@ -67,6 +84,89 @@ def dot_product_attention(
     return weighted_values(probs, v).astype(q.dtype), probs.reshape(B, N, T, -1)
 
 
+def chunked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float, chunk: int = QUERY_CHUNK
+) -> jax.Array:
+    """`dot_product_attention`'s context computed ``chunk`` queries at a time, each block
+    rematerialised in the backward pass (Rabe & Staats 2021, "Self-attention does not need
+    O(n^2) memory", with query chunking only: every block sees all ``S`` keys, so its softmax
+    is the exact one). Peak memory is ``[B, N, chunk, S]`` per block instead of ``[B, N, T, S]``.
+
+    Shapes as `dot_product_attention`; returns the context ``[B, T, N, H_v]`` in ``q.dtype``.
+    """
+    B, T, N, H = q.shape
+    S = k.shape[2]
+    chex.assert_rank(mask, 4)
+    chex.assert_axis_dimension(mask, 2, T)
+    n_blocks = -(-T // chunk)
+    pad = n_blocks * chunk - T
+    M = mask.shape[1]
+    mask = jnp.broadcast_to(mask, (B, M, T, S))
+    if pad:  # padded queries see every key (finite rows) and are dropped below
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=True)
+    q_blocks = q.reshape(B, n_blocks, chunk, N, H).transpose(1, 0, 2, 3, 4)
+    mask_blocks = mask.reshape(B, M, n_blocks, chunk, S).transpose(2, 0, 1, 3, 4)
+
+    @jax.checkpoint
+    def block(xs):
+        qb, mb = xs
+        return dot_product_attention(qb, k, v, mb, scale=scale)[0]
+
+    ctx = jax.lax.map(block, (q_blocks, mask_blocks))  # [n_blocks, B, chunk, N, H_v]
+    ctx = ctx.transpose(1, 0, 2, 3, 4).reshape(B, n_blocks * chunk, N, v.shape[-1])
+    return ctx[:, :T]
+
+
+def _cudnn_supported(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Shapes and dtypes cuDNN's fused attention takes: half precision, equal query/key/value
+    widths, a multiple of 8 and at most 128."""
+    H = q.shape[-1]
+    return (
+        q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and v.dtype == q.dtype
+        and v.shape[-1] == H and H % 8 == 0 and H <= 128
+    )
+
+
+def resolve_attention_impl(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, *, need_probs: bool) -> str:
+    """The implementation one attention call uses: ``reference`` whenever the probabilities are
+    needed; for ``auto``, ``cudnn`` on GPU when it supports the shapes and there is more than one
+    query, else ``chunked`` when the queries exceed `QUERY_CHUNK`, else ``reference`` (short
+    blocks and decoding, where ``[B, N, T, S]`` is small and the einsums on the cache layout
+    are fastest)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"ModelConfig.attention_impl={impl!r} is invalid: must be one of {ATTENTION_IMPLS}")
+    if need_probs or impl == "reference":
+        return "reference"
+    if impl != "auto":
+        return impl
+    T = q.shape[1]
+    if T > 1 and jax.default_backend() == "gpu" and _cudnn_supported(q, k, v):
+        return "cudnn"
+    if T > QUERY_CHUNK:
+        return "chunked"
+    return "reference"
+
+
+def attention_context(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float, impl: str = "auto"
+) -> jax.Array:
+    """softmax(scale q k^T + mask) v without returning the probabilities, by ``impl``
+    (`resolve_attention_impl`). Shapes as `dot_product_attention`; returns ``[B, T, N, H_v]``."""
+    impl = resolve_attention_impl(impl, q, k, v, need_probs=False)
+    if impl == "reference":
+        return dot_product_attention(q, k, v, mask, scale=scale)[0]
+    if impl == "chunked":
+        return chunked_attention(q, k, v, mask, scale=scale, chunk=QUERY_CHUNK)
+    # jax.nn takes keys/values [B, S, K, H]; rows with no visible key get its finite mask value,
+    # i.e. the same uniform weights as the reference
+    out = jax.nn.dot_product_attention(
+        q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask=mask.astype(bool), scale=scale,
+        implementation=impl,
+    )
+    return out.astype(q.dtype)
+
+
 @ATTENTION.register("softmax")
 class Attention(nnx.Module):
     def __init__(self, config, *, rngs: nnx.Rngs):
@@ -94,10 +194,20 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def attend(self, q, k, v, mask, inputs=None) -> tuple[jax.Array, jax.Array]:
-        """Scores -> weights -> context. Variants override this; ``inputs`` is the layer's
-        (normed) input ``[B, T, D]`` for variants whose weights depend on it."""
-        return dot_product_attention(q, k, v, mask, scale=self.config.head_dim**-0.5)
+    def attend(self, q, k, v, mask, inputs=None, *, need_probs: bool = True) -> tuple[jax.Array, jax.Array | None]:
+        """Scores -> weights -> context, and the weights ``[B, N, T, S]`` when ``need_probs``
+        (else None: the context alone, by ``ModelConfig.attention_impl``). Variants override
+        this; ``inputs`` is the layer's (normed) input ``[B, T, D]`` for variants whose weights
+        depend on it."""
+        return self.softmax_attention(q, k, v, mask, need_probs=need_probs)
+
+    def softmax_attention(self, q, k, v, mask, *, need_probs: bool) -> tuple[jax.Array, jax.Array | None]:
+        """Plain softmax attention: the reference (with probabilities) when ``need_probs``,
+        else `attention_context` by ``ModelConfig.attention_impl``."""
+        scale = self.config.head_dim**-0.5
+        if need_probs:
+            return dot_product_attention(q, k, v, mask, scale=scale)
+        return attention_context(q, k, v, mask, scale=scale, impl=self.config.attention_impl), None
 
     def __call__(
         self,
@@ -137,7 +247,9 @@ class Attention(nnx.Module):
         if kv is not None:
             kv, k, v = kv.write(k, v)
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-        ctx, probs = self.attend(q, k, v, mask, inputs=x)
-        taps.put("attn_probs", probs)
+        need_probs = "attn_probs" in taps.names
+        ctx, probs = self.attend(q, k, v, mask, inputs=x, need_probs=need_probs)
+        if need_probs:
+            taps.put("attn_probs", probs)
         ctx = taps.put("attn_ctx", ctx.reshape(B, T, c.o_dim))
         return self.o_proj(ctx), kv

@@ -7,8 +7,9 @@
   ``b_i = (w_b . x_i) / n_i`` or the mass-conserving coupled bias ``b_i = (1 - s_i) / n_i``
   (``ModelConfig.affine_bias``; ``n_i`` = visible keys). Computed in the efficient form
   ``s_i * attention(q, k, v)_i + (n_i b_i) * mean_{visible} v`` so a fused attention kernel
-  stays usable. ``w_s = w_b = 0`` at init, and ``psi_s(0) = 1``: the model starts exactly as
-  softmax attention.
+  stays usable: ``attention(q, k, v)`` is `Attention.softmax_attention` (the probability-free
+  paths unless the weights are asked for). ``w_s = w_b = 0`` at init, and ``psi_s(0) = 1``: the
+  model starts exactly as softmax attention.
 - ``sink``: a learnable per-head sink logit in the softmax denominator (the baseline the paper
   compares against; as in GPT-OSS / StreamingLLM's sink): ``a_ij = exp(l_ij) / (exp(z_h) +
   sum_j exp(l_ij))``. ``z_h = -inf`` is exactly softmax.
@@ -21,7 +22,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm.models.layers.attention import (
-    _MASKED, ATTENTION, Attention, attention_scores, dot_product_attention, grouped_mask, weighted_values,
+    _MASKED,
+    ATTENTION,
+    Attention,
+    attention_scores,
+    grouped_mask,
+    weighted_values,
 )
 from jaxlm.models.layers.linear import param
 
@@ -53,9 +59,9 @@ class AffineScaledAttention(Attention):
         s = 2.0 * jax.nn.sigmoid(z_s) if self.config.affine_scale_act == "sigmoid2" else jnp.exp(z_s)
         return s, x @ self.bias_proj[...].astype(jnp.float32)
 
-    def attend(self, q, k, v, mask, inputs=None):
+    def attend(self, q, k, v, mask, inputs=None, *, need_probs: bool = True):
         c = self.config
-        ctx, probs = dot_product_attention(q, k, v, mask, scale=c.head_dim**-0.5)
+        ctx, probs = self.softmax_attention(q, k, v, mask, need_probs=need_probs)
         s, z_b = self.affine_terms(inputs)
         mean_v, n = visible_mean_values(v, mask, c.n_heads)
         # b_i * sum_j v_j = (n_i b_i) * mean_j v_j; free: n_i b_i = z_b; coupled: 1 - s_i
@@ -85,7 +91,8 @@ class SinkAttention(Attention):
         super().__init__(config, rngs=rngs)
         self.sink = param(jnp.full((config.n_heads,), config.sink_init, jnp.float32), (None,))
 
-    def attend(self, q, k, v, mask, inputs=None):
+    def attend(self, q, k, v, mask, inputs=None, *, need_probs: bool = True):
+        """The sink enters the softmax denominator, so this variant always forms the weights."""
         c = self.config
         B, T, N, H = q.shape
         K = k.shape[1]
