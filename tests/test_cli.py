@@ -37,3 +37,68 @@ def test_clear_errors(tmp_path, capsys):
     assert "neither a jaxlm checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--max-new-tokens", "many"])  # tyro type-checks the value
+
+
+def _help(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_train_config_help_lists_every_key_with_type_value_and_description(capsys):
+    import dataclasses
+
+    from trainers.config_help import config_keys
+    from trainers.recipes import load_config
+
+    text = _help(["train", "quickstart", "--help"], capsys)
+    cfg = load_config("quickstart")
+    keys = config_keys(cfg)
+    assert len(keys) > 80
+    for key, tp, value, doc in keys:
+        assert f"  {key}: {tp} = {value}" in text, key
+        assert doc, f"{key} has no description"
+    assert "trainer.steps: int = 1000" in text and "optimizer.lr: float = 0.003" in text
+    assert "`" not in text
+    # overrides before --help show in the values
+    assert "trainer.steps: int = 7" in _help(["train", "quickstart", "trainer.steps=7", "--help"], capsys)
+    assert dataclasses.is_dataclass(cfg)
+
+
+def _flags(cls, prefix=""):
+    """``(flag, description)`` of every field of a CLI dataclass and of the dataclasses it
+    nests (their fields are flags too), as `trainers.config_help` reads the descriptions."""
+    import dataclasses
+    import typing
+
+    from trainers.config_help import field_descriptions
+
+    docs = field_descriptions(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
+    for f in dataclasses.fields(cls):
+        tp = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is typing.Annotated else hints[f.name]
+        kinds = [a for a in (typing.get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
+        yield prefix + f.name, docs.get(f.name, "")
+        for kind in kinds:
+            yield from _flags(kind, f"{prefix}{f.name}.")
+
+
+@pytest.mark.parametrize("verb", ["quickstart", "train", "eval", "generate", "convert", "quantize", "compress", "edit"])
+def test_verb_help_names_real_arguments_and_describes_every_flag(verb, capsys):
+    from trainers.cli import VERBS
+
+    text = _help([verb, "--help"], capsys)
+    assert "`" not in text and "STR [STR" not in text and "PATH PATH" not in text
+    undescribed = [flag for flag, doc in _flags(VERBS[verb][0]) if len(doc) < 8]
+    assert not undescribed, f"jaxlm {verb}: flags without a description: {undescribed}"
+
+
+def test_generate_chat_renders_the_prompt_as_a_user_turn(capsys):
+    tok = jaxlm.ByteTokenizer()
+    main(["generate", "--prompt", "hi", "--chat", "--max-new-tokens", "2", "--temperature", "0"])
+    chat = capsys.readouterr().out
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(init_std=0.5), tokenizer=tok)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    expected = jaxlm.generate(model, [ids], max_new_tokens=2, temperature=0).texts[0]
+    assert f"'hi' -> {expected!r}" in chat

@@ -43,7 +43,7 @@ CalibrationTask = Arithmetic | Countdown | Sorting | FactWorld
 class GenerateArgs:
     """Sample completions for one or more prompts."""
 
-    prompt: tuple[str, ...] = ("Hello",)
+    prompt: Annotated[tuple[str, ...], tyro.conf.arg(metavar="TEXT [TEXT ...]")] = ("Hello",)
     """Prompt text(s); several prompts are decoded as one batch."""
     model: Annotated[Path | None, tyro.conf.arg(metavar="DIR")] = None
     """HF directory or jaxlm checkpoint; default: the embedded tiny random model."""
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if _config_help(argv):
-            return
+            raise SystemExit(0)
     except ValueError as e:  # the config itself is invalid
         print(f"jaxlm: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -461,16 +461,18 @@ def main(argv: list[str] | None = None) -> None:
     cmd = _parse(union, argv)
     _quiet_logs()
     from jaxlm.fileio import DirectoryLockedError
+    from trainers.checkpointing import CheckpointCorruptError
     from trainers.loop import TrainingDiverged
 
     run = next(fn for args_type, fn in VERBS.values() if isinstance(cmd, args_type))
     try:
         run(cmd)
-    except TrainingDiverged as e:
+    except TrainingDiverged as e:  # the run itself failed
         print(f"jaxlm: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    except (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-            DirectoryLockedError) as e:  # config, data, checkpoint and argument errors name what is wrong
+    except (ValueError, OSError, DirectoryLockedError, CheckpointCorruptError) as e:
+        # bad arguments, configs, data files, checkpoints, or an output directory in use: the
+        # message names the file or field and what to do
         print(f"jaxlm: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -293,11 +293,18 @@ class GRPOConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
+    """One experiment: the model, its data, the optimizer, the run and the algorithm."""
+
     model: ModelConfig = ModelConfig.tiny()
+    """The model trained (its shape and variants; with init_from, the shape of those weights)."""
     data: DataConfig = DataConfig()
+    """What it is trained on and how batches are made."""
     optimizer: OptimizerConfig = OptimizerConfig()
+    """The optimizer and its learning-rate schedule."""
     trainer: TrainerConfig = TrainerConfig()
+    """The run: length, logging, evaluation, checkpoints, devices."""
     algorithm: SFTConfig | GRPOConfig = SFTConfig()
+    """The training algorithm (`trainers.algorithm.ALGORITHMS`): SFT or GRPO, with its settings."""
     tokenizer: str = "byte"
     """'byte' (the embedded default) or a directory holding tokenizer.json."""
     init_from: str | None = None

@@ -17,6 +17,7 @@ import importlib.resources
 import importlib.util
 import io
 import os
+import re
 import traceback
 import types
 import typing
@@ -112,14 +113,38 @@ def _switch_optional_sections(config: ExperimentConfig, items: list[tuple[str, s
 
 
 def _unbox(text: str) -> str:
-    """tyro's boxed message as plain lines."""
+    """tyro's error message (boxed on a terminal, ruled with dashes otherwise) in at most two
+    lines, in override terms: ``unknown key trainer.stepz`` and the closest keys, or the
+    parse error and the key's type and description."""
+    rule = set("─-━═ ")
+    raw = [line.strip().strip("│").strip() for line in text.splitlines()]
     lines = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line[0] in "╭╰" or set(line) <= set("│─ "):
+    for i, line in enumerate(raw):
+        if not line or line[0] in "╭╰" or set(line) <= rule or line.startswith("For full helptext"):
             continue
-        lines.append(line.strip("│").strip())
-    return "\n".join(entry for entry in lines if entry and not entry.startswith("For full helptext"))
+        title = i + 1 < len(raw) and raw[i + 1] and set(raw[i + 1]) <= rule and not any(raw[:i])
+        if title:  # without a box, the title is the first line, above a rule
+            continue
+        lines.append(line)
+    if not lines:
+        return ""
+    first, rest = lines[0], lines[1:]
+    if first.startswith("Unrecognized options:"):
+        keys = [t.strip(",")[2:] for t in first.split()[2:] if t.startswith("--")]
+        first = "unknown key " + ", ".join(keys) if keys else first
+    hint = ""
+    if rest and rest[0].startswith("Perhaps you meant"):
+        close = [line.split()[0][2:] for line in rest[1:] if line.startswith("--")]
+        hint = "closest keys: " + ", ".join(close)
+    elif rest and rest[0].startswith("Argument helptext"):
+        flag = next((line for line in rest[1:] if line.startswith("--")), "")
+        about = rest[rest.index(flag) + 1] if flag and rest.index(flag) + 1 < len(rest) else ""
+        hint = f"{flag[2:]}: {about}".strip(": ") if flag else ""
+    if first.startswith("Error parsing --"):
+        first = "invalid value for " + first[len("Error parsing --"):]
+    else:  # a section's own validation names its field already
+        first = re.sub(r"^Error parsing [\w.]+: ", "", first)
+    return first + (f"\n{hint}" if hint else "")
 
 
 def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:

@@ -44,24 +44,38 @@ from jaxlm.editing.weights import layer_kernels, with_layer_kernels
 class GradientEditConfig:
     """Hyperparameters of fine-tuning / CrispEdit edits (reference defaults in comments)."""
 
-    module: str = "mlp.down_proj"  # model.layers.{}.mlp.down_proj
+    module: str = "mlp.down_proj"
+    """The projection that is edited in each of layers (model.layers.{i}.mlp.down_proj)."""
     layers: tuple[int, ...] = (1, 2)
-    lr: float = 5e-3  # reference 5e-4 on Llama-3-8B
-    epochs: int = 50  # num_steps (reference 25 on Llama-3-8B; the tiny fact model needs ~50)
+    """Layers whose module is edited."""
+    lr: float = 5e-3
+    """Adam learning rate of the edit (reference 5e-4 on Llama-3-8B)."""
+    epochs: int = 50
+    """Optimisation steps over the requests (reference 25 on Llama-3-8B; the tiny fact model needs ~50)."""
     batch_size: int = 32
+    """Requests per optimisation batch."""
     stop_loss: float = 1e-2
+    """Stop once the edit loss is below this."""
     weight_decay: float = 0.0
-    energy: float = 0.8  # CrispEdit: energy_threshold (README 0.8, llama3-8b.yaml 0.99)
-    kfac_mode: Literal["empirical_fisher", "sampled_fisher", "ggn"] = "empirical_fisher"  # reference: empirical
-    activation_only: bool = False  # B = I: rank directions by A alone (Adam-NSCL-like)
-    # "gradient": project raw gradients, then Adam (the reference ProjectedAdam; Adam's
-    # per-element scaling moves the step slightly out of the subspace); "update": project
-    # Adam's step, so every weight change lies exactly in the low-curvature subspace.
+    """Adam weight decay of the edit."""
+    energy: float = 0.8
+    """CrispEdit: fraction of the curvature energy whose directions the edit avoids (energy_threshold; README 0.8, llama3-8b.yaml 0.99)."""
+    kfac_mode: Literal["empirical_fisher", "sampled_fisher", "ggn"] = "empirical_fisher"
+    """How the K-FAC output factor B is estimated (the reference: empirical Fisher)."""
+    activation_only: bool = False
+    """B = I: rank directions by the input factor A alone (Adam-NSCL-like)."""
     project: Literal["gradient", "update"] = "gradient"
-    recompute_threshold: float = 0.25  # recalculate_weight_threshold
-    protect_edits: bool = True  # merge statistics of earlier edit batches
-    merge_weight: Literal["samples", "tokens"] = "samples"  # the reference merges sample-weighted
+    """gradient: project raw gradients, then Adam (the reference ProjectedAdam; Adam's per-element
+    scaling moves the step slightly out of the subspace); update: project Adam's step, so every
+    weight change lies exactly in the low-curvature subspace."""
+    recompute_threshold: float = 0.25
+    """Recompute the projector when this fraction of its statistics changed (recalculate_weight_threshold)."""
+    protect_edits: bool = True
+    """Merge the curvature statistics of earlier edit batches, so later batches protect them."""
+    merge_weight: Literal["samples", "tokens"] = "samples"
+    """How statistics are merged: weighted by samples (the reference) or by tokens."""
     seed: int = 0
+    """Seed of the edit (sampled Fisher, data order)."""
 
     def __post_init__(self):
         check_energy(self.energy)

@@ -68,15 +68,25 @@ class LocateEditConfig:
     """MEMIT / AlphaEdit hyperparameters (reference values in comments)."""
 
     layers: tuple[int, ...] = (1, 2)
+    """Layers whose MLP down projection is edited."""
     module: str = "mlp.down_proj"
-    lam_memit: float = 1e2  # mom2_update_weight (15000 on GPT-J, with C0 from 100k Wikipedia samples)
-    lam_alphaedit: float = 10.0  # L2
-    nullspace_tau: float = 2e-2  # nullspace_threshold (relative to the largest eigenvalue here)
-    v_steps: int = 25  # v_num_grad_steps
-    v_lr: float = 0.5  # v_lr
-    v_weight_decay: float = 0.5  # v_weight_decay
+    """The edited projection (MEMIT / AlphaEdit edit mlp.down_proj only)."""
+    lam_memit: float = 1e2
+    """MEMIT: weight of the key covariance C0 (mom2_update_weight; 15000 on GPT-J with C0 from 100k Wikipedia samples)."""
+    lam_alphaedit: float = 10.0
+    """AlphaEdit: L2 regulariser of the update."""
+    nullspace_tau: float = 2e-2
+    """AlphaEdit: eigenvalues of C0 below this fraction of the largest span the null space (nullspace_threshold)."""
+    v_steps: int = 25
+    """Gradient steps of the target value optimisation (v_num_grad_steps)."""
+    v_lr: float = 0.5
+    """Learning rate of the target value optimisation (v_lr)."""
+    v_weight_decay: float = 0.5
+    """Weight decay of the target value optimisation (v_weight_decay)."""
     clamp_norm_factor: float = 0.75
-    batch_size: int = 64  # requests per target-optimisation batch
+    """The target value's change is clamped to this factor of the original value's norm."""
+    batch_size: int = 64
+    """Requests per target-optimisation batch."""
 
     def __post_init__(self):
         if self.module != "mlp.down_proj":

@@ -198,3 +198,20 @@ def test_resume_is_bit_identical(tmp_path):
     recs = [json.loads(l) for l in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     assert {"reward", "kl", "clip_frac", "entropy", "loss"} <= set(recs[0])
     assert (tmp_path / "full" / "curves.png").exists()
+
+
+def test_chat_prompts_are_rendered_with_the_generation_prompt(trainer):
+    """A chat example's prompt is its messages before the final assistant turn, through the
+    tokenizer's chat format with the assistant's generation prompt."""
+    tok = trainer.tokenizer
+    messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "2+3="},
+                {"role": "assistant", "content": "5"}]
+    example = {"messages": messages, "answer": "5"}
+    col = trainer.collector
+    want = tok.apply_chat_template(messages[:2], add_generation_prompt=True)
+    assert col.prompt_ids(example) == want
+    assert col.prompt_text(example) == tok.apply_chat_template(messages[:2], add_generation_prompt=True,
+                                                               tokenize=False)
+    assert col.prompt_ids({"messages": messages[:2]}) == want  # no assistant turn: all of them
+    with pytest.raises(ValueError, match="no message before its assistant turn"):
+        col.prompt_ids({"messages": messages[2:]})

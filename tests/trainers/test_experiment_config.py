@@ -21,12 +21,12 @@ def test_overrides_are_typed():
 
 
 def test_unknown_key_suggests_closest():
-    with pytest.raises(ConfigError, match=r"(?s)Unrecognized options.*--model.n_layer\b.*Perhaps you meant.*--model.n_layers"):
+    with pytest.raises(ConfigError, match=r"^unknown key model.n_layer\nclosest keys: model.n_layers"):
         load_config("quickstart", ["model.n_layer=4"])
 
 
 def test_badly_typed_value_names_the_field():
-    with pytest.raises(ConfigError, match=r"(?s)--trainer.steps.*invalid literal for int"):
+    with pytest.raises(ConfigError, match=r"^invalid value for trainer.steps: invalid literal for int.*\ntrainer.steps INT: Optimizer steps"):
         load_config("quickstart", ["trainer.steps=many"])
 
 

@@ -115,3 +115,40 @@ def test_init_from_loads_base_weights_into_a_variant(tmp_path):
     np.testing.assert_array_equal(variant(tokens).logits, base(tokens).logits)
     with pytest.raises(ConfigError, match="does not fit model"):
         initial_model(apply_overrides(cfg, ["model.d_model=64", f"init_from={tmp_path / 'base'}"]))
+
+
+def test_a_torn_config_json_falls_back_to_the_checkpoints_copy(tmp_path, caplog):
+    first = train(tiny_experiment(tmp_path, stop_after=3, steps=6))
+    assert first.stopped_early
+    stored = tmp_path / "config.json"
+    stored.write_text(stored.read_text()[: 40])  # a kill mid-write of an older, non-atomic writer
+    with caplog.at_level("WARNING"):
+        resumed = train(tiny_experiment(tmp_path, steps=6))
+    assert resumed.step == 6 and not resumed.stopped_early
+    assert any(str(stored) in r.getMessage() and "checkpoint step 3" in r.getMessage() for r in caplog.records)
+    assert json.loads(stored.read_text())["trainer"]["steps"] == 6  # rewritten whole
+    stored.write_text("{")
+    with pytest.raises(ConfigError, match="different config.*optimizer.lr"):
+        train(apply_overrides(tiny_experiment(tmp_path, steps=6), ["optimizer.lr=0.5"]))
+
+
+def test_rerunning_a_finished_run_changes_nothing(tmp_path):
+    done = train(tiny_experiment(tmp_path, steps=4, save_every=2))
+    files = {p: p.read_bytes() for p in [tmp_path / "metrics.jsonl", tmp_path / "config.json"]}
+    model_files = sorted(p.relative_to(tmp_path) for p in (tmp_path / "model").rglob("*"))
+    again = train(tiny_experiment(tmp_path, steps=4, save_every=2))
+    assert again.step == 4 and again.final_eval == {k: v for k, v in done.final_eval.items()}
+    assert {p: p.read_bytes() for p in files} == files
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "model").rglob("*")) == model_files
+
+
+def test_hooks_see_every_step_and_can_stop_the_run(tmp_path):
+    seen = []
+
+    def hook(end):
+        seen.append((end.step, float(end.metrics["loss"])))
+        return end.step == 3
+
+    result = train(tiny_experiment(tmp_path, steps=8), hooks=[hook])
+    assert result.stopped_early and result.step == 3
+    assert [s for s, _ in seen] == [1, 2, 3] and all(np.isfinite(l) for _, l in seen)

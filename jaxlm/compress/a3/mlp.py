@@ -83,14 +83,27 @@ def mlp_order(h: np.ndarray, w_down: np.ndarray, select: str = "energy") -> np.n
     return np.asarray(_greedy_order(h, w_down, h.shape[0]), np.int64)
 
 
+def _cholesky_with_ridge(a: np.ndarray, lam: float, tries: int = 8) -> np.ndarray:
+    """Cholesky factor of ``a + lam I``; a second moment accumulated in float32 can have
+    eigenvalues a little below zero, so ``lam`` grows tenfold until the factor exists."""
+    eye = np.eye(len(a), dtype=a.dtype)
+    for _ in range(tries):
+        try:
+            return np.linalg.cholesky(a + lam * eye)
+        except np.linalg.LinAlgError:
+            lam *= 10.0
+    raise np.linalg.LinAlgError(f"the MLP second moment is not positive semidefinite even with ridge {lam:.3g}")
+
+
 def mlp_error_curve(h: np.ndarray, w_down: np.ndarray, select: str = "energy", ridge: float = 1e-6) -> np.ndarray:
     """``err[m]``, m = 0..F: the least-squares refit output error ``tr(W^T (H - H_:S H_SS^-1 H_S:) W)``
     of the first ``m`` neurons of `mlp_order` (Cholesky of ``H`` in that order; a ridge of
-    ``max(ridge, 1e-9) * mean(diag H)`` keeps it defined for rank-deficient ``H``)."""
+    ``max(ridge, 1e-9) * mean(diag H)`` keeps it defined for rank-deficient ``H``, raised
+    tenfold at a time only if rounding left ``H`` indefinite by more than that)."""
     order = mlp_order(h, w_down, select)
     hp = h[np.ix_(order, order)]
     lam = max(ridge, 1e-9) * float(np.mean(np.diag(h)))
-    chol = np.linalg.cholesky(hp + lam * np.eye(len(order)))
+    chol = _cholesky_with_ridge(hp, lam)
     y = np.linalg.solve(chol, h[order] @ w_down)  # row j: the error drop of the j-th added neuron
     gains = np.sum(y * y, axis=1)
     err = float(np.trace(w_down.T @ h @ w_down)) - np.concatenate([[0.0], np.cumsum(gains)])

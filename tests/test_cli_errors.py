@@ -1,0 +1,151 @@
+"""Bad input at the command line gets one or two lines naming the file, field or line and
+what to do, and exit status 2; a directory in use by another process is refused."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jaxlm
+from jaxlm.data.files import DataError, read_rows
+from trainers.cli import main
+
+FILEIO = Path(jaxlm.__file__).parent / "fileio.py"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "m"
+    jaxlm.save_checkpoint(jaxlm.build_model(jaxlm.ModelConfig.tiny(), tokenizer=jaxlm.ByteTokenizer()), path)
+    return path
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _fails(argv, capsys, *needles, absent=("Traceback", "strict=False")) -> str:
+    """``main(argv)`` exits with status 2 after at most two lines on stderr holding ``needles``."""
+    with pytest.raises(SystemExit) as e:
+        main(list(map(str, argv)))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert e.value.code == 2, err
+    assert 1 <= len(lines) <= 2 and lines[0].startswith("jaxlm: error:"), err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    for needle in absent:
+        assert needle not in err, (needle, err)
+    return err
+
+
+def test_truncated_weights_file(checkpoint, tmp_path, capsys):
+    bad = _copy(checkpoint, tmp_path / "m")
+    data = max((f for f in (bad / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    _fails(["eval", "--model", bad, "--n", "1"], capsys, str(bad / "params"), "damaged")
+
+
+def test_width_edited_config_names_the_parameters(checkpoint, tmp_path, capsys):
+    bad = _copy(checkpoint, tmp_path / "m")
+    meta = bad / "config" / "metadata"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "ffn_dim": 256}))
+    _fails(["eval", "--model", bad, "--n", "1"], capsys, "mlp.up_proj.kernel is (64, 128) in params/ but (64, 256)",
+           "config/ was edited")
+
+
+def test_missing_model_directory(tmp_path, capsys):
+    _fails(["eval", "--model", tmp_path / "nothing-here"], capsys, str(tmp_path / "nothing-here"), "does not exist")
+
+
+def test_config_file_with_a_syntax_error(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from trainers.config import ExperimentConfig\n\ndef get_config(:\n    return ExperimentConfig()\n")
+    _fails(["train", bad], capsys, f"{bad}:3: syntax error")
+
+
+def test_config_file_with_a_dict_section(tmp_path, capsys):
+    bad = tmp_path / "dict_section.py"
+    bad.write_text("from trainers.config import ExperimentConfig\n\n\ndef get_config():\n"
+                   "    return ExperimentConfig(trainer=dict(steps=3))\n")
+    _fails(["train", bad], capsys, f"{bad}:5", "ExperimentConfig.trainer must be a TrainerConfig, got dict")
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("optimizer.lr=inf", "OptimizerConfig.lr=inf is invalid"),
+    ("optimizer.lr=nan", "OptimizerConfig.lr=nan is invalid"),
+    ("optimizer.b2=1.5", "OptimizerConfig.b1=0.9, b2=1.5"),
+    ("trainer.stepz=3", "trainer.stepz"),
+])
+def test_bad_overrides(override, needle, tmp_path, capsys):
+    _fails(["train", "quickstart", override, f"trainer.out_dir={tmp_path}"], capsys, needle)
+
+
+def test_non_utf8_jsonl_names_the_file_line_and_file_offset(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    first = b'{"prompt": "a", "completion": "b"}\n'
+    second = b'{"prompt": "caf\xe9", "completion": "x"}\n'  # Latin-1, not UTF-8
+    path.write_bytes(first + second)
+    with pytest.raises(DataError) as e:
+        read_rows(path)
+    offset = len(first) + second.index(b"\xe9")
+    assert str(e.value).startswith(f"{path}:2: not UTF-8 text (byte {offset} of the file")
+
+
+@pytest.mark.parametrize("flag", ["--n", "--batch-size", "--max-new-tokens"])
+def test_eval_counts_must_be_positive(flag, checkpoint, capsys):
+    _fails(["eval", "--model", checkpoint, flag, "0"], capsys, f"{flag}=0 is invalid: must be >= 1")
+
+
+def test_convert_names_the_flag_to_overwrite(checkpoint, tmp_path, capsys):
+    dst = _copy(checkpoint, tmp_path / "dst")
+    _fails(["convert", checkpoint, dst], capsys, f"{dst} exists; pass --overwrite to replace it")
+
+
+def _hold_lock(path: Path, beside: bool):
+    """A second process holding the lock of ``path`` (fileio is standard-library only: load it
+    on its own, without importing JAX)."""
+    code = (
+        "import importlib.util, sys, time\n"
+        f"spec = importlib.util.spec_from_file_location('fileio', {str(FILEIO)!r})\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['fileio'] = m; spec.loader.exec_module(m)\n"
+        f"m.DirectoryLock({str(path)!r}, what='test holder', beside={beside}).acquire()\n"
+        "print('held', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_training_run_on_one_out_dir_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = _hold_lock(out, beside=False)
+    try:
+        err = _fails(["train", "quickstart", f"trainer.out_dir={out}", "trainer.steps=2"], capsys, str(out),
+                     f"PID {holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (out / "config.json").exists() and not (out / "checkpoints").exists(), err
+
+
+@pytest.mark.parametrize("verb", ["convert", "quantize", "compress"])
+def test_verbs_that_write_a_directory_refuse_one_in_use(verb, checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    holder = _hold_lock(out, beside=True)
+    argv = {"convert": ["convert", checkpoint, out],
+            "quantize": ["quantize", checkpoint, "--out", out, "--eval-n", "0", "--calibration-n", "4"],
+            "compress": ["compress", checkpoint, "--out", out, "--eval-n", "0", "--calib", "4"]}[verb]
+    try:
+        _fails(argv, capsys, str(out), f"PID {holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not out.exists()
