@@ -86,24 +86,43 @@ def sample_categorical(key: jax.Array, logits: jax.Array, block: int = 128) -> j
     ``block`` entries instead of ``V`` (a 32k-long cumsum takes ~3 ms on CPU).
     Masked (-inf) entries have zero mass and are never drawn.
     """
+    return categorical_and_logsumexp(key, logits, block)[0]
+
+
+def categorical_and_logsumexp(key: jax.Array, logits: jax.Array, block: int = 128) -> tuple[jax.Array, jax.Array]:
+    """`sample_categorical`'s draw ``[B]`` and ``logsumexp(logits) [B]`` from the same
+    ``exp(logits - max)`` (one pass over the vocabulary instead of two)."""
     B, V = logits.shape
     logits = logits.astype(jnp.float32)
-    mass = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    mass = jnp.exp(logits - top)
     mass = jnp.pad(mass, ((0, 0), (0, (-V) % block))).reshape(B, -1, block)
     k_block, k_token = jax.random.split(key)
-    chosen = _invert_cdf(k_block, mass.sum(-1))  # [B]
+    block_mass = mass.sum(-1)  # [B, V / block]
+    chosen = _invert_cdf(k_block, block_mass)  # [B]
     inner = jnp.take_along_axis(mass, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
-    return chosen * block + _invert_cdf(k_token, inner)
+    lse = top[:, 0] + jnp.log(block_mass.sum(-1))
+    return chosen * block + _invert_cdf(k_token, inner), lse
 
 
 def _select(logits, processed, key, greedy: bool, same: bool = False):
-    """Choose a token per row; its log-prob under the raw and the processed distribution."""
-    token = jnp.argmax(processed, axis=-1) if greedy else sample_categorical(key, processed)
+    """Choose a token per row; its log-prob under the raw and the processed distribution
+    (``same``: no processors, the two are one)."""
+    if greedy:
+        token, processed_lse = jnp.argmax(processed, axis=-1), None
+    else:
+        token, processed_lse = categorical_and_logsumexp(key, processed)
     token = token.astype(jnp.int32)
     pick = lambda x: jnp.take_along_axis(x, token[:, None], axis=-1)[:, 0]
+    if same and processed_lse is not None:
+        raw = pick(logits) - processed_lse
+        return token, raw, raw
     raw = pick(logits) - jax.nn.logsumexp(logits, axis=-1)
-    proc = raw if same else pick(processed) - jax.nn.logsumexp(processed, axis=-1)
-    return token, raw, proc
+    if same:
+        return token, raw, raw
+    if processed_lse is None:
+        processed_lse = jax.nn.logsumexp(processed, axis=-1)
+    return token, raw, pick(processed) - processed_lse
 
 
 @functools.partial(
@@ -177,7 +196,7 @@ def generate_tokens(
     )
 
     def choose(s: SamplingState) -> SamplingState:
-        rng, key = jax.random.split(s.rng)
+        rng, key = (s.rng, None) if greedy else jax.random.split(s.rng)  # greedy draws nothing
         token, lp, slp = _select(s.logits, process(s.logits, s), key, greedy, same=not processors)
         token = jnp.where(s.done, pad_id, token)
         lp, slp = jnp.where(s.done, 0.0, lp), jnp.where(s.done, 0.0, slp)
