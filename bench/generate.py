@@ -1,13 +1,17 @@
-"""Sampling throughput: `jaxlm.generate` vs HF `transformers` `generate` (PyTorch, CPU).
+"""Decoding throughput: `jaxlm.generate` vs HF `transformers` `generate` (PyTorch, CPU), as a grid.
 
-Same tiny random Llama in both (built in transformers, saved, loaded with
-`jaxlm.load_hf`), same left-padded prompts, multinomial sampling at temperature 1
-with no early stop, so both produce exactly batch x new_tokens tokens. Compilation
-(jaxlm) and the first call (HF) are excluded; the best of ``--repeats`` timed runs
-calls alternate between the two (so drifts in machine load hit both) and the
-median of ``--repeats`` timed calls is reported for each, then the ratio.
+Cells: batch x vocabulary x mode (``greedy`` = argmax, ``sampling`` = multinomial at
+temperature 1, no top-k / top-p). Per vocabulary one random Llama is built in transformers,
+saved and loaded with `jaxlm.load_hf`, so both decode the same weights from the same
+left-padded prompts, with no early stop: both produce exactly batch x new_tokens tokens.
+Per cell, jaxlm's first call (compilation) and HF's first call are excluded; then
+``--repeats`` timed calls alternate between the two (so drifts in machine load hit both) and
+the medians are compared. Wall-clock and process CPU time are both reported (on a shared
+machine the CPU-time ratio is the steadier one). Greedy cells also report how many rows
+produced exactly HF's tokens.
 
-    python bench/generate.py            # batch 16, 128 new tokens, 4 layers, width 256
+    python bench/generate.py                                    # the grid: batch 1/16/64 x vocab 512/32000 x greedy/sampling
+    python bench/generate.py --batch 16 --vocab 512 --mode greedy   # one cell
 """
 
 from __future__ import annotations
@@ -21,18 +25,27 @@ import time
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+def timed(fn):
+    """``(result, wall seconds, process CPU seconds)`` of one call."""
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w, time.process_time() - c
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--vocab", type=int, nargs="+", default=[512, 32000])
+    ap.add_argument("--mode", nargs="+", choices=("greedy", "sampling"), default=["greedy", "sampling"])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--ffn", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--prompt-len", type=int, default=32, help="longest prompt; others are shorter")
+    ap.add_argument("--prompt-len", type=int, default=32, help="longest prompt; the others are 1/2 to 1x as long")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args()
 
     import jax
@@ -42,80 +55,92 @@ def main() -> None:
 
     import jaxlm
 
-    torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.width, intermediate_size=args.ffn,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=args.prompt_len + args.new_tokens,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
-    rng = np.random.RandomState(0)
-    lengths = rng.randint(args.prompt_len // 2, args.prompt_len + 1, args.batch)
-    lengths[0] = args.prompt_len
-    prompts = [rng.randint(3, args.vocab, n).tolist() for n in lengths]
-
-    with tempfile.TemporaryDirectory() as d:
-        hf_model.save_pretrained(d)
-        model = jaxlm.load_hf(d, dtype="float32")
-
-    # --- jaxlm
-    def run_jaxlm(seed):
-        out = jaxlm.generate(
-            model, prompts, max_new_tokens=args.new_tokens, temperature=1.0, rng=seed,
-            stop_tokens=[], bucket=1,
+    versions = {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                "torch_threads": torch.get_num_threads()}
+    print(json.dumps({"setting": vars(args), "versions": versions}))
+    header = (f"{'batch':>5} {'vocab':>6} {'mode':>8} | {'jaxlm tok/s':>11} {'HF tok/s':>9} {'ratio':>6} | "
+              f"{'CPU ratio':>9} | greedy rows = HF")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for vocab in args.vocab:
+        torch.manual_seed(0)
+        hf_config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=args.width, intermediate_size=args.ffn,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads, max_position_embeddings=args.prompt_len + args.new_tokens,
+            pad_token_id=0, bos_token_id=1, eos_token_id=None,
         )
-        jax.block_until_ready(out.tokens)
-        return out
+        hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+        hf_model.generation_config.eos_token_id = None  # no early stop: exactly new_tokens per row
+        with tempfile.TemporaryDirectory() as d:
+            hf_model.save_pretrained(d)
+            model = jaxlm.load_hf(d, dtype="float32")
 
-    t0 = time.perf_counter()
-    run_jaxlm(0)
-    compile_s = time.perf_counter() - t0
+        for batch in args.batch:
+            rng = np.random.RandomState(batch)
+            lengths = rng.randint(max(1, args.prompt_len // 2), args.prompt_len + 1, batch)
+            lengths[0] = args.prompt_len
+            prompts = [rng.randint(3, vocab, n).tolist() for n in lengths]
+            P = args.prompt_len
+            ids = torch.zeros((batch, P), dtype=torch.long)
+            attn = torch.zeros((batch, P), dtype=torch.long)
+            for b, p in enumerate(prompts):
+                ids[b, P - len(p):] = torch.tensor(p)
+                attn[b, P - len(p):] = 1
 
-    P = args.prompt_len
-    ids = torch.zeros((args.batch, P), dtype=torch.long)
-    attn = torch.zeros((args.batch, P), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, P - len(p):] = torch.tensor(p)
-        attn[b, P - len(p):] = 1
+            for mode in args.mode:
+                greedy = mode == "greedy"
 
-    def run_hf():
-        with torch.no_grad():
-            return hf_model.generate(
-                input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
-                max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0,
-            )
+                def run_jaxlm(seed):
+                    out = jaxlm.generate(
+                        model, prompts, max_new_tokens=args.new_tokens, temperature=0.0 if greedy else 1.0,
+                        rng=seed, stop_tokens=[], bucket=1,
+                    )
+                    jax.block_until_ready(out.tokens)
+                    return out
 
-    run_hf()
-    jaxlm_times, hf_times = [], []
-    for r in range(args.repeats):
-        t0 = time.perf_counter()
-        out = run_jaxlm(r + 1)
-        jaxlm_times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        seqs = run_hf()
-        hf_times.append(time.perf_counter() - t0)
-    assert int(np.asarray(out.lengths).sum()) == args.batch * args.new_tokens
-    assert seqs.shape == (args.batch, P + args.new_tokens)
+                def run_hf():
+                    with torch.no_grad():
+                        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_k=0)
+                        return hf_model.generate(
+                            input_ids=ids, attention_mask=attn, max_new_tokens=args.new_tokens, pad_token_id=0,
+                            **kw,
+                        )
 
-    n_tokens = args.batch * args.new_tokens
-    jaxlm_tps = n_tokens / float(np.median(jaxlm_times))
-    hf_tps = n_tokens / float(np.median(hf_times))
-    result = {
-        "setting": vars(args),
-        "jaxlm_tokens_per_s": round(jaxlm_tps, 1),
-        "hf_tokens_per_s": round(hf_tps, 1),
-        "ratio_jaxlm_over_hf": round(jaxlm_tps / hf_tps, 2),
-        "jaxlm_first_call_s_incl_compile": round(compile_s, 2),
-        "jaxlm_call_s": [round(t, 3) for t in jaxlm_times],
-        "hf_call_s": [round(t, 3) for t in hf_times],
-        "versions": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
-    }
-    print(json.dumps(result, indent=2))
-    print(
-        f"jaxlm {jaxlm_tps:,.0f} tok/s | HF transformers {hf_tps:,.0f} tok/s | "
-        f"ratio {jaxlm_tps / hf_tps:.2f}x"
-    )
+                _, compile_s, _ = timed(lambda: run_jaxlm(0))
+                run_hf()
+                jw, jc, hw, hc = [], [], [], []
+                for r in range(args.repeats):
+                    out, w, c = timed(lambda: run_jaxlm(r + 1))
+                    jw.append(w), jc.append(c)
+                    seqs, w, c = timed(run_hf)
+                    hw.append(w), hc.append(c)
+                n_tokens = batch * args.new_tokens
+                assert int(np.asarray(out.lengths).sum()) == n_tokens
+                assert tuple(seqs.shape) == (batch, P + args.new_tokens)
+                same = None
+                if greedy:
+                    same = int(np.sum(np.all(np.asarray(out.tokens) == seqs[:, P:].numpy(), axis=1)))
+                j_tps, h_tps = n_tokens / float(np.median(jw)), n_tokens / float(np.median(hw))
+                cpu_ratio = float(np.median(hc)) / float(np.median(jc))
+                row = {
+                    "batch": batch, "vocab": vocab, "mode": mode,
+                    "jaxlm_tokens_per_s": round(j_tps, 1), "hf_tokens_per_s": round(h_tps, 1),
+                    "ratio": round(j_tps / h_tps, 2), "cpu_ratio": round(cpu_ratio, 2),
+                    "jaxlm_call_s": [round(t, 4) for t in jw], "hf_call_s": [round(t, 4) for t in hw],
+                    "jaxlm_cpu_s": [round(t, 4) for t in jc], "hf_cpu_s": [round(t, 4) for t in hc],
+                    "jaxlm_first_call_s": round(compile_s, 2), "greedy_rows_equal_hf": same,
+                }
+                rows.append(row)
+                same_txt = f"{same}/{batch}" if greedy else "-"
+                print(f"{batch:>5} {vocab:>6} {mode:>8} | {j_tps:>11,.0f} {h_tps:>9,.0f} {j_tps / h_tps:>5.2f}x | "
+                      f"{cpu_ratio:>8.2f}x | {same_txt}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setting": vars(args), "versions": versions, "cells": rows}, f, indent=2)
+    worst = min(rows, key=lambda r: r["ratio"])
+    print(f"lowest ratio: {worst['ratio']:.2f}x (batch {worst['batch']}, vocab {worst['vocab']}, {worst['mode']})")
 
 
 if __name__ == "__main__":
