@@ -18,6 +18,7 @@ undo a swap that a killed writer left half done (docs/reliability.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -29,8 +30,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
+from tqdm.auto import tqdm
 
 from jaxlm.data.tokenizers import load_tokenizer, save_tokenizer
+from jaxlm.eval.accuracy import heldout_accuracy
 from jaxlm.fileio import (
     DirectoryLock,
     atomic_directory,
@@ -280,3 +283,68 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
         if to == "orbax":
             return save_checkpoint(model, dst, overwrite=True)
         return save_hf(model, dst)
+
+
+@dataclasses.dataclass
+class TransformRun:
+    """What `transform_checkpoint` did: the model it read, the one it wrote (at ``out``) and
+    held-out accuracy before and after (None when not measured)."""
+
+    source: Transformer
+    result: Transformer
+    before: float | None
+    after: float | None
+    out: Path
+    n: int
+
+
+def transform_checkpoint(
+    model,
+    out: str | os.PathLike,
+    transform,
+    *,
+    task,
+    eval_n: int = 200,
+    overwrite: bool = False,
+    overwrite_hint: str = "pass overwrite=True to replace it",
+    desc: str = "transform",
+    what: str = "model being written",
+    progress: bool = False,
+) -> TransformRun:
+    """Load ``model`` (a checkpoint or HF directory, or a model), apply ``transform(model) ->
+    model`` (a weight-space method: quantization, compression, ...), measure held-out
+    accuracy on ``eval_n`` examples of ``task`` before and after (0: skip) and save the
+    result to ``out``. ``out`` is locked while it is written (a second writer is refused)
+    and replaced atomically, so it may be the input directory itself. ``progress``: a bar
+    over the stages, titled ``desc``."""
+    if isinstance(eval_n, bool) or not isinstance(eval_n, int) or eval_n < 0:
+        raise ValueError(f"eval_n={eval_n!r} is invalid: must be an int >= 0")
+    out = Path(out)
+    with DirectoryLock(out, beside=True, what=what):
+        if out.exists() and not overwrite:
+            raise FileExistsError(f"{out} exists; {overwrite_hint}")
+        stages = ["load", desc] + (["accuracy before", "accuracy after"] if eval_n else []) + ["save"]
+        with tqdm(total=len(stages), desc=desc, disable=not progress) as bar:
+            def stage(name: str) -> None:
+                bar.set_postfix_str(name)
+
+            stage("load")
+            source = load_model(model) if isinstance(model, (str, os.PathLike)) else model
+            if getattr(source, "tokenizer", None) is None:
+                raise ValueError(f"{model} has no tokenizer; cannot encode calibration texts")
+            bar.update()
+            stage(desc)
+            result = transform(source)
+            bar.update()
+            before = after = None
+            if eval_n:
+                stage("accuracy before")
+                before = heldout_accuracy(source, task, eval_n, desc="before", progress=progress).accuracy
+                bar.update()
+                stage("accuracy after")
+                after = heldout_accuracy(result, task, eval_n, desc="after", progress=progress).accuracy
+                bar.update()
+            stage("save")
+            save_checkpoint(result, out, overwrite=overwrite)
+            bar.update()
+    return TransformRun(source=source, result=result, before=before, after=after, out=out, n=eval_n)

@@ -69,7 +69,8 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or directory, best effort (some filesystems refuse directories)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -82,22 +83,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_dir(path: Path) -> None:
+    _fsync_path(path)
+
+
 def _fsync_tree(root: Path) -> None:
     """fsync every file and directory under ``root`` (so a power loss cannot undo the
     rename that publishes it)."""
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+            _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath)
 
 
 # --------------------------------------------------------------------------- locks

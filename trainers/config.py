@@ -291,6 +291,12 @@ class GRPOConfig:
         check_grpo_config(self)
 
 
+def _is_algorithm_config(value: Any) -> bool:
+    """A frozen dataclass instance with a string ``name`` (the algorithm's registered name)."""
+    return (dataclasses.is_dataclass(value) and not isinstance(value, type)
+            and isinstance(getattr(value, "name", None), str) and type(value).__dataclass_params__.frozen)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """One experiment: the model, its data, the optimizer, the run and the algorithm."""
@@ -304,7 +310,8 @@ class ExperimentConfig:
     trainer: TrainerConfig = TrainerConfig()
     """The run: length, logging, evaluation, checkpoints, devices."""
     algorithm: SFTConfig | GRPOConfig = SFTConfig()
-    """The training algorithm (`trainers.algorithm.ALGORITHMS`): SFT or GRPO, with its settings."""
+    """The training algorithm and its settings: SFT or GRPO (any frozen dataclass whose ``name``
+    is registered in `trainers.algorithm.ALGORITHMS` plugs in from Python)."""
     tokenizer: str = "byte"
     """'byte' (the embedded default) or a directory holding tokenizer.json."""
     init_from: str | None = None
@@ -315,6 +322,8 @@ class ExperimentConfig:
         for name, kinds in (("model", ModelConfig), ("data", DataConfig), ("optimizer", OptimizerConfig),
                             ("trainer", TrainerConfig), ("algorithm", (SFTConfig, GRPOConfig))):
             value = getattr(self, name)
+            if name == "algorithm" and _is_algorithm_config(value):
+                continue
             if not isinstance(value, kinds):
                 allowed = " | ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
                 raise ValueError(
@@ -325,7 +334,7 @@ class ExperimentConfig:
             raise ValueError(f"ExperimentConfig.tokenizer={self.tokenizer!r} must be 'byte' or a directory (str)")
         if self.init_from is not None and not isinstance(self.init_from, str):
             raise ValueError(f"ExperimentConfig.init_from={self.init_from!r} must be a path (str) or None")
-        if not isinstance(self.algorithm, GRPOConfig) and self.data.batch_size % self.trainer.grad_accum:
+        if isinstance(self.algorithm, SFTConfig) and self.data.batch_size % self.trainer.grad_accum:
             raise ValueError(
                 f"data.batch_size={self.data.batch_size} is not divisible by "
                 f"trainer.grad_accum={self.trainer.grad_accum}"
@@ -344,7 +353,7 @@ class ExperimentConfig:
                     f"by algorithm.minibatches x trainer.grad_accum = "
                     f"{self.algorithm.minibatches * self.trainer.grad_accum}"
                 )
-        elif self.algorithm.token_weights not in TOKEN_WEIGHTS:
+        elif isinstance(self.algorithm, SFTConfig) and self.algorithm.token_weights not in TOKEN_WEIGHTS:
             raise ValueError(
                 f"algorithm.token_weights={self.algorithm.token_weights!r} is invalid: must be one of "
                 f"{sorted(TOKEN_WEIGHTS)}"

@@ -136,6 +136,9 @@ def _run(cfg: ExperimentConfig, out_dir: Path, hooks: Sequence[Hook], data_itera
     model = initial_model(cfg)
     check_vocabulary(model, tokenizer)
     model.tokenizer = tokenizer
+    if cfg.algorithm.name not in ALGORITHMS:
+        raise ConfigError(f"algorithm.name={cfg.algorithm.name!r} is not a registered training algorithm: "
+                          f"must be one of {sorted(ALGORITHMS)} (trainers.algorithm.ALGORITHMS)")
     algo: Algorithm = ALGORITHMS[cfg.algorithm.name](RunSetup(cfg=cfg, model=model, tokenizer=tokenizer,
                                                               mesh=run_mesh(cfg)))
     state = algo.init_state()

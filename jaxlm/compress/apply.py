@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
-from tqdm.auto import tqdm
 
-from jaxlm.checkpoint import load_model, save_checkpoint
+from jaxlm.checkpoint import transform_checkpoint
 from jaxlm.compress.a3.compress import a3_compress
 from jaxlm.compress.a3.config import A3Config, check_compressible, needs_qk_refit
 from jaxlm.compress.a3.refit import qk_rope_refit
@@ -19,8 +18,7 @@ from jaxlm.compress.calibrate import a3_statistics
 from jaxlm.compress.metrics import kv_cache_bytes
 from jaxlm.compress.svd import svd_baseline
 from jaxlm.data.tasks import Arithmetic
-from jaxlm.eval.accuracy import heldout_accuracy, task_texts
-from jaxlm.fileio import DirectoryLock
+from jaxlm.eval.accuracy import task_texts
 from jaxlm.models.params import flat_params, model_from_flat
 from jaxlm.quant.apply import calibration_batches
 
@@ -113,35 +111,14 @@ def compress_checkpoint(
     so it may be the input directory itself."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} is invalid: must be one of {METHODS}")
-    for name, value in (("calibration_n", calibration_n), ("eval_n", eval_n)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}={value!r} is invalid: must be an int >= 0")
+    if isinstance(calibration_n, bool) or not isinstance(calibration_n, int) or calibration_n < 0:
+        raise ValueError(f"calibration_n={calibration_n!r} is invalid: must be an int >= 0")
     task = Arithmetic() if task is None else task
-    out = Path(out)
-    with DirectoryLock(out, beside=True, what="compressed model being written"):
-        if out.exists() and not overwrite:
-            raise FileExistsError(f"{out} exists; {overwrite_hint}")
-        stages = ["load", "compress"] + (["accuracy before", "accuracy after"] if eval_n else []) + ["save"]
-        with tqdm(total=len(stages), desc=f"compress {method}", disable=not progress) as bar:
-            bar.set_postfix_str("load")
-            source = load_model(model) if isinstance(model, (str, os.PathLike)) else model
-            if getattr(source, "tokenizer", None) is None:
-                raise ValueError(f"{model} has no tokenizer; cannot encode calibration texts")
-            bar.update()
-            bar.set_postfix_str("compress")
-            small = compress_with(source, method, task_texts(task, calibration_n), a3)
-            bar.update()
-            before = after = None
-            if eval_n:
-                bar.set_postfix_str("accuracy before")
-                before = heldout_accuracy(source, task, eval_n, desc="before", progress=progress).accuracy
-                bar.update()
-                bar.set_postfix_str("accuracy after")
-                after = heldout_accuracy(small, task, eval_n, desc="after", progress=progress).accuracy
-                bar.update()
-            bar.set_postfix_str("save")
-            save_checkpoint(small, out, overwrite=overwrite)
-            bar.update()
-    kv = kv_cache_bytes(small.config, 1, 1) / kv_cache_bytes(source.config, 1, 1)
-    return CompressReport(method=method, a3=a3, before_config=source.config, after_config=small.config,
-                          kv_cache_ratio=kv, before=before, after=after, out=out, n=eval_n)
+    run = transform_checkpoint(
+        model, out, lambda m: compress_with(m, method, task_texts(task, calibration_n), a3), task=task, eval_n=eval_n,
+        overwrite=overwrite, overwrite_hint=overwrite_hint, desc=f"compress {method}",
+        what="compressed model being written", progress=progress,
+    )
+    kv = kv_cache_bytes(run.result.config, 1, 1) / kv_cache_bytes(run.source.config, 1, 1)
+    return CompressReport(method=method, a3=a3, before_config=run.source.config, after_config=run.result.config,
+                          kv_cache_ratio=kv, before=run.before, after=run.after, out=run.out, n=eval_n)

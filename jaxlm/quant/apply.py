@@ -9,13 +9,10 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from tqdm.auto import tqdm
-
-from jaxlm.checkpoint import load_model, save_checkpoint
+from jaxlm.checkpoint import transform_checkpoint
 from jaxlm.data.tasks import Arithmetic
 from jaxlm.editing.kfac import token_batches
-from jaxlm.eval.accuracy import heldout_accuracy, task_texts
-from jaxlm.fileio import DirectoryLock
+from jaxlm.eval.accuracy import task_texts
 from jaxlm.quant.formats import get_format
 from jaxlm.quant.gptq import INNER
 from jaxlm.quant.qat_export import export_for_quantize
@@ -117,38 +114,15 @@ def quantize_checkpoint(
         raise ValueError(f"inner={inner!r} applies to method rtn | hadamard | wush (got method={method!r})")
     if rank is not None and method != "twinquant":
         raise ValueError(f"rank applies to method twinquant only (got method={method!r})")
-    for name, value in (("calibration_n", calibration_n), ("eval_n", eval_n)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}={value!r} is invalid: must be an int >= 0")
+    if isinstance(calibration_n, bool) or not isinstance(calibration_n, int) or calibration_n < 0:
+        raise ValueError(f"calibration_n={calibration_n!r} is invalid: must be an int >= 0")
     task = Arithmetic() if task is None else task
-    out = Path(out)
-    with DirectoryLock(out, beside=True, what="quantized model being written"):
-        if out.exists() and not overwrite:
-            raise FileExistsError(f"{out} exists; {overwrite_hint}")
-        stages = ["load", "quantize"] + (["accuracy before", "accuracy after"] if eval_n else []) + ["save"]
-        with tqdm(total=len(stages), desc=f"quantize {method} {fmt}", disable=not progress) as bar:
-            def stage(name):
-                bar.set_postfix_str(name)
-
-            stage("load")
-            source = load_model(model) if isinstance(model, (str, os.PathLike)) else model
-            if getattr(source, "tokenizer", None) is None:
-                raise ValueError(f"{model} has no tokenizer; cannot encode calibration texts")
-            bar.update()
-            stage("quantize")
-            quantized = quantize_with(source, method, fmt, task_texts(task, calibration_n), weights_only=weights_only,
-                                      rank=rank, inner=inner)
-            bar.update()
-            before = after = None
-            if eval_n:
-                stage("accuracy before")
-                before = heldout_accuracy(source, task, eval_n, desc="before", progress=progress).accuracy
-                bar.update()
-                stage("accuracy after")
-                after = heldout_accuracy(quantized, task, eval_n, desc="after", progress=progress).accuracy
-                bar.update()
-            stage("save")
-            save_checkpoint(quantized, out, overwrite=overwrite)
-            bar.update()
+    run = transform_checkpoint(
+        model, out,
+        lambda m: quantize_with(m, method, fmt, task_texts(task, calibration_n), weights_only=weights_only, rank=rank,
+                                inner=inner),
+        task=task, eval_n=eval_n, overwrite=overwrite, overwrite_hint=overwrite_hint, desc=f"quantize {method} {fmt}",
+        what="quantized model being written", progress=progress,
+    )
     return QuantizeReport(method=method, format=str(fmt), inner=inner, mode="W4A16" if weights_only else "W4A4",
-                          before=before, after=after, out=out, n=eval_n)
+                          before=run.before, after=run.after, out=run.out, n=eval_n)

@@ -1,6 +1,7 @@
 """The training loop: bit-identical resume, NaN stop with the last good checkpoint intact,
 the run directory's files."""
 
+import dataclasses
 import json
 
 import jax
@@ -152,3 +153,63 @@ def test_hooks_see_every_step_and_can_stop_the_run(tmp_path):
     result = train(tiny_experiment(tmp_path, steps=8), hooks=[hook])
     assert result.stopped_early and result.step == 3
     assert [s for s, _ in seen] == [1, 2, 3] and all(np.isfinite(l) for _, l in seen)
+
+
+def test_a_registered_algorithm_plugs_into_the_harness(tmp_path):
+    """The harness runs any algorithm registered by name: here one whose batch is the step
+    index and whose step adds it to a counter in the parameters' place, checkpointed and
+    resumed like SFT (its data state included)."""
+    import dataclasses as dc
+
+    from trainers.algorithm import ALGORITHMS
+    from trainers.step import init_state
+
+    @dc.dataclass(frozen=True)
+    class CountConfig:
+        name: str = "count_for_test"
+
+    class Count:
+        unit = "step"
+
+        def __init__(self, setup):
+            self.setup, self.seen = setup, []
+
+        def init_state(self):
+            import optax
+
+            return init_state({"total": jnp.zeros(())}, optax.identity(), 0)
+
+        def batch(self, state, k):
+            return k, {"k": float(k)}
+
+        def step(self, state, k):
+            self.seen.append(k)
+            return state.replace(params={"total": state.params["total"] + k}, step=state.step + 1), {
+                "loss": float(k), "grad_norm": 0.0, "finite": True}
+
+        def tokens(self, batch):
+            return 1.0
+
+        def evaluate(self, state, k):
+            return {"total": float(state.params["total"])}, []
+
+        def data_state(self):
+            return {"seen": list(self.seen)}
+
+        def load_data_state(self, d):
+            self.seen = list(d["seen"])
+
+        def final_model(self, state):
+            return self.setup.model
+
+    if "count_for_test" not in ALGORITHMS:
+        ALGORITHMS.register("count_for_test")(Count)
+    cfg = dataclasses.replace(tiny_experiment(tmp_path, steps=6, save_every=2, stop_after=3),
+                              algorithm=CountConfig())
+    first = train(cfg)
+    assert first.stopped_early and first.step == 3
+    done = train(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, stop_after=None)))
+    assert done.step == 6 and done.final_eval["total"] == sum(range(6))  # resumed at step 2: 2 + 3 + 4 + 5 after 0 + 1
+    assert (tmp_path / "model").is_dir()
+    with pytest.raises(ConfigError, match="algorithm.name='nope' is not a registered training algorithm"):
+        train(dataclasses.replace(cfg, algorithm=CountConfig(name="nope")))
