@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlm.registry import Registry
 
@@ -30,11 +31,35 @@ def next_token_targets(batch) -> tuple[jax.Array, jax.Array]:
     return targets, valid
 
 
-def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """``-log softmax(logits)[target]`` per position, float32 ``[B, T]``."""
-    logits = logits.astype(jnp.float32)
+@jax.custom_vjp
+def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def _nll_fwd(logits, targets):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return lse - picked, (logits, targets, lse)
+
+
+def _nll_bwd(res, g):
+    # d/dlogits (lse - logits[target]) = softmax(logits) - onehot(target), in one elementwise
+    # pass over the saved logits (autodiff keeps exp(logits - max) and scatters the one-hot
+    # into a zero [..., V] buffer)
+    logits, targets, lse = res
+    onehot = targets[..., None] == jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    dlogits = g[..., None] * (jnp.exp(logits - lse[..., None]) - onehot.astype(logits.dtype))
+    return dlogits, np.zeros(targets.shape, jax.dtypes.float0)
+
+
+_nll.defvjp(_nll_fwd, _nll_bwd)
+
+
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``-log softmax(logits)[target]`` per position, float32 ``[B, T]`` (the cross-entropy;
+    its gradient is ``softmax - onehot``, written in one pass over the logits)."""
+    return _nll(logits.astype(jnp.float32), targets)
 
 
 def sft_loss_sum(logits, batch, weight_fn=uniform_weights) -> tuple[jax.Array, jax.Array]:

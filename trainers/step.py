@@ -17,8 +17,16 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxlm.models.logprobs import token_logprobs, unembedding
 from jaxlm.models.masks import segment_mask
-from trainers.losses import next_token_targets, sem_entropy_sum, sft_loss_sum, token_nll, uniform_weights
+from trainers.losses import (
+    next_token_targets,
+    sem_entropy_sum,
+    sft_loss_sum,
+    token_nll,
+    uniform_weights,
+)
+from trainers.optim import apply_if_finite
 
 Batch = dict[str, jax.Array]
 
@@ -84,10 +92,11 @@ class StateShardedJit:
         return fn(state, batch)
 
 
-def forward(graphdef, params, batch: Batch, *, sliding_window: int | None, collect=()):
+def forward(graphdef, params, batch: Batch, *, sliding_window: int | None, collect=(), head: bool = True):
     """The model on a training batch: packed rows get a block-diagonal causal mask; a batch may
     instead carry its own ``attn_mask [B, T, T]`` (graph layouts), 2-D ``positions``, and a
-    ``condition`` (+ ``condition_mask``) for MeGan models."""
+    ``condition`` (+ ``condition_mask``) for MeGan models. ``head=False``: the backbone only
+    (``logits`` None), for chunked log-probs."""
     chex.assert_rank(batch["tokens"], 2)
     model = nnx.merge(graphdef, params)
     if "attn_mask" in batch:
@@ -97,7 +106,15 @@ def forward(graphdef, params, batch: Batch, *, sliding_window: int | None, colle
     condition = None
     if "condition" in batch:
         condition = (batch["condition"], batch.get("condition_mask", batch["condition"] > 0))
-    return model(batch["tokens"], batch["positions"], mask=mask, condition=condition, collect=collect)
+    call = model if head else model.backbone
+    return call(batch["tokens"], batch["positions"], mask=mask, condition=condition, collect=collect)
+
+
+#: Float32 ``[B, T, V]`` logits above this many bytes make the SFT loss chunk its LM head
+#: (`make_loss_fn`): below it the whole-logits path is as fast or faster on CPU; above it the
+#: logits and their gradient dominate the step's memory (Qwen3-0.6B shape, 32 x 256 tokens, one
+#: device: XLA's temporaries 18.1 GiB whole, 6.0 GiB chunked; docs/benchmarks.md).
+CHUNKED_LOSS_BYTES = 2**30
 
 
 def make_loss_fn(graphdef, *, sliding_window: int | None, weight_fn: Callable = uniform_weights, beta_l1: float = 0.0,
@@ -107,12 +124,22 @@ def make_loss_fn(graphdef, *, sliding_window: int | None, weight_fn: Callable = 
     ``beta_l1 > 0`` adds MeGan's regulariser ``beta_l1 * sum |beta|`` over real tokens (summed
     over layers and channels) to the loss sum, i.e. its per-token mean to the loss.
     ``sem_lambda > 0`` adds selective entropy minimisation (ReQAT):
-    ``sem_lambda * sum_t w_t H_t`` (`trainers.losses.sem_entropy_sum`)."""
+    ``sem_lambda * sum_t w_t H_t`` (`trainers.losses.sem_entropy_sum`). With uniform weights,
+    no SEM and float32 ``[B, T, V]`` logits above `CHUNKED_LOSS_BYTES`, the NLL goes through
+    the LM head in chunks (`jaxlm.models.logprobs`): the logits never exist whole."""
 
     def loss_fn(params, batch: Batch):
         collect = ("mlp_beta",) if beta_l1 else ()
-        out = forward(graphdef, params, batch, sliding_window=sliding_window, collect=collect)
-        total, count = sft_loss_sum(out.logits, batch, weight_fn)
+        model = nnx.merge(graphdef, params)
+        logits_bytes = 4 * batch["tokens"].size * model.config.vocab_size
+        if weight_fn is uniform_weights and not sem_lambda and logits_bytes > CHUNKED_LOSS_BYTES:
+            out = forward(graphdef, params, batch, sliding_window=sliding_window, collect=collect, head=False)
+            targets, valid = next_token_targets(batch)
+            logp = token_logprobs(out.hidden, unembedding(model), targets)
+            total, count = -jnp.sum(jnp.where(valid, logp, 0.0)), valid.sum(dtype=jnp.float32)
+        else:
+            out = forward(graphdef, params, batch, sliding_window=sliding_window, collect=collect)
+            total, count = sft_loss_sum(out.logits, batch, weight_fn)
         if sem_lambda:
             total = total + sem_lambda * sem_entropy_sum(out.logits, batch, sem_threshold)
         if beta_l1 and "mlp_beta" in out.collected:
@@ -128,15 +155,18 @@ def apply_summed_gradients(state: TrainState, tx: optax.GradientTransformation, 
     keep the old state if the loss or the gradient norm is not finite:
     ``(new_state, loss, grad_norm, finite)``."""
     denom = jnp.maximum(count, 1.0)
-    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, state.params)
+    inv = 1.0 / denom
+    # a product with the reciprocal, not a quotient, and the norm of the sum scaled after the
+    # reduction: XLA fuses the product into each reader of the gradient (the moments) instead
+    # of writing the divided gradient out first (XLA:CPU's reductions read materialised arrays)
+    grads = jax.tree.map(lambda g, p: (g * inv).astype(p.dtype), g_sum, state.params)
     loss = loss_sum / denom
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
-    new = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=rng)
+    grad_norm = optax.tree.norm(g_sum) * inv
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+    params, opt_state = apply_if_finite(tx, grads, grad_norm, finite, state.opt_state, state.params)
+    rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
+    new = TrainState(params=params, opt_state=opt_state, step=jnp.where(finite, state.step + 1, state.step),
+                     rng=jnp.where(finite, rng, state.rng))
     return new, loss, grad_norm, finite
 
 

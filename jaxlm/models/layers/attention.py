@@ -87,10 +87,11 @@ def dot_product_attention(
 def chunked_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float, chunk: int = QUERY_CHUNK
 ) -> jax.Array:
-    """`dot_product_attention`'s context computed ``chunk`` queries at a time, each block
+    """`dot_product_attention`'s context computed at most ``chunk`` queries at a time, each block
     rematerialised in the backward pass (Rabe & Staats 2021, "Self-attention does not need
     O(n^2) memory", with query chunking only: every block sees all ``S`` keys, so its softmax
     is the exact one). Peak memory is ``[B, N, chunk, S]`` per block instead of ``[B, N, T, S]``.
+    The ``ceil(T / chunk)`` blocks are of equal size, so fewer than one query per block is padding.
 
     Shapes as `dot_product_attention`; returns the context ``[B, T, N, H_v]`` in ``q.dtype``.
     """
@@ -99,6 +100,7 @@ def chunked_attention(
     chex.assert_rank(mask, 4)
     chex.assert_axis_dimension(mask, 2, T)
     n_blocks = -(-T // chunk)
+    chunk = -(-T // n_blocks)
     pad = n_blocks * chunk - T
     M = mask.shape[1]
     mask = jnp.broadcast_to(mask, (B, M, T, S))

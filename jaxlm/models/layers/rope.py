@@ -65,11 +65,28 @@ def rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x2, x1], axis=-1)
 
 
+def rotation_tables(angles: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """``(cos, signed_sin)`` of ``angles [..., H/2]`` in the rotate-half layout ``[..., H]``:
+    ``[cos, cos]`` and ``[-sin, sin]``, in ``dtype``. The half-width ``cos``/``sin`` are
+    materialised (``optimization_barrier``): left to fusion, XLA recomputes both for every
+    element of every tensor they rotate (each head, each gradient)."""
+    cos, sin = jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
+    cos, sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+    return cos.astype(dtype), sin.astype(dtype)
+
+
+def rotate_with_tables(x: jax.Array, cos: jax.Array, signed_sin: jax.Array) -> jax.Array:
+    """``x * cos + rotate_half(x) * sin`` as ``x * cos + swap_halves(x) * signed_sin`` (the
+    same products: the sign moves from ``x`` to the table), so no negated copy of ``x``."""
+    H = x.shape[-1]
+    swapped = jnp.flip(x.reshape(*x.shape[:-1], 2, H // 2), axis=-2).reshape(x.shape)
+    return x * cos + swapped * signed_sin
+
+
 def rotate(x: jax.Array, angles: jax.Array) -> jax.Array:
     """Rotate ``x [B, T, N, H]`` by per-pair ``angles [B, T, H/2]`` (rotate-half layout)."""
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    cos, signed_sin = rotation_tables(angles[:, :, None, :], x.dtype)  # [B, T, 1, H]
+    return rotate_with_tables(x, cos, signed_sin)
 
 
 class RopeFrequencies(nnx.Variable):
@@ -84,9 +101,7 @@ def rotate_per_head(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> 
     if positions.ndim == 3:
         positions = positions[..., 0]
     angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq.astype(jnp.float32)  # [B, T, N, H/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    return rotate_with_tables(x, *rotation_tables(angles, x.dtype))
 
 
 @ROPE.register("default")
