@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -29,6 +30,16 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "norm": None,
     "layers": None,
 }
+
+#: ``LOGICAL_RULES`` with the embedding table split along the vocabulary over ``fsdp`` too
+#: (``[V / (tensor * fsdp), D]`` instead of ``[V / tensor, D / fsdp]``; an untied LM head,
+#: ``("embed", "vocab")``, keeps ``fsdp`` on ``embed``): a tied LM head then computes each
+#: device's slice of the vocabulary for all tokens, with no all-gather of the table and no
+#: ``[V, D]`` float32 partial gradient per device. It pays when a step's tokens are few next
+#: to the vocabulary, and when forced host devices share one memory (8 CPU devices,
+#: Qwen3-0.6B shape, batch 8 x 128: XLA's temporaries 2.13 -> 0.76 GiB per device;
+#: docs/benchmarks.md).
+VOCAB_SPLIT_RULES: dict[str, str | tuple[str, ...] | None] = {**LOGICAL_RULES, "vocab": ("tensor", "fsdp")}
 
 
 def make_mesh(
@@ -108,10 +119,39 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, object] = LOG
     """Place every parameter by its logical axes (in place; returns the model)."""
     state = nnx.state(model)
     shardings = model_shardings(model, mesh, rules)
-    nnx.update(model, jax.device_put(state, shardings))
+    nnx.update(model, place(state, shardings))
     return model
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Shard the leading (batch) axis over ``data`` x ``fsdp``."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), LOGICAL_RULES, mesh))
+
+
+def place(tree, shardings):
+    """`jax.device_put` of ``tree`` onto ``shardings``, also where those span several processes
+    (multi-host): an array that only this process holds (e.g. a model loaded or built without
+    a mesh) goes through host memory, each process putting its own devices' slices, so every
+    process must hold the same values."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def one(x, sharding):
+        if isinstance(x, jax.Array) and x.is_fully_addressable and not sharding.is_fully_addressable:
+            x = np.asarray(x)
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def to_host(tree):
+    """Numpy copies of a pytree's arrays, also of arrays split over devices of several
+    processes (multi-host): those are gathered so every process gets the whole array, a
+    collective that every process must reach with the same tree."""
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(one, tree)

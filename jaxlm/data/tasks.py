@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import math
 import operator
@@ -232,6 +233,21 @@ def make_task(name: str, **kwargs) -> Task:
     return cls(**kwargs)
 
 
+@functools.lru_cache(maxsize=32)
+def _markov_chain(seed: int, n_words: int, fanout: int):
+    """MarkovText's words, successor table and successor weights (built once per setting,
+    not once per example)."""
+    rng = np.random.default_rng([seed, 7919])
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = tuple("".join(rng.choice(letters, int(rng.integers(2, 6)))) for _ in range(n_words))
+    succ = np.stack([rng.choice(n_words, fanout, replace=False) for _ in range(n_words)])
+    weights = 1.0 / np.arange(1, fanout + 1)
+    succ.flags.writeable = False
+    p = weights / weights.sum()
+    p.flags.writeable = False
+    return words, succ, p
+
+
 @TASKS.register("markov_text")
 @dataclasses.dataclass(frozen=True)
 class MarkovText(Task):
@@ -246,12 +262,7 @@ class MarkovText(Task):
     generative_eval = False
 
     def _chain(self):
-        rng = np.random.default_rng([self.seed, 7919])
-        letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-        words = ["".join(rng.choice(letters, int(rng.integers(2, 6)))) for _ in range(self.n_words)]
-        succ = np.stack([rng.choice(self.n_words, self.fanout, replace=False) for _ in range(self.n_words)])
-        weights = 1.0 / np.arange(1, self.fanout + 1)
-        return words, succ, weights / weights.sum()
+        return _markov_chain(self.seed, self.n_words, self.fanout)
 
     def _draw(self, rng):
         words, succ, p = self._chain()

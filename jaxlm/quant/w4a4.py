@@ -184,6 +184,15 @@ def _transform(method: str, H, W, block: int) -> jax.Array:
     return wush_transform(np.asarray(H), np.asarray(W), block)
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "dtype"))
+def _transform_and_quantize(W, T, *, fmt: QFormat | None, dtype):
+    """``T^{-T} W`` quantized in ``fmt`` (None: cast back to ``dtype``), one compiled program per
+    shape. Run eagerly, its few dozen small ops each compile and dispatch on their own: RTN
+    NVFP4 on a two-layer Qwen3-0.6B-shaped model spent 137 of 217 s compiling them."""
+    Wt = transform_weights(W.astype(jnp.float32), T)
+    return quantize(Wt, fmt, axis=-2) if fmt is not None else Wt.astype(dtype)
+
+
 def transform_quantize_model(
     model,
     method: str,
@@ -221,8 +230,7 @@ def transform_quantize_model(
             weight = weight if quantize_weights else weight.astype(W.dtype)
             return TransformedWeight(T, weight, fmt if quantize_activations else None)
         T = _transform(method, None if H is None else H[module][layer], W, fmt.block)
-        Wt = transform_weights(jnp.asarray(W, jnp.float32), T)
-        weight = quantize(Wt, fmt, axis=-2) if quantize_weights else Wt.astype(W.dtype)
+        weight = _transform_and_quantize(W, T, fmt=fmt if quantize_weights else None, dtype=jnp.dtype(W.dtype))
         return TransformedWeight(T, weight, fmt if quantize_activations else None)
 
     return map_projections(model, modules, build)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxlm  # noqa: E402
 from jaxlm.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from jaxlm.models.params import flat_params, model_from_flat  # noqa: E402
-from jaxlm.sharding import batch_sharding, make_mesh, shard_model  # noqa: E402
+from jaxlm.sharding import VOCAB_SPLIT_RULES, batch_sharding, make_mesh, shard_model  # noqa: E402
 
 
 def check(name, ok):
@@ -82,6 +82,12 @@ def main():
             lq = loaded.layers.attn.q_proj.kernel if scan else loaded.layers[0].attn.q_proj.kernel
             check(f"[scan={scan}] load_hf(mesh=...) places shards", lq.get_value().sharding.spec == expected)
             check(f"[scan={scan}] load_hf on mesh forward == single device", close(loaded(tokens, mask=mask).logits, ref, mask))
+            split = jaxlm.load_hf(os.path.join(d, "hf"), dtype="float32", scan_layers=scan, mesh=mesh,
+                                  rules=VOCAB_SPLIT_RULES)
+            spec = split.embed.get_value().sharding.spec
+            check(f"[scan={scan}] load_hf(rules=VOCAB_SPLIT_RULES) splits the vocabulary {spec}",
+                  spec == P(("tensor", "fsdp"), None))
+            check(f"[scan={scan}] vocabulary-split forward == single device", close(split(tokens, mask=mask).logits, ref, mask))
     train_checks(mesh)
     rl_checks()
     print("ALL PASS")

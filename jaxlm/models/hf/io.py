@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -29,7 +29,7 @@ from jaxlm.models.hf.configs import config_from_hf, config_to_hf
 from jaxlm.models.hf.families import FAMILIES
 from jaxlm.models.params import flat_params, init_params, model_from_flat, param_axes, param_shapes
 from jaxlm.models.transformer import Transformer
-from jaxlm.sharding import param_sharding
+from jaxlm.sharding import LOGICAL_RULES, param_sharding
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -107,6 +107,7 @@ def load_hf(
     param_dtype: Any = None,
     scan_layers: bool = False,
     mesh: jax.sharding.Mesh | None = None,
+    rules: Mapping[str, Any] | None = None,
     tokenizer: bool = True,
     **config_overrides: Any,
 ) -> Transformer:
@@ -115,9 +116,11 @@ def load_hf(
     dtype: compute dtype, a name (``"bfloat16"``) or a jnp/numpy dtype (default: the
     checkpoint's dtype if float32/bfloat16/float16, else float32); param_dtype defaults to
     ``dtype``. With ``mesh`` every tensor is
-    placed on its shards as it is read. A tokenizer beside the weights
+    placed on its shards as it is read, by the parameters' logical axes under ``rules``
+    (default `jaxlm.sharding.LOGICAL_RULES`). A tokenizer beside the weights
     (``tokenizer.json``) is loaded into ``model.tokenizer`` (None otherwise).
     """
+    rules = LOGICAL_RULES if rules is None else rules
     dtype = optional_dtype_name(dtype, field="load_hf(dtype)")
     param_dtype = optional_dtype_name(param_dtype, field="load_hf(param_dtype)")
     path = Path(path)
@@ -164,7 +167,7 @@ def load_hf(
                 )
             if name in flat:
                 raise CheckpointError(f"tensor {hf_name!r} appears in more than one file")
-            sharding = None if mesh is None else param_sharding(want, axes[name], mesh)
+            sharding = None if mesh is None else param_sharding(want, axes[name], mesh, rules)
             flat[name] = _device_tensor(tensor, transpose, config.weight_dtype, sharding)
     # Parameters the family has no tensor for belong to a jaxlm variant (e.g. affine-scaled
     # attention, MeGan's hypernetwork): they take their initial values, which reproduce the
@@ -183,7 +186,7 @@ def load_hf(
     place = None
     if mesh is not None:
         def place(name, axes, value):
-            return jax.device_put(value, param_sharding(value.shape, axes, mesh))
+            return jax.device_put(value, param_sharding(value.shape, axes, mesh, rules))
 
     model = model_from_flat(config, flat, place=place, release=True)
     if tokenizer:
