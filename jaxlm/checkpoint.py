@@ -30,6 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxlm.data.tokenizers import load_tokenizer, save_tokenizer
@@ -61,6 +62,24 @@ def _shared_staging() -> tuple[str | None, bool]:
         raw[: len(token)] = np.frombuffer(token, np.uint8)
     raw = np.asarray(multihost_utils.broadcast_one_to_all(raw))
     return bytes(raw).rstrip(b"\0").decode(), jax.process_index() == 0
+
+
+def _global_leaves(tree):
+    """In a multi-process run, every leaf that only this process holds (a jax.Array on its
+    own devices, e.g. a model built or loaded without a mesh) becomes a global array
+    replicated over all processes' devices, which orbax can serialize (orbax refuses
+    host-local arrays). Every process holds the same model, so process 0's copy is what is
+    written. Arrays already spread over the processes' devices are kept as they are."""
+    if jax.process_count() == 1:
+        return tree
+    replicated = NamedSharding(Mesh(np.array(jax.devices()), ("all",)), PartitionSpec())
+
+    def one(x):
+        if isinstance(x, jax.Array) and x.is_fully_addressable:
+            return jax.device_put(np.asarray(x), replicated)
+        return x
+
+    return jax.tree.map(one, tree)
 
 
 def recover(path: str | os.PathLike) -> None:
@@ -135,6 +154,7 @@ def save_checkpoint(model: Transformer, path: str | os.PathLike, *, overwrite: b
 
     # parameters and buffers (a compressed model's per-head RoPE frequencies)
     params, specs = to_storable(nnx.to_pure_dict(nnx.state(model, nnx.Any(nnx.Param, RopeFrequencies))))
+    params = _global_leaves(params)
     items = dict(params=ocp.args.StandardSave(params), config=ocp.args.JsonSave(model.config.to_dict()))
     if specs:  # quantized / structured weights: their types and static fields
         items["quant"] = ocp.args.JsonSave(specs)
@@ -209,7 +229,8 @@ def load_checkpoint(
     """Restore a model saved by `save_checkpoint`.
 
     config: when given, must equal the stored config (else `CheckpointError`
-    listing the fields that differ). mesh: place each parameter on its shards.
+    listing the fields that differ). mesh: place each parameter on its shards
+    (default: every parameter on this process's first device).
     """
     path = Path(path).absolute()
     stored = read_config(path)
@@ -222,7 +243,7 @@ def load_checkpoint(
     if mesh is not None:
         shardings = model_shardings(model, mesh)
     else:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's own
         shardings = jax.tree.map(lambda _: device, abstract_state)
     targets = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
@@ -231,7 +252,7 @@ def load_checkpoint(
     specs = None
     if (path / "quant").exists():
         specs = _read_json_item(path, "quant")
-        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target_dict = abstract_targets(target_dict, specs, single)
     if not specs:
         _check_stored_shapes(path, target_dict)

@@ -7,6 +7,10 @@ is dropped with a warning. A record for a (step, kind) that the file already hol
 not written again, so re-running a finished run adds no duplicate points. Every record
 is flushed to ``metrics.jsonl`` and to the TensorBoard event file as it is logged, so a
 SIGKILL loses nothing that was logged.
+
+In a multi-process run only process 0 (``process_index=0``) writes files or shows a bar;
+the others keep the records in memory only (`MetricsLogger.logged` answers for what they
+were given).
 """
 
 from __future__ import annotations
@@ -65,10 +69,21 @@ class _EventFile:
 
 
 class MetricsLogger:
-    def __init__(self, out_dir: str | Path, *, total_steps: int, start_step: int = 0, progress: bool = True):
+    """``process_index``: this process's index in a multi-process run; only process 0
+    reads and writes ``metrics.jsonl``, TensorBoard and ``curves.png`` and shows the bar."""
+
+    def __init__(self, out_dir: str | Path, *, total_steps: int, start_step: int = 0, progress: bool = True,
+                 process_index: int = 0):
         self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.out_dir / "metrics.jsonl"
+        self.primary = process_index == 0
+        self._logged: set[tuple[int, str]] = set()
+        self._file = self._tb = self._bar = None
+        self._last_time = time.perf_counter()
+        self._tokens_since = 0.0
+        if not self.primary:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         records, old_bytes = _read_records(self.jsonl)
         kept = [r for r in records if r["step"] <= start_step]
         text = "".join(json.dumps(r) + "\n" for r in kept)
@@ -77,17 +92,15 @@ class MetricsLogger:
         self._logged = {(r["step"], r["kind"]) for r in kept}
         self._file = self.jsonl.open("a")
         self._tb = _EventFile(self.out_dir / "tensorboard", purge_step=start_step + 1)
-        self._bar = None
         if progress:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
-        self._last_time = time.perf_counter()
-        self._tokens_since = 0.0
 
     def logged(self, step: int, kind: str = "train") -> bool:
         """Whether ``metrics.jsonl`` already holds a record for (step, kind) (e.g. the
-        final eval of a finished run that is re-run)."""
+        final eval of a finished run that is re-run); on processes other than 0, whether
+        this logger was given one."""
         return (int(step), kind) in self._logged
 
     def count_tokens(self, n: float) -> None:
@@ -108,6 +121,8 @@ class MetricsLogger:
         if (record["step"], kind) in self._logged:
             return record
         self._logged.add((record["step"], kind))
+        if not self.primary:
+            return record
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         self._tb.scalars(step, {f"{kind}/{k}": v for k, v in record.items()
@@ -127,10 +142,12 @@ class MetricsLogger:
     def write(self, text: str) -> None:
         if self._bar is not None:
             self._bar.write(text)
-        else:
+        elif self.primary:
             print(text)
 
     def close(self) -> Path | None:
+        if not self.primary:
+            return None
         if self._bar is not None:
             self._bar.close()
         self._tb.close()

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 import jaxlm
 import trainers.rl.loop  # noqa: F401  (registers the "grpo" algorithm)
@@ -123,6 +125,15 @@ def _has_model(path: Path) -> bool:
     return (path / "config").is_dir() and (path / "params").is_dir()
 
 
+def _finished(out_dir: Path, start: int, steps: int, logger: MetricsLogger) -> bool:
+    """The run in ``out_dir`` is complete: resumed at its last step, with its model saved and
+    its final evaluation logged (decided on process 0, which holds the metrics, for all)."""
+    done = start == steps and _has_model(out_dir / "model") and logger.logged(start, "eval")
+    if jax.process_count() > 1:
+        done = bool(np.asarray(multihost_utils.broadcast_one_to_all(np.int32(done))))
+    return done
+
+
 def _finished_eval(logger: MetricsLogger, step: int) -> dict[str, Any]:
     """The final evaluation record of a finished run (from ``metrics.jsonl``)."""
     records = read_jsonl(logger.jsonl, warn=False).records
@@ -152,9 +163,10 @@ def _run(cfg: ExperimentConfig, out_dir: Path, hooks: Sequence[Hook], data_itera
             if not hasattr(algo, "batches"):
                 raise ConfigError(f"algorithm {cfg.algorithm.name!r} has no batch iterator to wrap")
             algo.batches = data_iterator_wrapper(algo.batches)
-        logger = MetricsLogger(out_dir, total_steps=t.steps, start_step=start, progress=t.progress)
+        logger = MetricsLogger(out_dir, total_steps=t.steps, start_step=start, progress=t.progress,
+                               process_index=jax.process_index())
         stack.callback(logger.close)
-        if start == t.steps and _has_model(out_dir / "model") and logger.logged(start, "eval"):
+        if _finished(out_dir, start, t.steps, logger):
             log.info("%s already finished at %s %d; nothing to do", out_dir, algo.unit, start)
             return TrainResult(out_dir=out_dir, step=start, final_eval=_finished_eval(logger, start), samples=[])
         return _loop(cfg, out_dir, algo, state, start, ckpt, logger, hooks)

@@ -106,7 +106,8 @@ def initialize_distributed() -> None:
     """``jax.distributed.initialize()`` once, one process per host. Its arguments come from the
     cluster (SLURM, TPU, MPI, ... auto-detection) or from the environment:
     ``JAX_COORDINATOR_ADDRESS`` (host:port of process 0), ``JAX_NUM_PROCESSES`` and
-    ``JAX_PROCESS_ID``."""
+    ``JAX_PROCESS_ID``. CPU processes exchange their collectives over gloo (TCP) unless
+    ``JAX_CPU_COLLECTIVES_IMPLEMENTATION`` chooses another implementation (``mpi``)."""
     if jax.distributed.is_initialized():
         return
     kwargs = {}
@@ -116,4 +117,17 @@ def initialize_distributed() -> None:
                 kwargs[arg] = int(os.environ[var])
             except ValueError:
                 raise ConfigError(f"{var}={os.environ[var]!r} must be an int") from None
-    jax.distributed.initialize(**kwargs)
+    if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
+        # without cross-process collectives a CPU computation over several processes fails;
+        # the setting only affects the CPU backend (GPU/TPU use their own collectives)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(**kwargs)
+    except RuntimeError as e:
+        if "must be called before" in str(e):
+            raise ConfigError(
+                "trainer.multihost=true: jax.distributed.initialize() must run before anything uses JAX "
+                "(devices, arrays); start the run from a fresh process (jaxlm train --multihost) or call "
+                "trainers.setup.initialize_distributed() first"
+            ) from e
+        raise

@@ -16,11 +16,12 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlm.data.pipeline import eval_batches, eval_examples, train_dataset
 from jaxlm.eval import task_accuracy
-from jaxlm.sharding import model_shardings
+from jaxlm.sharding import model_shardings, place, to_host
 from trainers.algorithm import ALGORITHMS, RunSetup
 from trainers.config import ConfigError
 from trainers.evaluate import heldout_metrics
@@ -51,7 +52,7 @@ class SFT:
                 f"data.batch_size={cfg.data.batch_size} is not divisible by the {jax.process_count()} processes"
             )
         self.graphdef, state = nnx.split(setup.model)
-        self._params = jax.device_put(nnx.to_pure_dict(state), nnx.to_pure_dict(model_shardings(setup.model, mesh)))
+        self._params = place(nnx.to_pure_dict(state), nnx.to_pure_dict(model_shardings(setup.model, mesh)))
         self.tx, schedule = make_optimizer(cfg.optimizer, t.steps)
         check_trainable(cfg, list(jax.tree.leaves(param_names(self._params))))
 
@@ -86,11 +87,15 @@ class SFT:
         return next(self.batches), {}
 
     def tokens(self, batch: dict[str, np.ndarray]) -> float:
-        return float((batch["segment_ids"] > 0).sum())
+        """Tokens in the global batch (this process holds its share of the rows)."""
+        local = int((batch["segment_ids"] > 0).sum())
+        if jax.process_count() == 1:
+            return float(local)
+        return float(np.asarray(multihost_utils.process_allgather(np.int64(local))).sum())
 
     def step(self, state: TrainState, batch: dict[str, np.ndarray]) -> tuple[TrainState, dict[str, Any]]:
         state, metrics = self._step(state, self.place(batch))
-        return state, jax.device_get(metrics)
+        return state, to_host(metrics)
 
     def _place_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """A global batch (every process holds all rows, e.g. the held-out set) -> this

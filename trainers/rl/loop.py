@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlm.data.pipeline import eval_examples
 from jaxlm.eval import task_accuracy
-from jaxlm.sharding import make_mesh, model_shardings
+from jaxlm.sharding import make_mesh, model_shardings, place, to_host
 from trainers.algorithm import ALGORITHMS, RunSetup
 from trainers.config import ConfigError, ExperimentConfig, GRPOConfig
 from trainers.optim import make_optimizer
@@ -124,7 +124,7 @@ class GRPOTrainer:
         self.reference = None
         if a.beta:
             ref = reference_params if reference_params is not None else jax.tree.map(jnp.copy, self.params)
-            self.reference = jax.device_put(ref, self.param_shardings)  # committed, like the state
+            self.reference = place(ref, self.param_shardings)  # committed, like the state
         self._examples, self._verify = [], None
         if a.collector == "single_turn":  # held-out greedy accuracy needs a verifier
             examples, self._verify = eval_examples(cfg.data)
@@ -133,7 +133,7 @@ class GRPOTrainer:
     def init_state(self) -> TrainState:
         # a copy (updates donate the state's buffers; self.params stays usable), committed to
         # the mesh so the first and later iterations share their compilations
-        params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), self.params), self.param_shardings)
+        params = place(jax.tree.map(lambda x: jnp.array(x, copy=True), self.params), self.param_shardings)
         state = init_state(params, self.tx, self.cfg.trainer.seed)
         return state.replace(step=jax.device_put(state.step, self._replicated),
                              rng=jax.device_put(state.rng, self._replicated))
@@ -152,7 +152,8 @@ class GRPOTrainer:
                 f"collectors, split into algorithm.minibatches={a.minibatches} and trainer.grad_accum={t.grad_accum}); "
                 "change them or trainer.mesh"
             )
-        return {k: jax.device_put(jax.tree.map(jnp.asarray, v), self._replicated if k == "prompts" else self._rows)
+        # every process holds all rows: each puts its own devices' slices (multi-host too)
+        return {k: jax.device_put(jax.tree.map(np.asarray, v), self._replicated if k == "prompts" else self._rows)
                 for k, v in rows.items()}
 
     def prepare(self, state: TrainState, exp: Experience) -> tuple[dict[str, np.ndarray], dict[str, float]]:
@@ -180,13 +181,13 @@ class GRPOTrainer:
         if a.use_sampler_logprobs:
             rows["old_logp"] = rows["sampler_logp"]
         else:
-            old, ent = jax.device_get(self.logprob_fn(state.params, device_rows))
+            old, ent = to_host(self.logprob_fn(state.params, device_rows))
             rows["old_logp"] = np.where(loss_mask, old, 0.0).astype(np.float32)
             m = rows["loss_mask"]
             metrics["entropy"] = float((ent * m).sum() / max(m.sum(), 1))
             metrics["sampler_mismatch"] = float(np.abs(old - rows["sampler_logp"])[exp.rows["loss_mask"]].max(initial=0.0))
         if self.reference is not None:
-            ref, _ = jax.device_get(self.logprob_fn(self.reference, device_rows))
+            ref, _ = to_host(self.logprob_fn(self.reference, device_rows))
             rows["ref_logp"] = ref.astype(np.float32)
         R = rows["tokens"].shape[0]
         rows["priority"] = np.abs(adv).reshape(R, -1).max(axis=1)
@@ -213,7 +214,7 @@ class GRPOTrainer:
                 if "prompts" in rows:  # every minibatch carries all prompts (static shapes)
                     mb["prompts"], mb["prompt_index"] = rows["prompts"], rows["prompt_index"][idx]
                 state, m = self.step_fn(state, self.place_rows(mb, what="minibatch"))
-                m = jax.device_get(m)
+                m = to_host(m)
                 if not bool(m["finite"]):  # the state is left as it was before this minibatch
                     return state, {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "finite": False}
                 steps += 1

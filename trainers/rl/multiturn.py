@@ -27,6 +27,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from jaxlm.sharding import to_host
 from trainers.rl.rollout import left_pad, positions_of, sample_block
 
 
@@ -161,6 +162,6 @@ def sample_turn(
     final = sample_block(graphdef, params, block, mask, rng, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, pad_id=pad_id, stop_tokens=stop_tokens,
                          prompt_sharding=prompt_sharding)
-    tokens, logp, lengths = jax.device_get((final.tokens, final.logprobs, final.lengths))
+    tokens, logp, lengths = to_host((final.tokens, final.logprobs, final.lengths))
     return ([tokens[i, : lengths[i]].tolist() for i in range(len(prefixes))],
             [logp[i, : lengths[i]].tolist() for i in range(len(prefixes))])

@@ -35,6 +35,7 @@ from jaxlm.inference.cache import batch_axis
 from jaxlm.inference.logits_processors import Temperature, TopP
 from jaxlm.inference.sampler import generate_tokens
 from jaxlm.models.logprobs import token_entropy, token_logprobs, unembedding
+from jaxlm.sharding import to_host
 
 
 def left_pad(token_lists: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,7 +103,7 @@ def sample_rollouts(
                          temperature=temperature, top_p=top_p, pad_id=pad_id, stop_tokens=stop_tokens,
                          samples_per_prompt=G, prompt_sharding=prompt_sharding)
     block, mask = np.repeat(unique, G, axis=0), np.repeat(unique_mask, G, axis=0)
-    completion, logp, lengths = jax.device_get((final.tokens, final.logprobs, final.lengths))
+    completion, logp, lengths = to_host((final.tokens, final.logprobs, final.lengths))
     N = max_new_tokens
     produced = np.arange(N)[None, :] < lengths[:, None]
     zeros_p = np.zeros_like(mask)
