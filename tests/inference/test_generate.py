@@ -267,3 +267,43 @@ def test_sampled_tokens_are_the_documented_inverse_cdf_draws(model, full_forward
             block = int(np.argmax(cdf > u_block[b] * cdf[-1]))
             inner = np.cumsum(mass[b, block])
             assert int(result.tokens[b, i]) == block * 128 + int(np.argmax(inner > u_token[b] * inner[-1]))
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    comps, name = {}, None
+    for line in hlo.split("\n"):
+        if line.rstrip().endswith("{") and line.lstrip().startswith(("%", "ENTRY %")):
+            name = line.split("%", 1)[1].split(" ", 1)[0]
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    return comps
+
+
+def test_decode_loop_copies_no_cache_buffer(model):
+    """In the compiled decode loop every value shaped like a layer's cache buffer [B, K, S, H] is a
+    loop-carried buffer or its in-place dynamic-update-slice: no copy or slice of the cache per
+    token (the per-layer buffers of the unrolled model)."""
+    import re
+
+    from jaxlm.inference import generate_tokens
+
+    graphdef, params = nnx.split(model)
+    tokens, mask = _left_pad(PROMPTS)
+    n = 6
+    hlo = generate_tokens.lower(graphdef, params, tokens, mask, jax.random.key(0), max_new_tokens=n,
+                                greedy=True).compile().as_text()
+    comps = _computations(hlo)
+    entry = next(lines for name, lines in comps.items() if f"ENTRY %{name}" in hlo)
+    bodies = [m.group(1) for line in entry for m in [re.search(r"while\(.*body=%([^,\s]+)", line)] if m]
+    shape = f"f32[{len(PROMPTS)},{CFG.n_kv_heads},{tokens.shape[1] + n},{CFG.head_dim}]"
+    body = comps[bodies[-1]]  # the decode loop (the last while of the program)
+    users = [line for line in body if re.search(r"= " + re.escape(shape) + r"[{ ]", line)]
+    assert len(users) >= 2 * CFG.n_layers, users  # the k and v writes of every layer
+    for line in users:
+        op = re.search(r"= \S+ ([a-z\-]+)\(", line).group(1)
+        if op in ("get-tuple-element", "parameter", "bitcast"):
+            continue
+        assert op == "fusion", line
+        fused = comps[re.search(r"calls=%([^,\s]+)", line).group(1)]
+        assert any("dynamic-update-slice(" in f for f in fused), line
