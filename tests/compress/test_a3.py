@@ -667,8 +667,10 @@ def test_global_allocation_beats_uniform_at_equal_budget(trained):
             assert g["cal"][n] <= u["cal"][n] * (1 + 1e-12), n  # the allocation's own objective: never worse
             if g["cal"][n] < 0.99 * u["cal"][n]:  # a real calibration gain carries over to held-out data
                 assert g["held"][comp] < u["held"][comp], comp
-            else:  # (nearly) the same allocation: the same error up to float32 sums
+            elif g["widths"][n] == u["widths"][n]:  # the same allocation: the same error up to float32 sums
                 np.testing.assert_allclose(g["held"][comp], u["held"][comp], rtol=1e-4, err_msg=comp)
+            else:  # a different allocation with under 1% calibration gain: held-out within 1% too
+                assert g["held"][comp] <= 1.01 * u["held"][comp], comp
         assert g["widths"]["qk_head_dim"] != u["widths"]["qk_head_dim"]  # it really mixes
         assert g["cal"]["qk_head_dim"] < 0.7 * u["cal"]["qk_head_dim"]
         if budget == 0.25:

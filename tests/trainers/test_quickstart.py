@@ -24,7 +24,9 @@ def test_quickstart_small_variant(tmp_path, capsys):
     assert records[-1]["kind"] == "eval" and records[-1]["step"] == 12
     # the trained model is usable by the other verbs
     main(["eval", "--model", str(out / "model"), "--n", "8", "--max-new-tokens", "4"])
-    assert "exact-match accuracy" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "exact-match accuracy" in printed.out
+    assert "eval: 100%" in printed.err and "8/8" in printed.err  # the progress bar
     main(["generate", "--model", str(out / "model"), "--prompt", "1+1=", "--max-new-tokens", "3"])
     assert "'1+1=' ->" in capsys.readouterr().out
 
