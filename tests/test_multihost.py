@@ -84,6 +84,7 @@ def test_two_processes_match_one_process(tmp_path):
 
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
     base_env["JAX_PLATFORMS"] = "cpu"
+    base_env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as the suite (tests/conftest.py)
     port = _free_port()
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("reference", "p0", "p1")}
     envs = {"reference": base_env}

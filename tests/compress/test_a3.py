@@ -677,6 +677,7 @@ def test_global_allocation_beats_uniform_at_equal_budget(trained):
             assert max(u["nll"], g["nll"]) < base + 0.01
 
 
+@pytest.mark.slow  # test_cli_compress_then_eval checks the verb by default
 def test_cli_compress_global_allocation_then_eval(tmp_path, capsys):
     from trainers.cli import main
 

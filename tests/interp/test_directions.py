@@ -4,6 +4,7 @@ of the emotion-circuit paper and the PCA option, each against a plain-numpy re-i
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 import pytest
 
 import jaxlm
@@ -156,8 +157,10 @@ def test_capture_reads_each_rows_last_real_token(model):
     sites = ("hidden", "attn_out", "mlp_out", "resid_mid", "mlp_act", "q")
     got = capture(model, tokens, mask, sites=sites)
     assert got["hidden"].shape == (2, 3, 64) and got["mlp_act"].shape == (2, 3, 128) and got["q"].shape == (2, 3, 4, 16)
+    # jitted: run eagerly, every op of the forward compiles on its own for each length
+    forward = nnx.jit(lambda m, t: m(t, collect=("hidden", "attn_out", "mlp_out", "mlp_act", "q")).collected)
     for b, s in enumerate(seqs):
-        alone = model(jnp.asarray([s]), collect=("hidden", "attn_out", "mlp_out", "mlp_act", "q")).collected
+        alone = forward(model, jnp.asarray([s]))
         for site in ("hidden", "attn_out", "mlp_out", "mlp_act", "q"):
             np.testing.assert_allclose(np.asarray(got[site][:, b]), np.asarray(alone[site][:, 0, -1]), atol=1e-5)
         # resid_mid: the residual after attention = layer input + attn_out

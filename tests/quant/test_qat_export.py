@@ -66,6 +66,7 @@ def test_weight_fake_quant_is_the_stored_weight():
     np.testing.assert_allclose(np.asarray(exp(x)), np.asarray(qat(x)), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # the W4A4 version in tests/quant/test_transforms.py runs by default
 def test_qat_model_does_not_depend_on_padding_or_cache_length():
     """Activations are quantized per token, so a token's logits do not depend on the other
     tokens of the call: left padding or the cache length (which changes what padded query
@@ -149,6 +150,7 @@ def test_quantize_with_routes_and_refuses():
         export_qat(plain)
 
 
+@pytest.mark.slow  # the quantize verb is checked end to end by the GPTQ and A^3 CLI tests
 def test_cli_quantize_qat_then_eval_and_generate(tmp_path, capsys):
     model = _qat_model(scan=True)
     jaxlm.save_checkpoint(model, tmp_path / "m")

@@ -33,7 +33,7 @@ def _spread_relative_error(out, ref):
     return float(np.sqrt(np.mean((out - ref) ** 2)) / spread)
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", [n if n == "nvfp4" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(RECIPES)])
 def test_quantized_model_equals_its_dequantized_weights(model, name):
     # float32 compute: the quantized model is exactly the dense model with dequantised weights
     qmodel = Q.quantize_model(jaxlm.build_model(CFG32, seed=0), RECIPES[name])

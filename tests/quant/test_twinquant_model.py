@@ -101,6 +101,7 @@ def test_w4a4_logit_error_twinquant_below_rtn_on_outlier_inputs(outlier_model, q
     assert err["twinquant"] < err["rtn"], err
 
 
+@pytest.mark.slow  # the quantize verb is checked end to end by the GPTQ and A^3 CLI tests
 def test_cli_quantize_twinquant_then_eval(tmp_path, monkeypatch, capsys):
     from trainers.cli import main
 

@@ -207,7 +207,8 @@ def test_frozen_player_counters_the_memory():
 
 POOL = ("constant", "cycle", "biased")
 ROUNDS, MEMORY_TOKENS, B, G = 8, 2, 6, 8
-ITERATIONS = 100
+ITERATIONS = 100  # the miniature (slow)
+SHORT_ITERATIONS = 4  # the mechanics
 EVAL_SEEDS = range(10_000, 10_000 + B * G // len(POOL))  # B*G episodes: the training sampler's shape
 
 
@@ -223,8 +224,7 @@ def experiment(**env_kw) -> ExperimentConfig:
     )
 
 
-@pytest.fixture(scope="module")
-def run():
+def _train(iterations: int, evaluate: bool) -> dict:
     t0 = time.time()
     cfg = experiment()
     tok = make_tokenizer("byte")
@@ -234,16 +234,29 @@ def run():
     state = trainer.init_state()
     initial = jax.tree.map(jnp.copy, state.params)  # the update donates the state
     history = []
-    for k in range(ITERATIONS):
+    for k in range(iterations):
         state, metrics, samples = trainer.iteration(state, k)
         history.append(metrics)
-    writer = lambda params: lm_writer(trainer.graphdef, params, tok, width=cfg.data.seq_len - MEMORY_TOKENS,
-                                      max_new_tokens=MEMORY_TOKENS)
-    evaluate = lambda w: win_rates(env, POOL, EVAL_SEEDS, tokenizer=tok, writer=w, rng=jax.random.key(123))
-    result = {"no_memory": evaluate(None), "untrained": evaluate(writer(initial)),
-              "trained": evaluate(writer(state.params))}
+    result = None
+    if evaluate:
+        writer = lambda params: lm_writer(trainer.graphdef, params, tok, width=cfg.data.seq_len - MEMORY_TOKENS,
+                                          max_new_tokens=MEMORY_TOKENS)
+        win = lambda w: win_rates(env, POOL, EVAL_SEEDS, tokenizer=tok, writer=w, rng=jax.random.key(123))
+        result = {"no_memory": win(None), "untrained": win(writer(initial)), "trained": win(writer(state.params))}
     return dict(cfg=cfg, tok=tok, trainer=trainer, initial=initial, state=state, history=history,
                 samples=samples, result=result, seconds=time.time() - t0)
+
+
+@pytest.fixture(scope="module")
+def run():
+    """A few GRPO iterations: the rows, log-probs and collector checks."""
+    return _train(SHORT_ITERATIONS, evaluate=False)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The miniature's full run (slow)."""
+    return _train(ITERATIONS, evaluate=True)
 
 
 def check_rows(exp, tok, cfg, played):
@@ -313,9 +326,11 @@ def test_training_keeps_sampler_and_trainer_logprobs_equal(run):
     assert all(np.isfinite(m["loss"]) for m in run["history"])
 
 
-def test_trained_memory_writer_beats_no_memory_and_untrained(run):
+@pytest.mark.slow
+def test_trained_memory_writer_beats_no_memory_and_untrained(trained):
     """The claim in miniature: after GRPO the frozen player wins far more often with the
     trained writer's memory than with no memory (1/3 by symmetry) or the warm-started writer."""
+    run = trained
     res = run["result"]
     rounds = len(EVAL_SEEDS) * len(POOL) * (ROUNDS - 1)
     print(f"\nMemoPilot RPS miniature ({ITERATIONS} GRPO iterations, {run['seconds']:.0f} s incl. warm start; "

@@ -247,6 +247,7 @@ def test_miniature_back_generalisation_to_unprefixed_problems(miniature):
     assert miniature["prefix"]["sampled"] >= 0.02  # base: 0 of 1024 samples (seeds 0-4: 0.04-0.14)
 
 
+@pytest.mark.slow  # the harness resume is checked by tests/trainers/test_loop.py and tests/rl/test_grpo.py
 def test_resume_between_recalibrations_is_bit_identical(base, tmp_path):
     """The chosen cuts travel in the checkpoint: a run stopped at iteration 3 (cuts chosen at
     iteration 2, recalibrate_every=2) and resumed ends with the same parameters as an

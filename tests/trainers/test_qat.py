@@ -21,8 +21,10 @@ def test_qat_model_fake_quantizes_projections_and_kv_with_straight_through_gradi
     from flax import nnx
 
     from jaxlm.models.layers.linear import Linear
-    from jaxlm.quant.formats import fake_quant
+    from jaxlm.quant.formats import fake_quant as eager_fake_quant
 
+    # jitted: run eagerly, every op of the quantizer compiles on its own
+    fake_quant = jax.jit(eager_fake_quant, static_argnums=(1,), static_argnames=("axis",))
     plain = jaxlm.build_model(MODEL, seed=0)
     qat = model_from_flat(dataclasses.replace(MODEL, qat_format="nvfp4"), flat_params(plain))
     x = jax.random.normal(jax.random.key(0), (3, 64)) * jnp.asarray([[1.0], [10.0], [0.1]])
@@ -31,9 +33,9 @@ def test_qat_model_fake_quantizes_projections_and_kv_with_straight_through_gradi
     xq = jnp.concatenate([fake_quant(x[i:i + 1], "nvfp4", axis=-1) for i in range(3)])
     assert float(jnp.abs(xq - fake_quant(x, "nvfp4", axis=-1)).max()) > 0  # per token != per call
     want = xq @ fake_quant(proj.kernel[...], "nvfp4", axis=-2)
-    np.testing.assert_allclose(np.asarray(proj(x)), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, v: m(v))(proj, x)), np.asarray(want), rtol=1e-5, atol=1e-5)
     layer = Linear(64, 32, axes=("embed", "mlp"), fake_quant="nvfp4", rngs=nnx.Rngs(0))
-    g = nnx.grad(lambda m: m(x).sum())(layer).kernel[...]
+    g = nnx.jit(nnx.grad(lambda m: m(x).sum()))(layer).kernel[...]
     # STE: d/dW sum(xq @ Wq) = xq^T 1
     np.testing.assert_allclose(np.asarray(g), np.asarray(xq.sum(0)[:, None] * jnp.ones((1, 32))), rtol=1e-5, atol=1e-5)
     tokens = jnp.asarray([[1, 50, 60, 70, 80, 90]])
