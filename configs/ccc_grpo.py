@@ -7,7 +7,7 @@ CCC reward plus a format-validity reward, from the SFT model of `configs/ccc_sft
 
 The batch is large (256 prompts x 8 samples) because the reward is batch-level: the card
 (B.2) notes that the batch size matters. With 32 prompts the swap-in CCC beat -|error| in
-3 of 10 RL seeds; with 256 in 14 of 20, better on average but not in every seed (docs/rl.md,
+3 of 10 RL seeds; with 256 in 13 of 20, better on average but not in every seed (docs/rl.md,
 CCC-GRPO).
 """
 

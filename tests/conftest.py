@@ -15,3 +15,34 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+#: Test files by measured time, longest first. pytest-xdist's ``--dist loadfile`` hands files
+#: to the workers in collection order, so the longest go first and the short ones fill in at
+#: the end (without this the last worker ran alone for minutes on a long file).
+LONGEST_FILES = (
+    "tests/test_multihost.py", "tests/test_multidevice.py", "tests/compress/test_a3.py",
+    "tests/quant/test_qfit.py", "tests/quant/test_qat_export.py", "tests/quant/test_quantized_model.py",
+    "tests/rl/test_prefix.py", "tests/quant/test_kernels.py", "tests/quant/test_transforms.py",
+    "tests/trainers/test_quickstart.py", "tests/quant/test_twinquant_model.py", "tests/rl/test_multiturn.py",
+    "tests/inference/test_generate.py", "tests/trainers/test_loop.py", "tests/trainers/test_step.py",
+    "tests/rl/test_grpo.py", "tests/models/test_attention_fast_path.py", "tests/models/test_variants.py",
+    "tests/editing/test_curvature.py", "tests/quant/test_formats.py", "tests/quant/test_quarot.py",
+    "tests/quant/test_transformed_kernels.py", "tests/trainers/test_checkpoint_integrity.py",
+    "tests/interp/test_attribution.py", "tests/models/test_transformer.py", "tests/editing/test_edit_methods.py",
+    "tests/test_notebooks.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    root = config.rootpath
+
+    def key(item):
+        try:
+            rel = item.path.relative_to(root).as_posix()
+        except ValueError:
+            rel = str(item.path)
+        return rank.get(rel, len(rank))
+
+    items.sort(key=key)  # stable: the order within a file, and of the other files, is kept

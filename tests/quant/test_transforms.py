@@ -145,6 +145,7 @@ def test_hadamard_transform_is_orthogonal_and_shared():
     np.testing.assert_array_equal(T[0], T[3])
 
 
+@pytest.mark.slow  # quantized checkpoint round trips run by default in test_qat_export, test_twinquant_model and test_quarot
 def test_quantized_checkpoints_round_trip_exactly(tmp_path):
     """QArray and TransformedWeight leaves survive save_checkpoint / load_checkpoint with
     their formats (no re-quantization on load), with stacked layers under lax.scan (the
