@@ -17,9 +17,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-#: Test files by measured time, longest first. pytest-xdist's ``--dist loadfile`` hands files
-#: to the workers in collection order, so the longest go first and the short ones fill in at
-#: the end (without this the last worker ran alone for minutes on a long file).
+#: Test files by measured time, longest first. With reordering off (`pytest_configure`),
+#: pytest-xdist's ``--dist loadfile`` hands files to the workers in collection order, so the
+#: longest go first and the short ones fill in at the end. (Its default orders files by their
+#: number of tests, which put the one-test multi-device and multi-host files last, with one
+#: worker running alone for minutes.)
 LONGEST_FILES = (
     "tests/test_multihost.py", "tests/test_multidevice.py", "tests/compress/test_a3.py",
     "tests/quant/test_qfit.py", "tests/quant/test_qat_export.py", "tests/quant/test_quantized_model.py",
@@ -46,3 +48,8 @@ def pytest_collection_modifyitems(config, items):
         return rank.get(rel, len(rank))
 
     items.sort(key=key)  # stable: the order within a file, and of the other files, is kept
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --dist loadfile/loadscope
+        config.option.loadscopereorder = False
