@@ -36,6 +36,7 @@ def _fails(argv, capsys, *needles, absent=("Traceback", "strict=False")) -> str:
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert e.value.code == 2, err
+    # the contract for usage errors: one or two lines, the first the CLI's own prefix (no traceback)
     assert 1 <= len(lines) <= 2 and lines[0].startswith("jaxlm: error:"), err
     for needle in needles:
         assert needle in err, (needle, err)

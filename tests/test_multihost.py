@@ -76,6 +76,8 @@ def _close(a: float, b: float, rel: float) -> bool:
 @pytest.mark.multidevice
 def test_two_processes_match_one_process(tmp_path):
     if not _gloo_available():
+        # jax.distributed can join CPU processes only through gloo; a jaxlib built without it
+        # cannot run this test at all
         pytest.skip("this jaxlib has no gloo CPU collectives (jax.distributed cannot join CPU processes)")
     import jaxlm
 
