@@ -153,6 +153,8 @@ class EditArgs:
     """Save the edited model here (one method only)."""
     report: Annotated[Path | None, tyro.conf.arg(metavar="FILE")] = None
     """Write the metrics as JSON here."""
+    length_normalized: bool = True
+    """ES/PS/NS compare each target's per-token NLL (CounterFact); --no-length-normalized compares summed log-probabilities."""
     overwrite: bool = False
     """Replace --out if it exists."""
 
@@ -349,7 +351,7 @@ def run_edit(args: EditArgs) -> dict:
         args.model, args.requests, method=args.method, batches=args.batches, corpus=args.corpus,
         corpus_size=args.corpus_size, capability=args.capability, capability_n=args.capability_n,
         gradient=args.gradient, locate=args.locate, out=args.out, overwrite=args.overwrite,
-        overwrite_hint=_OVERWRITE_HINT, progress=True,
+        overwrite_hint=_OVERWRITE_HINT, progress=True, length_normalized=args.length_normalized,
     )
     n = sum(1 for _ in open(args.requests, encoding="utf-8") if _.strip())
     print(f"{n} edits in {args.batches} batch(es) on {args.model}")

@@ -124,6 +124,7 @@ def edit_checkpoint(
     overwrite: bool = False,
     overwrite_hint: str = "pass overwrite=True to replace it",
     progress: bool = False,
+    length_normalized: bool = True,
 ) -> tuple[dict[str, Any], list[EditRun]]:
     """Load a model (a checkpoint or HF directory, or take one), apply ``requests`` (a jsonl
     file or a list) with ``method`` (one of `METHODS`, or ``"all"``) in ``batches`` sequential
@@ -131,7 +132,8 @@ def edit_checkpoint(
     ``out`` (one method only; locked and written atomically): what ``jaxlm edit`` runs.
     ``corpus`` (default `FactWorld`): the texts whose curvature / key covariance the edit
     protects; ``capability`` (default `Arithmetic`): the task whose held-out exact match
-    measures retention. Returns the report (``"unedited"`` and one entry per method) and the
+    measures retention; ``length_normalized``: ES/PS/NS compare per-token NLL (CounterFact)
+    or, when False, summed log-probabilities (`EditEvaluator`). Returns the report (``"unedited"`` and one entry per method) and the
     runs."""
     methods = METHODS if method == "all" else (method,)
     if method != "all" and method not in METHODS:
@@ -153,7 +155,7 @@ def edit_checkpoint(
         if getattr(source, "tokenizer", None) is None:
             raise ValueError(f"{model} has no tokenizer; cannot encode edit requests")
         held = [capability.example(i, "eval") for i in range(capability_n)]
-        evaluator = EditEvaluator(source, requests, source.tokenizer, held)
+        evaluator = EditEvaluator(source, requests, source.tokenizer, held, length_normalized=length_normalized)
         texts = corpus_texts(corpus, corpus_size)
         runs = []
         with tqdm(total=len(methods) + 1, desc="edit", disable=not progress) as bar:
