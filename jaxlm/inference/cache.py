@@ -7,7 +7,9 @@ scans over the leading axis; heads before slots keeps each head's keys contiguou
 for the decode-time attention matmuls), plus per-slot validity ``[B, S]``, the next
 write slot ``end_index`` (shared by the batch: prompts are left-padded) and the
 per-sequence count of real tokens ``lengths [B]`` (the next RoPE position).
-Writes are `lax.dynamic_update_slice` at ``end_index``.
+Writes are `lax.dynamic_update_slice` at ``end_index``. ``end_index`` may instead be ``[B]``,
+one write slot per row (`per_row`): speculative decoding commits a different number of
+tokens per row and rolls each row back on its own (`jaxlm.inference.speculative`).
 
 With per-layer key/value widths (``ModelConfig.layer_qk_head_dims`` / ``layer_v_head_dims``,
 A^3 with mixed ranks; unrolled layers only) ``k`` and ``v`` are instead tuples of ``L`` arrays
@@ -29,7 +31,7 @@ class KVCache:
     k: jax.Array | tuple[jax.Array, ...]  # [L, B, K, S, qk_head_dim], or per layer [B, K, S, H_i]
     v: jax.Array | tuple[jax.Array, ...]  # [L, B, K, S, v_head_dim], or per layer [B, K, S, H_i]
     valid: jax.Array  # [B, S] bool: slot holds a real token
-    end_index: jax.Array  # [] int32: next slot to write
+    end_index: jax.Array  # [] int32: next slot to write (or [B]: one per row)
     lengths: jax.Array  # [B] int32: real tokens so far per sequence
 
     @classmethod
@@ -89,6 +91,26 @@ class KVCache:
         return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
 
     @property
+    def per_row_index(self) -> bool:
+        """Each row has its own write slot (``end_index`` is ``[B]``)."""
+        return self.end_index.ndim == 1
+
+    def per_row(self) -> "KVCache":
+        """The same cache with one write slot per row (``end_index [B]``)."""
+        if self.per_row_index:
+            return self
+        return self.replace(end_index=jnp.broadcast_to(self.end_index, (self.batch_size,)).astype(jnp.int32))
+
+    def truncate(self, end_index: jax.Array, lengths: jax.Array) -> "KVCache":
+        """Roll each row back to ``end_index [B]`` (next write slot) and ``lengths [B]``
+        (next RoPE position): slots at or past ``end_index`` stop being valid. Their
+        keys/values stay in the buffer but are never read (invalid) and the next write
+        overwrites them."""
+        slots = jnp.arange(self.max_len, dtype=jnp.int32)[None, :]
+        return self.replace(valid=self.valid & (slots < end_index[:, None]), end_index=end_index.astype(jnp.int32),
+                            lengths=lengths.astype(jnp.int32))
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by the keys and values (all layers)."""
         return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves((self.k, self.v)))
@@ -112,11 +134,13 @@ class LayerKV:
     k: jax.Array  # [L, B, K, S, H]; or this layer's own [B, K, S, H] when ``layer`` is None
     v: jax.Array
     layer: jax.Array | None  # [] int32; None: k / v are this layer's arrays (per-layer cache)
-    index: jax.Array  # [] int32: first slot to write
+    index: jax.Array  # [] int32: first slot to write; [B]: one per row
 
     def write(self, k_new: jax.Array, v_new: jax.Array) -> tuple["LayerKV", jax.Array, jax.Array]:
         """Store ``[B, K, T, H]`` keys/values; return the updated cache and this layer's
         full ``[B, K, S, H]`` keys and values."""
+        if self.index.ndim == 1:
+            return self._write_rows(k_new, v_new)
         if self.layer is None:
             start = (0, 0, self.index, 0)
             k = jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), start)
@@ -126,3 +150,17 @@ class LayerKV:
         k = jax.lax.dynamic_update_slice(self.k, k_new[None].astype(self.k.dtype), start)
         v = jax.lax.dynamic_update_slice(self.v, v_new[None].astype(self.v.dtype), start)
         return self.replace(k=k, v=v), k[self.layer], v[self.layer]
+
+    def _write_rows(self, k_new, v_new):
+        """`write` with one start slot per row (a scatter of each row's ``T`` slots)."""
+        def put(buf, new):  # buf [B, K, S, H], new [B, K, T, H]
+            return jax.vmap(lambda b, n, i: jax.lax.dynamic_update_slice(b, n, (0, i, 0)))(
+                buf, new.astype(buf.dtype), self.index)
+
+        if self.layer is None:
+            k, v = put(self.k, k_new), put(self.v, v_new)
+            return self.replace(k=k, v=v), k, v
+        k_layer, v_layer = put(self.k[self.layer], k_new), put(self.v[self.layer], v_new)
+        k = jax.lax.dynamic_update_index_in_dim(self.k, k_layer, self.layer, 0)
+        v = jax.lax.dynamic_update_index_in_dim(self.v, v_layer, self.layer, 0)
+        return self.replace(k=k, v=v), k_layer, v_layer

@@ -55,6 +55,8 @@ class GenerateResult:
     prompt_tokens: jax.Array  # [B, P] left-padded prompts
     prompt_lengths: jax.Array  # [B]
     texts: list[str] | None = None  # decoded completions when a tokenizer is known
+    accepted_lengths: jax.Array | None = None  # speculative: [B, N] drafts accepted per verify round (-1 after)
+    verify_rounds: jax.Array | None = None  # speculative: [B] target verify rounds per row
 
     def completions(self) -> list[list[int]]:
         tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
@@ -266,6 +268,8 @@ def generate(
     bucket: int = 8,
     condition=None,
     interventions=(),
+    draft=None,
+    num_draft_tokens: int = 4,
 ) -> GenerateResult:
     """Sample up to ``max_new_tokens`` for each prompt.
 
@@ -279,6 +283,11 @@ def generate(
     condition: token ids ``[B, C]`` (or ``(ids, mask)``) of a MeGan model's condition text.
     interventions: `jaxlm.interp.Intervention` s applied in every forward (e.g. steering
       with ``where="last"`` adds at the last prompt token and at each new token).
+    draft: speculative decoding (`jaxlm.inference.speculative`): a small jaxlm model sharing
+      the tokenizer, or `MedusaHeads` on this model's hidden states. It proposes
+      ``num_draft_tokens`` tokens per round and the model verifies them in one forward;
+      the output is distributed exactly as without a draft (token for token at
+      temperature 0). ``accepted_lengths`` / ``verify_rounds`` report the acceptance.
     """
     config = model.config
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
@@ -323,8 +332,18 @@ def generate(
     if top_p is not None and top_p != 1:
         processors.append(TopP(float(top_p)))
 
+    room = config.max_seq_len - max_new_tokens
+    if draft is not None:
+        from jaxlm.inference.speculative import check_draft
+
+        if condition is not None or interventions:
+            raise ValueError("draft= does not combine with condition= or interventions= (the draft would not "
+                             "see them)")
+        # the verify step writes num_draft_tokens slots past the last token, in every model's cache
+        room = check_draft(model, draft, num_draft_tokens, longest_prompt=longest, max_new_tokens=max_new_tokens,
+                           tokenizer=tokenizer) - max_new_tokens - num_draft_tokens
     P = -(-longest // bucket) * bucket
-    P = max(longest, min(P, config.max_seq_len - max_new_tokens))
+    P = max(longest, min(P, room))
     B = len(token_lists)
     block = np.full((B, P), pad_id, np.int32)
     mask = np.zeros((B, P), bool)
@@ -343,6 +362,10 @@ def generate(
         rng = 0
     if isinstance(rng, int):
         rng = jax.random.key(rng)
+    if draft is not None:
+        return _speculative(model, draft, num_draft_tokens, block, mask, rng, tokenizer,
+                            max_new_tokens=max_new_tokens, processors=tuple(processors), greedy=greedy,
+                            pad_id=pad_id, stop_tokens=stop_tokens, cache_dtype=cache_dtype)
     graphdef, params = nnx.split(model)
     final = generate_tokens(
         graphdef, params, jnp.asarray(block), jnp.asarray(mask), rng,
@@ -357,6 +380,26 @@ def generate(
         lengths=final.lengths,
         prompt_tokens=jnp.asarray(block),
         prompt_lengths=final.prompt_lengths,
+    )
+    if tokenizer is not None:
+        result.texts = [tokenizer.decode(c) for c in result.completions()]
+    return result
+
+
+def _speculative(model, draft, num_draft_tokens, block, mask, rng, tokenizer, *, max_new_tokens,
+                 **kw) -> GenerateResult:
+    from jaxlm.inference.speculative import speculative_generate_tokens
+
+    graphdef, params = nnx.split(model)
+    draft_graphdef, draft_params = nnx.split(draft)
+    final = speculative_generate_tokens(
+        graphdef, params, draft_graphdef, draft_params, jnp.asarray(block), jnp.asarray(mask), rng,
+        max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, **kw)
+    N = max_new_tokens
+    result = GenerateResult(
+        tokens=final.tokens[:, :N], logprobs=final.logprobs[:, :N], sampling_logprobs=final.sampling_logprobs[:, :N],
+        lengths=final.lengths, prompt_tokens=jnp.asarray(block), prompt_lengths=final.prompt_lengths,
+        accepted_lengths=final.accepted, verify_rounds=final.rounds,
     )
     if tokenizer is not None:
         result.texts = [tokenizer.decode(c) for c in result.completions()]

@@ -22,19 +22,21 @@ def build_attention_mask(
     """Combine slot validity with causality (and a sliding window) or with a given full mask.
 
     kv_valid: ``[B, S]`` which key slots hold real tokens.
-    q_start: slot of the first query (the cache's write index; 0 without a cache).
+    q_start: slot of the first query (the cache's write index; 0 without a cache), or ``[B]``
+      with one per row (a cache with per-row write slots).
     Sliding window (Mistral; Beltagy et al. 2020): query slot ``i`` sees key slot
     ``j`` only if ``i - j < sliding_window``.
     """
     B, S = kv_valid.shape
     allowed = kv_valid[:, None, None, :]
     if full_mask is None:
-        q_idx = q_start + jnp.arange(num_queries)[:, None]
-        kv_idx = jnp.arange(S)[None, :]
+        q_start = jnp.asarray(q_start)
+        q_idx = q_start.reshape(-1, 1, 1) + jnp.arange(num_queries)[None, :, None]  # [1 | B, T, 1]
+        kv_idx = jnp.arange(S)[None, None, :]
         rel = kv_idx <= q_idx
         if sliding_window is not None:
             rel = rel & (q_idx - kv_idx < sliding_window)
-        return allowed & rel[None, None]
+        return allowed & rel[:, None]
     if full_mask.ndim == 3:
         full_mask = full_mask[:, None]
     return allowed & full_mask.astype(bool)

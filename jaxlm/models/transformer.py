@@ -167,13 +167,17 @@ class Transformer(nnx.Module):
             q_start = 0
         else:
             chex.assert_equal(cache.batch_size, B)
-            if not isinstance(cache.end_index, jax.core.Tracer) and int(cache.end_index) + T > cache.max_len:
+            if not isinstance(cache.end_index, jax.core.Tracer) and int(jnp.max(cache.end_index)) + T > cache.max_len:
                 raise ValueError(
-                    f"cache overflow: writing {T} tokens at slot {int(cache.end_index)} "
+                    f"cache overflow: writing {T} tokens at slot {int(jnp.max(cache.end_index))} "
                     f"exceeds the cache length {cache.max_len}"
                 )
             write_index = cache.end_index
-            kv_valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, write_index))
+            if cache.per_row_index:  # one write slot per row
+                kv_valid = jax.vmap(lambda v, m, i: jax.lax.dynamic_update_slice(v, m, (i,)))(
+                    cache.valid, token_mask, write_index)
+            else:
+                kv_valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, write_index))
             q_start = write_index
         if full_mask is not None:
             chex.assert_axis_dimension(full_mask, -1, kv_valid.shape[1])
