@@ -57,6 +57,7 @@ class GenerateResult:
     texts: list[str] | None = None  # decoded completions when a tokenizer is known
     accepted_lengths: jax.Array | None = None  # speculative: [B, N] drafts accepted per verify round (-1 after)
     verify_rounds: jax.Array | None = None  # speculative: [B] target verify rounds per row
+    exit_layers: jax.Array | None = None  # early exit: [B, N] layers run for each token (0 after the end)
 
     def completions(self) -> list[list[int]]:
         tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
@@ -270,6 +271,7 @@ def generate(
     interventions=(),
     draft=None,
     num_draft_tokens: int = 4,
+    early_exit=None,
 ) -> GenerateResult:
     """Sample up to ``max_new_tokens`` for each prompt.
 
@@ -288,6 +290,8 @@ def generate(
       ``num_draft_tokens`` tokens per round and the model verifies them in one forward;
       the output is distributed exactly as without a draft (token for token at
       temperature 0). ``accepted_lengths`` / ``verify_rounds`` report the acceptance.
+    early_exit: a `jaxlm.inference.early_exit.ExitWindow` (WAVE): tokens may leave the model
+      inside the window through a proxy head; ``exit_layers`` reports the layers each ran.
     """
     config = model.config
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
@@ -362,6 +366,10 @@ def generate(
         rng = 0
     if isinstance(rng, int):
         rng = jax.random.key(rng)
+    if early_exit is not None:
+        return _early_exit(model, early_exit, block, mask, rng, tokenizer, draft=draft, condition=condition,
+                           interventions=interventions, max_new_tokens=max_new_tokens, processors=tuple(processors),
+                           greedy=greedy, pad_id=pad_id, stop_tokens=stop_tokens, cache_dtype=cache_dtype)
     if draft is not None:
         return _speculative(model, draft, num_draft_tokens, block, mask, rng, tokenizer,
                             max_new_tokens=max_new_tokens, processors=tuple(processors), greedy=greedy,
@@ -400,6 +408,28 @@ def _speculative(model, draft, num_draft_tokens, block, mask, rng, tokenizer, *,
         tokens=final.tokens[:, :N], logprobs=final.logprobs[:, :N], sampling_logprobs=final.sampling_logprobs[:, :N],
         lengths=final.lengths, prompt_tokens=jnp.asarray(block), prompt_lengths=final.prompt_lengths,
         accepted_lengths=final.accepted, verify_rounds=final.rounds,
+    )
+    if tokenizer is not None:
+        result.texts = [tokenizer.decode(c) for c in result.completions()]
+    return result
+
+
+def _early_exit(model, window, block, mask, rng, tokenizer, *, draft, condition, interventions, max_new_tokens,
+                **kw) -> GenerateResult:
+    from jaxlm.inference.early_exit import ExitWindow, early_exit_generate_tokens
+
+    if not isinstance(window, ExitWindow):
+        raise TypeError(f"early_exit must be an ExitWindow, got {type(window).__name__}")
+    if draft is not None or condition is not None or interventions:
+        raise ValueError("early_exit= does not combine with draft=, condition= or interventions=")
+    window.check(model.config)
+    graphdef, params = nnx.split(model)
+    final = early_exit_generate_tokens(graphdef, params, jnp.asarray(block), jnp.asarray(mask), rng, window=window,
+                                       max_new_tokens=max_new_tokens, **kw)
+    result = GenerateResult(
+        tokens=final.tokens, logprobs=final.logprobs, sampling_logprobs=final.sampling_logprobs,
+        lengths=final.lengths, prompt_tokens=jnp.asarray(block), prompt_lengths=final.prompt_lengths,
+        exit_layers=final.exit_layers,
     )
     if tokenizer is not None:
         result.texts = [tokenizer.decode(c) for c in result.completions()]

@@ -325,3 +325,30 @@ def test_bad_drafts_fail_with_errors_naming_the_argument(target, drafts):
         jaxlm.generate(target, PROMPTS, max_new_tokens=4, draft="small-model")
     with pytest.raises(ValueError, match="condition"):
         jaxlm.generate(target, PROMPTS, max_new_tokens=4, draft=drafts["random"], condition=jnp.ones((4, 2), int))
+
+
+# --- a trained target and draft ---------------------------------------------------------------
+
+
+@pytest.mark.slow  # trains two models (~1 min on 2 cores); the exactness tests above run by default
+def test_trained_draft_gives_the_same_greedy_answers_with_fewer_target_forwards(tmp_path):
+    """A target and a smaller draft trained on the same Markov-chain text: speculative greedy
+    decoding writes the target's greedy continuations with far fewer target forwards."""
+    from jaxlm.data.tasks import MarkovText
+    from tiny_training import train_tiny
+
+    task = MarkovText()
+    target = jaxlm.load_checkpoint(train_tiny(tmp_path / "t", task, jaxlm.ModelConfig.tiny(max_seq_len=128),
+                                              steps=300, seq_len=96))
+    draft = jaxlm.load_checkpoint(train_tiny(
+        tmp_path / "d", task, jaxlm.ModelConfig.tiny(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64,
+                                                     max_seq_len=128), steps=300, seq_len=96))
+    prompts = [" ".join(task.example(i, "eval")["completion"].split()[:2]) + " " for i in range(6)]
+    n = 48
+    plain = jaxlm.generate(target, prompts, max_new_tokens=n, temperature=0, stop_tokens=())
+    spec = jaxlm.generate(target, prompts, max_new_tokens=n, temperature=0, stop_tokens=(), draft=draft,
+                          num_draft_tokens=4)
+    assert spec.texts == plain.texts
+    forwards = 1 + np.asarray(spec.verify_rounds)  # prefill + one verify per round, against n for plain
+    print("target forwards per row:", forwards.tolist(), "of", n)
+    assert forwards.mean() < 0.5 * n
