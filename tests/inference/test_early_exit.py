@@ -77,9 +77,10 @@ def test_first_decoded_exit_matches_the_teacher_forced_simulation(model):
     window = ExitWindow(2, 3, threshold=0.6, proxy_vocab=6)
     out = jaxlm.generate(model, PROMPTS, max_new_tokens=2, temperature=0, stop_tokens=(), early_exit=window)
     toks = np.asarray(out.tokens)
+    predictions = nnx.jit(layer_predictions)
     for b, p in enumerate(PROMPTS):
         seq = jnp.asarray([p + [int(toks[b, 0])]])
-        logits, _ = layer_predictions(model, seq, jnp.ones_like(seq, bool))
+        logits, _ = predictions(model, seq, jnp.ones_like(seq, bool))
         pred, layers = simulate_exits(np.asarray(logits)[:, 0, -1:], window.start, window.end, window.threshold,
                                       window.proxy_vocab)
         assert int(np.asarray(out.exit_layers)[b, 1]) == int(layers[0])
