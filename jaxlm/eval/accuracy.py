@@ -27,9 +27,11 @@ def task_accuracy(
     max_new_tokens: int = 16,
     batch_size: int = 64,
     progress: Callable[[int], Any] | None = None,
+    generate_kwargs: dict[str, Any] | None = None,
 ) -> AccuracyResult:
     """Greedy completions of each example's ``prompt``, scored by ``verify(example, text)``
-    (1.0 correct). ``progress(n)`` is called after each batch of ``n`` examples."""
+    (1.0 correct). ``progress(n)`` is called after each batch of ``n`` examples;
+    ``generate_kwargs`` go to `generate` (e.g. ``early_exit=``, ``draft=``)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r} is invalid: must be a positive int")
     if not examples:
@@ -39,7 +41,7 @@ def task_accuracy(
         chunk = examples[i : i + batch_size]
         out = generate(
             model, [e["prompt"] for e in chunk], max_new_tokens=max_new_tokens, temperature=0,
-            tokenizer=tokenizer,
+            tokenizer=tokenizer, **(generate_kwargs or {}),
         )
         for e, text in zip(chunk, out.texts):
             score = float(verify(e, text))

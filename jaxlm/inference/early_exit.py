@@ -33,9 +33,7 @@ from flax import nnx, struct
 
 from jaxlm.inference.cache import KVCache, LayerKV
 from jaxlm.inference.logits_processors import LogitsProcessor, compose
-from jaxlm.inference.sampler import _select
-from jaxlm.models.masks import build_attention_mask
-from jaxlm.models.taps import Taps
+from jaxlm.inference.sampling import _select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +158,16 @@ def calibrate_from_logits(logits: np.ndarray, *, quantiles: tuple[float, float] 
                        agreement=best["agreement"], mean_layers=best["mean_layers"], sweep=sweep)
 
 
-def calibrate_exit_window(model, tokens, mask, **kw) -> Calibration:
+def calibrate_exit_window(model, tokens, mask, *, score_mask=None, **kw) -> Calibration:
     """`calibrate_from_logits` on a model's teacher-forced per-layer logits over calibration
-    text ``tokens [B, T]`` (``mask``: real tokens). Teacher forcing sees full-depth context;
+    text ``tokens [B, T]`` (``mask``: real tokens), at the positions ``score_mask`` selects
+    (default: every real token; e.g. only the positions that predict an answer, where
+    decoding happens). Teacher forcing sees full-depth context;
     at decode time earlier exits change later tokens' context through the propagated keys
     and values, which this calibration does not model."""
     logits, _ = layer_predictions(model, jnp.asarray(tokens), jnp.asarray(mask))
-    return calibrate_from_logits(np.asarray(logits)[:, np.asarray(mask, bool)], **kw)
+    select = np.asarray(mask if score_mask is None else score_mask, bool) & np.asarray(mask, bool)
+    return calibrate_from_logits(np.asarray(logits)[:, select], **kw)
 
 
 @struct.dataclass
@@ -188,36 +189,25 @@ def _decode_step(model, token, cache: KVCache, window: ExitWindow):
     c = model.config
     B = token.shape[0]
     end = cache.end_index
-    positions = cache.lengths[:, None]
-    kv_valid = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((B, 1), bool), (0, end))
-    mask = build_attention_mask(kv_valid=kv_valid, q_start=end, num_queries=1, sliding_window=c.sliding_window)
-    x = jnp.take(model.embed[...], token[:, None], axis=0).astype(c.compute_dtype)
+    x, positions, mask, kv_valid = model.layer_inputs(token[:, None], cache)
     rows = _head_rows(model)
     k_all, v_all = list(cache.k), list(cache.v)
     exited = jnp.zeros((B,), bool)
     exit_layer = jnp.full((B,), c.n_layers, jnp.int32)
     exit_logits = jnp.zeros((B, c.vocab_size), jnp.float32)
     proxy = None
-    no_taps = frozenset()
-    for i, block in enumerate(model.layers):
+    for i in range(c.n_layers):
         layer = i + 1
         kv = LayerKV(k=k_all[i], v=v_all[i], layer=None, index=end)
-        graphdef, state = nnx.split(block)
 
-        def full(x, kv, graphdef=graphdef, state=state):
-            b = nnx.merge(graphdef, state)
-            y, kv = b(x, positions, mask, kv, Taps(no_taps))
+        def run(x, kv, i=i, attention_only=False):
+            y, kv = model.apply_layer(i, x, positions, mask, kv, attention_only=attention_only)
             return y, kv.k, kv.v
 
-        def attention_only(x, kv, graphdef=graphdef, state=state):
-            b = nnx.merge(graphdef, state)
-            _, kv = b.attn(b.attn_norm(x), positions, mask, kv, Taps(no_taps))
-            return x, kv.k, kv.v
-
         if layer <= window.start:
-            y, k_i, v_i = full(x, kv)
+            y, k_i, v_i = run(x, kv)
         else:
-            y, k_i, v_i = jax.lax.cond(jnp.all(exited), attention_only, full, x, kv)
+            y, k_i, v_i = jax.lax.cond(jnp.all(exited), functools.partial(run, attention_only=True), run, x, kv)
         x = jnp.where(exited[:, None, None], x, y)  # exited rows keep their exit hidden state
         k_all[i], v_all[i] = k_i, v_i
         if window.start <= layer <= window.end:

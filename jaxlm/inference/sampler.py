@@ -27,7 +27,10 @@ from flax import nnx, struct
 
 from jaxlm.dtypes import optional_dtype_name
 from jaxlm.inference.cache import KVCache, batch_axis
+from jaxlm.inference.early_exit import ExitWindow, early_exit_generate_tokens
 from jaxlm.inference.logits_processors import LogitsProcessor, Temperature, TopK, TopP, compose
+from jaxlm.inference.sampling import _select, categorical_and_logsumexp, sample_categorical  # noqa: F401
+from jaxlm.inference.speculative import check_draft, speculative_generate_tokens
 
 
 @struct.dataclass
@@ -68,64 +71,6 @@ class GenerateResult:
         prompts, plens = np.asarray(self.prompt_tokens), np.asarray(self.prompt_lengths)
         P = prompts.shape[1]
         return [prompts[b, P - plens[b]:].tolist() + c for b, c in enumerate(self.completions())]
-
-
-def _invert_cdf(key: jax.Array, mass: jax.Array) -> jax.Array:
-    """Index ``i`` with probability ``mass[..., i] / mass.sum(-1)`` (``mass >= 0``): the first
-    index whose running sum exceeds a uniform draw; the heaviest entry if rounding leaves none."""
-    cdf = jnp.cumsum(mass, axis=-1)
-    u = jax.random.uniform(key, mass.shape[:-1] + (1,), jnp.float32) * cdf[..., -1:]
-    above = cdf > u
-    return jnp.where(jnp.any(above, -1), jnp.argmax(above, -1), jnp.argmax(mass, -1))
-
-
-def sample_categorical(key: jax.Array, logits: jax.Array, block: int = 128) -> jax.Array:
-    """One exact draw per row from ``softmax(logits)``, inverting the CDF in two levels.
-
-    First a block of ``block`` tokens is drawn by its total mass, then a token within
-    it by its own: P(token) = P(block) P(token | block). This needs two uniforms per row
-    instead of the ``B x V`` Gumbel noise of `jax.random.categorical` (whose threefry bits
-    cost more than a decode step on CPU), and cumulative sums over ``V / block`` and
-    ``block`` entries instead of ``V`` (a 32k-long cumsum takes ~3 ms on CPU).
-    Masked (-inf) entries have zero mass and are never drawn.
-    """
-    return categorical_and_logsumexp(key, logits, block)[0]
-
-
-def categorical_and_logsumexp(key: jax.Array, logits: jax.Array, block: int = 128) -> tuple[jax.Array, jax.Array]:
-    """`sample_categorical`'s draw ``[B]`` and ``logsumexp(logits) [B]`` from the same
-    ``exp(logits - max)`` (one pass over the vocabulary instead of two)."""
-    B, V = logits.shape
-    logits = logits.astype(jnp.float32)
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    mass = jnp.exp(logits - top)
-    mass = jnp.pad(mass, ((0, 0), (0, (-V) % block))).reshape(B, -1, block)
-    k_block, k_token = jax.random.split(key)
-    block_mass = mass.sum(-1)  # [B, V / block]
-    chosen = _invert_cdf(k_block, block_mass)  # [B]
-    inner = jnp.take_along_axis(mass, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
-    lse = top[:, 0] + jnp.log(block_mass.sum(-1))
-    return chosen * block + _invert_cdf(k_token, inner), lse
-
-
-def _select(logits, processed, key, greedy: bool, same: bool = False):
-    """Choose a token per row; its log-prob under the raw and the processed distribution
-    (``same``: no processors, the two are one)."""
-    if greedy:
-        token, processed_lse = jnp.argmax(processed, axis=-1), None
-    else:
-        token, processed_lse = categorical_and_logsumexp(key, processed)
-    token = token.astype(jnp.int32)
-    pick = lambda x: jnp.take_along_axis(x, token[:, None], axis=-1)[:, 0]
-    if same and processed_lse is not None:
-        raw = pick(logits) - processed_lse
-        return token, raw, raw
-    raw = pick(logits) - jax.nn.logsumexp(logits, axis=-1)
-    if same:
-        return token, raw, raw
-    if processed_lse is None:
-        processed_lse = jax.nn.logsumexp(processed, axis=-1)
-    return token, raw, pick(processed) - processed_lse
 
 
 @functools.partial(
@@ -338,8 +283,6 @@ def generate(
 
     room = config.max_seq_len - max_new_tokens
     if draft is not None:
-        from jaxlm.inference.speculative import check_draft
-
         if condition is not None or interventions:
             raise ValueError("draft= does not combine with condition= or interventions= (the draft would not "
                              "see them)")
@@ -396,8 +339,6 @@ def generate(
 
 def _speculative(model, draft, num_draft_tokens, block, mask, rng, tokenizer, *, max_new_tokens,
                  **kw) -> GenerateResult:
-    from jaxlm.inference.speculative import speculative_generate_tokens
-
     graphdef, params = nnx.split(model)
     draft_graphdef, draft_params = nnx.split(draft)
     final = speculative_generate_tokens(
@@ -416,8 +357,6 @@ def _speculative(model, draft, num_draft_tokens, block, mask, rng, tokenizer, *,
 
 def _early_exit(model, window, block, mask, rng, tokenizer, *, draft, condition, interventions, max_new_tokens,
                 **kw) -> GenerateResult:
-    from jaxlm.inference.early_exit import ExitWindow, early_exit_generate_tokens
-
     if not isinstance(window, ExitWindow):
         raise TypeError(f"early_exit must be an ExitWindow, got {type(window).__name__}")
     if draft is not None or condition is not None or interventions:

@@ -39,7 +39,7 @@ from flax import nnx, struct
 
 from jaxlm.inference.cache import KVCache
 from jaxlm.inference.logits_processors import LogitsProcessor, compose
-from jaxlm.inference.sampler import _invert_cdf, _select
+from jaxlm.inference.sampling import _invert_cdf, _select
 
 
 class MedusaHeads(nnx.Module):

@@ -243,6 +243,30 @@ class Transformer(nnx.Module):
         emb = jnp.take(self.embed[...], ids, axis=0)
         return self.meta_gate.prepare(emb, cmask)
 
+    # ------------------------------------------------ layer by layer (early exit)
+    def layer_inputs(self, tokens: jax.Array, cache: KVCache):
+        """What `backbone` builds before its first layer, for ``tokens [B, T]`` appended to
+        ``cache`` (shared write slot): embeddings, positions, the attention mask and the
+        updated slot validity. For decoders that run the layers one at a time."""
+        c = self.config
+        B, T = tokens.shape
+        positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        kv_valid = jax.lax.dynamic_update_slice(cache.valid, jnp.ones((B, T), bool), (0, cache.end_index))
+        mask = build_attention_mask(kv_valid=kv_valid, q_start=cache.end_index, num_queries=T,
+                                    sliding_window=c.sliding_window)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(c.compute_dtype)
+        return x, positions, mask, kv_valid
+
+    def apply_layer(self, i: int, x, positions, mask, kv: LayerKV, *, attention_only: bool = False):
+        """Block ``i`` on ``x``: ``(x, kv)``. ``attention_only``: run only its attention, for
+        the key/value write, and return ``x`` unchanged (a layer an early exit skips)."""
+        block = self.layers[i]
+        taps = Taps(frozenset())
+        if attention_only:
+            _, kv = block.attn(block.attn_norm(x), positions, mask, kv, taps)
+            return x, kv
+        return block(x, positions, mask, kv, taps)
+
     # --------------------------------------------------------------- layers
     def _run_layers(self, x, positions, mask, k_all, v_all, write_index, names, aux):
         c = self.config

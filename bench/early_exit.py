@@ -1,0 +1,123 @@
+"""WAVE early exit: layers saved and wall time against full depth at equal accuracy (CPU).
+
+Trains the quickstart recipe (`configs/quickstart.py`) with 6 layers on clean 2-digit
+addition (once, under ``--run``),
+calibrates the exit window and threshold on training problems (the positions that predict
+answer tokens), then measures on held-out problems: exact-match accuracy and mean layers
+per generated token with and without exits (batch 64), and the wall time of greedy
+decoding at batch 1 (exits save compute only when every row of a batch has left, so a
+batch of one is where the time shows). Also the threshold sweep of the calibration.
+
+    python bench/early_exit.py                    # -> runs/early_exit
+    python bench/early_exit.py --agreement 0.98 --quantiles 0.05 0.95
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def answer_positions(pairs):
+    """Positions whose next token is an answer token (where decoding happens)."""
+    import numpy as np
+
+    m = np.zeros_like(pairs.target_mask)
+    m[:, :-1] = pairs.target_mask[:, 1:]
+    return m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", default="runs/early_exit")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--calibration", type=int, default=256, help="training problems to calibrate on")
+    ap.add_argument("--eval", type=int, default=200, help="held-out problems")
+    ap.add_argument("--timed", type=int, default=24, help="held-out problems decoded one at a time for wall time")
+    ap.add_argument("--agreement", type=float, default=0.99)
+    ap.add_argument("--quantiles", type=float, nargs=2, default=(0.1, 0.9))
+    ap.add_argument("--proxy-vocab", type=int, default=16)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import jax
+    import numpy as np
+
+    import jaxlm
+    from jaxlm.data.tasks import Arithmetic
+    from jaxlm.editing.requests import encode_pairs
+    from jaxlm.eval.accuracy import task_accuracy
+    from jaxlm.inference.early_exit import calibrate_exit_window
+    from trainers.loop import train
+    from trainers.recipes import load_config
+
+    task = Arithmetic(digits=2, ops=("+",))
+    run = Path(args.run)
+    if not (run / "model").exists():
+        train(load_config("quickstart", [f"model.n_layers={args.layers}", "data.source.carry_slip=0",
+                                         f"trainer.steps={args.steps}", f"trainer.out_dir={run}",
+                                         "trainer.progress=false"]))
+    model = jaxlm.load_checkpoint(run / "model")
+    cfg = model.config
+    tok = model.tokenizer
+    cal_ex = [task.example(i, "train") for i in range(args.calibration)]
+    pairs = encode_pairs(tok, [e["prompt"] for e in cal_ex], [e["completion"] for e in cal_ex], append_eos=True)
+    cal = calibrate_exit_window(model, pairs.tokens, pairs.valid, score_mask=answer_positions(pairs),
+                                quantiles=tuple(args.quantiles), agreement=args.agreement, proxy_vocab=args.proxy_vocab)
+    w = cal.window
+    print(f"calibration: window [{w.start}, {w.end}] of {cfg.n_layers}, threshold {w.threshold}, "
+          f"proxy vocab {w.proxy_vocab}; simulated agreement {cal.agreement:.3f}, layers {cal.mean_layers:.2f}")
+    print("settled-layer histogram:", np.bincount(cal.settled, minlength=cfg.n_layers + 1)[1:].tolist())
+
+    held = [task.example(i, "eval") for i in range(args.eval)]
+    rows = {}
+    for name, kw in (("full depth", {}), ("WAVE", {"early_exit": w})):
+        acc = task_accuracy(model, held, task.verify, tokenizer=tok, max_new_tokens=6, generate_kwargs=kw)
+        rows[name] = {"accuracy": acc.accuracy}
+    # layers per generated token (decoded tokens only: the first comes from the full-depth prefill)
+    out = jaxlm.generate(model, [e["prompt"] for e in held], max_new_tokens=6, temperature=0, early_exit=w)
+    exits = np.asarray(out.exit_layers)
+    lengths = np.asarray(out.lengths)
+    decoded = np.concatenate([exits[b, 1:lengths[b]] for b in range(len(held))])
+    all_tokens = np.concatenate([exits[b, :lengths[b]] for b in range(len(held))])
+    rows["full depth"].update(layers_decoded=float(cfg.n_layers), layers_all=float(cfg.n_layers))
+    rows["WAVE"].update(layers_decoded=float(decoded.mean()), layers_all=float(all_tokens.mean()))
+
+    def timed_run(kw):
+        t0 = time.perf_counter()
+        for e in held[: args.timed]:
+            r = jaxlm.generate(model, [e["prompt"]], max_new_tokens=6, temperature=0, stop_tokens=(), **kw)
+            jax.block_until_ready(r.tokens)
+        return time.perf_counter() - t0
+
+    for kw in ({}, {"early_exit": w}):  # compile
+        timed_run(kw)
+    times = {"full depth": [], "WAVE": []}
+    for _ in range(3):
+        times["full depth"].append(timed_run({}))
+        times["WAVE"].append(timed_run({"early_exit": w}))
+    full_t = float(np.median(times["full depth"]))
+    print(f"\n{'run':>10} | {'accuracy':>8} | {'layers / decoded token':>22} | {'layers / token':>14} | "
+          f"{'batch-1 wall':>12} | vs full")
+    for name in ("full depth", "WAVE"):
+        r = rows[name]
+        t = float(np.median(times[name]))
+        r.update(wall_s=t, vs_full=full_t / t)
+        print(f"{name:>10} | {r['accuracy']:>8.3f} | {r['layers_decoded']:>22.2f} | {r['layers_all']:>14.2f} | "
+              f"{t:>11.2f}s | {full_t / t:.2f}x")
+    print("\nthreshold sweep (simulated on calibration):")
+    for s in cal.sweep:
+        print(f"  {s['threshold']:.3f}: agreement {s['agreement']:.3f}, layers {s['mean_layers']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"window": vars(w), "rows": rows, "sweep": cal.sweep}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
