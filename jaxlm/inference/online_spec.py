@@ -190,7 +190,8 @@ def distill_loss(draft, target, tokens: jax.Array, mask: jax.Array, weights: jax
     p = jnp.exp(t_logp)[:, :, None]
     kl = jnp.sum(jnp.where(p > 0, p * (t_logp[:, :, None] - q_logp), 0.0), -1)  # [B, T, J]
     w = weights.astype(jnp.float32)
-    return jnp.sum(kl * w) / jnp.maximum(jnp.sum(w), 1.0)
+    total = jnp.sum(w)
+    return jnp.sum(kl * w) / jnp.where(total > 0, total, 1.0)  # all weights zero: 0, not NaN
 
 
 def feedback_weights(draft, target, tokens, mask, generated, *, mismatch_only: bool) -> np.ndarray:

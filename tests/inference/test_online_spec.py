@@ -65,6 +65,12 @@ def test_distill_loss_of_a_draft_model_against_scipy(models):
     want = num / w.sum()
     got = float(distill_loss(draft, target, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(w)))
     np.testing.assert_allclose(got, want, rtol=2e-5)
+    # weights summing below one are still a weighted mean
+    small = np.zeros_like(w)
+    small[0, 3, 0], small[1, 2, 0] = 0.2, 0.05
+    want = (0.2 * _kl(t_logits[0, 2], d_logits[0, 2]) + 0.05 * _kl(t_logits[1, 1], d_logits[1, 1])) / 0.25
+    got = float(distill_loss(draft, target, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(small)))
+    np.testing.assert_allclose(got, want, rtol=2e-5)
 
 
 def test_distill_loss_of_medusa_heads_against_scipy(models):
