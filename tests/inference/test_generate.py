@@ -197,15 +197,24 @@ def test_batched_greedy_equals_per_row_decoding(scan_layers):
     forward = jax.jit(lambda t, m: nnx.merge(graphdef, params)(t, mask=m).logits)
     n = 10
     batched = jaxlm.generate(model, PROMPTS, max_new_tokens=n, temperature=0)
-    for b, prompt in enumerate(PROMPTS):
-        alone = jaxlm.generate(model, [prompt], max_new_tokens=n, temperature=0, bucket=1)
-        np.testing.assert_array_equal(np.asarray(batched.tokens[b]), np.asarray(alone.tokens[0]))
-        np.testing.assert_allclose(np.asarray(batched.logprobs[b]), np.asarray(alone.logprobs[0]), atol=1e-5)
     seqs = batched.sequences()
     tokens, mask = _left_pad(seqs)
     logits = np.asarray(forward(tokens, mask))
     T = tokens.shape[1]
-    np.testing.assert_array_equal(logits[:, T - n - 1: T - 1].argmax(-1), np.asarray(batched.tokens))
+    decoded_logits = logits[:, T - n - 1: T - 1]
+    # A log-prob is logit - logsumexp(logits): its float32 rounding error is set by the
+    # spacing of floats at the logits' magnitude, not at |logprob|. Batch 4 and batch 1 run
+    # the same math through differently blocked XLA:CPU GEMMs, so the two decodes agree to
+    # a few tens of float32 steps at that magnitude over ten cached steps (measured: up to
+    # 20 steps at max|logit| ~ 14, about 2e-5). The tokens must still match exactly.
+    logprob_tol = 32 * np.spacing(np.float32(np.abs(decoded_logits).max()))
+    for b, prompt in enumerate(PROMPTS):
+        alone = jaxlm.generate(model, [prompt], max_new_tokens=n, temperature=0, bucket=1)
+        np.testing.assert_array_equal(np.asarray(batched.tokens[b]), np.asarray(alone.tokens[0]))
+        np.testing.assert_allclose(
+            np.asarray(batched.logprobs[b]), np.asarray(alone.logprobs[0]), rtol=0, atol=logprob_tol
+        )
+    np.testing.assert_array_equal(decoded_logits.argmax(-1), np.asarray(batched.tokens))
     assert len({tuple(r) for r in np.asarray(batched.tokens)}) == len(PROMPTS)
 
 
