@@ -84,7 +84,8 @@ def _flags(cls, prefix=""):
             yield from _flags(kind, f"{prefix}{f.name}.")
 
 
-@pytest.mark.parametrize("verb", ["quickstart", "train", "eval", "generate", "convert", "quantize", "compress", "edit"])
+@pytest.mark.parametrize("verb", ["quickstart", "train", "eval", "generate", "convert", "quantize", "compress", "edit",
+                                  "serve-stream"])
 def test_verb_help_names_real_arguments_and_describes_every_flag(verb, capsys):
     from trainers.cli import VERBS
 

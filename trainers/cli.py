@@ -10,6 +10,7 @@ call into a library function.
     jaxlm quantize MODEL --out DIR [--method wush] [--format nvfp4] [--inner gptq]
     jaxlm compress MODEL --out DIR [--budget 0.5] [--components qk,ov,mlp]
     jaxlm edit MODEL --requests FILE [--method crispedit|finetune|alphaedit|memit|all]
+    jaxlm serve-stream MODEL --draft DIR --prompts FILE [spec:opt-hydra|ens-eagle|osd|static]
 
 ``--model`` / ``MODEL`` take a HuggingFace directory or a jaxlm (orbax) checkpoint; without
 ``--model``, ``generate`` uses the embedded default: a tiny random `ModelConfig.tiny()` model
@@ -34,9 +35,19 @@ from jaxlm.data.facts import FactWorld
 from jaxlm.data.tasks import Arithmetic, Countdown, Sorting
 from jaxlm.editing.crispedit import GradientEditConfig
 from jaxlm.editing.locate import LocateEditConfig
+from jaxlm.inference.online_spec import OnlineSpecConfig
 
 Task = Arithmetic | Countdown | Sorting
 CalibrationTask = Arithmetic | Countdown | Sorting | FactWorld
+OnlineSpecPreset = tyro.extras.subcommand_type_from_defaults(
+    {name: OnlineSpecConfig.preset(name) for name in ("opt_hydra", "ens_eagle", "osd", "static")},
+    descriptions={
+        "opt_hydra": "Opt-Hydra: SGD momentum 0.9 kept across chunks, lr 0.1, 3 epochs, chunks of 80.",
+        "ens_eagle": "Online ensemble: learners at lr 5e-4 / 1e-3 / 1e-1, weights softmax(-loss / 1.2), chunks of 40.",
+        "osd": "OSD baseline: distil only where the draft's proposal was wrong, Opt-Hydra's optimizer.",
+        "static": "The offline draft, never updated (the baseline).",
+    },
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +242,30 @@ class CompressArgs:
     """Replace --out if it exists (written beside it, then swapped in)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ServeStreamArgs:
+    """Serve a stream of prompts with speculative decoding while the draft learns from the
+    target's verification between chunks (OnlineSPEC, arXiv 2603.12617); reports tokens per
+    verify round and tokens/s per chunk. Outputs are the target's own (greedy at temperature 0)."""
+
+    model: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL")]
+    """The target: a jaxlm checkpoint or HF directory with a tokenizer."""
+    draft: Annotated[Path, tyro.conf.arg(metavar="DIR")]
+    """The draft: a smaller jaxlm checkpoint or HF directory with the target's vocabulary."""
+    prompts: Annotated[Path, tyro.conf.arg(metavar="FILE")]
+    """jsonl, one {"prompt": "..."} per line, served in file order (other keys are copied to --completions)."""
+    spec: OnlineSpecPreset = OnlineSpecConfig.preset("opt_hydra")
+    """How the draft adapts: a preset (spec:opt-hydra, spec:ens-eagle, spec:osd, spec:static), each field overridable."""
+    completions: Annotated[Path | None, tyro.conf.arg(metavar="FILE")] = None
+    """Write each prompt's row with its "completion" (and "tokens") here as jsonl."""
+    report: Annotated[Path | None, tyro.conf.arg(metavar="FILE")] = None
+    """Write the per-chunk measurements and the config as JSON here."""
+    save_draft: Annotated[Path | None, tyro.conf.arg(metavar="DIR")] = None
+    """Save the adapted draft here (a jaxlm checkpoint)."""
+    overwrite: bool = False
+    """Replace --save-draft if it exists."""
+
+
 class UsageError(ValueError):
     """A command-line argument is invalid (exit status 2)."""
 
@@ -366,6 +401,56 @@ def run_edit(args: EditArgs) -> dict:
     return report
 
 
+def run_serve_stream(args: ServeStreamArgs):
+    import json
+
+    from jaxlm.data.files import read_prompts
+    from jaxlm.fileio import DirectoryLock, atomic_write_text
+    from jaxlm.inference.online_spec import chunked, serve_stream
+
+    rows = read_prompts(args.prompts)
+    if args.save_draft is not None and args.save_draft.exists() and not args.overwrite:
+        raise FileExistsError(f"{args.save_draft} exists; {_OVERWRITE_HINT}")
+    target, draft = _load(args.model), _load(args.draft)
+    if target.tokenizer is None:
+        raise UsageError(f"{args.model} has no tokenizer (tokenizer.json); cannot encode text prompts")
+    spec = args.spec
+    print(f"{len(rows)} prompts in chunks of {spec.chunk_size}, draft adapted by {spec.method}; "
+          f"{spec.num_draft_tokens} drafts per verify round", file=sys.stderr)
+
+    def show(c) -> None:
+        loss = "" if c.train_loss != c.train_loss else f", draft loss {c.train_loss:.3f}"
+        print(f"chunk {c.index}: {c.prompts} prompts, {c.tokens_per_round:.2f} tokens/round, accept "
+              f"{c.accept_rate:.1%}, {c.tokens_per_second:.1f} tok/s{loss}", file=sys.stderr)
+
+    result = serve_stream(target, draft, chunked([r["prompt"] for r in rows], spec.chunk_size), spec,
+                          keep_completions=True, callback=show)
+    print(f"{len(rows)} prompts: {result.mean('tokens_per_round'):.2f} tokens per verify round, "
+          f"{result.mean('tokens_per_second'):.1f} tok/s while serving")
+    if args.completions is not None:
+        completions = [c for chunk in result.chunks for c in chunk.completions]
+        lines = [json.dumps({**row, "completion": target.tokenizer.decode(ids), "tokens": ids})
+                 for row, ids in zip(rows, completions)]
+        args.completions.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.completions, "\n".join(lines) + "\n")
+    if args.report is not None:
+        finite = lambda v: None if isinstance(v, float) and v != v else v  # noqa: E731  (no loss: static)
+        chunks = [{k: finite(v) for k, v in dataclasses.asdict(c).items() if k != "completions"}
+                  for c in result.chunks]
+        report = {"config": dataclasses.asdict(spec), "chunks": chunks,
+                  "tokens_per_round": result.mean("tokens_per_round"),
+                  "tokens_per_second": result.mean("tokens_per_second")}
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.report, json.dumps(report, indent=2, allow_nan=False))
+    if args.save_draft is not None:
+        from jaxlm.checkpoint import save_checkpoint
+
+        with DirectoryLock(args.save_draft, beside=True, what="draft being written"):
+            save_checkpoint(result.draft, args.save_draft, overwrite=args.overwrite)
+        print(f"adapted draft -> {args.save_draft}")
+    return result
+
+
 def run_train(args: TrainArgs):
     from trainers.loop import train
     from trainers.recipes import load_config
@@ -420,7 +505,7 @@ def _config_help(argv: list[str]) -> bool:
 def _parse(union, argv: list[str]):
     """tyro's parse; its help text (``-h``) printed without reStructuredText markup."""
     kwargs = dict(args=argv, prog="jaxlm",
-                  description="jaxlm: train, evaluate, decode, convert, quantize, compress and edit models.")
+                  description="jaxlm: train, evaluate, decode, serve, convert, quantize, compress and edit models.")
     if not {"-h", "--help"} & set(argv):
         return tyro.cli(union, **kwargs)
     import contextlib
@@ -445,6 +530,7 @@ VERBS = {
     "quantize": (QuantizeArgs, run_quantize),
     "compress": (CompressArgs, run_compress),
     "edit": (EditArgs, run_edit),
+    "serve-stream": (ServeStreamArgs, run_serve_stream),
 }
 
 

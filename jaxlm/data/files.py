@@ -85,6 +85,39 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def read_prompts(path: str | Path) -> list[dict[str, Any]]:
+    """Prompt rows of a ``.jsonl`` file: each line an object with a ``prompt`` string; its
+    other keys (an ``id``, a reference answer) are kept as they are. A malformed row raises
+    `DataError` naming the file and the 1-based line."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path} does not exist")
+    if path.is_dir() or path.suffix != ".jsonl":
+        raise DataError(f"{path}: prompts are read from a .jsonl file (one {{\"prompt\": ...}} object per line)")
+    rows: list[dict[str, Any]] = []
+    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"{where}: not UTF-8 text; save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected an object with a 'prompt' string, got {type(row).__name__}")
+        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            got = "no 'prompt'" if "prompt" not in row else f"'prompt' = {row['prompt']!r}"
+            raise DataError(f"{where}: each row needs a non-empty 'prompt' string, got {got}")
+        rows.append(row)
+    if not rows:
+        raise DataError(f"{path} holds no prompts")
+    return rows
+
+
 @dataclasses.dataclass(frozen=True)
 class Files:
     """A data source from local files. ``eval_path`` (optional) is held out for
