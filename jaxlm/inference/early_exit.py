@@ -122,7 +122,9 @@ def simulate_exits(logits: np.ndarray, start: int, end: int, threshold: float, p
     return pred, layers
 
 
-DEFAULT_THRESHOLDS = tuple(float(x) for x in np.round(np.arange(0.5, 1.0001, 0.025), 3))
+# Exit confidences of a trained model crowd towards 1, so the grid is finer there.
+DEFAULT_THRESHOLDS = tuple(float(x) for x in np.round(np.arange(0.5, 0.9751, 0.025), 3)) + (
+    0.99, 0.995, 0.998, 0.999, 0.9995, 1.0)
 
 
 def calibrate_from_logits(logits: np.ndarray, *, quantiles: tuple[float, float] = (0.1, 0.9),
