@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 import operator
 from collections import Counter
@@ -221,6 +222,51 @@ class Sorting(Task):
 
     def chance_accuracy(self):
         return 1.0 / math.factorial(self.length)  # orderings of (distinct) values
+
+
+_NAMES = ("Ada", "Bo", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lena", "Milo", "Nia",
+          "Omar", "Pia", "Quin", "Rosa", "Sven", "Tara", "Uma", "Vik", "Wren", "Yara", "Zoë", "José")
+_CITIES = ("Paris", "Lima", "Oslo", "Kyoto", "Cairo", "Quito", "Riga", "Perth", "Dakar", "Bern", "Hanoi", "Porto",
+           "São Paulo", "Zürich")
+_EXTRACTION_TEMPLATES = (
+    "{name} is {age} and lives in {city}.",
+    "In {city} lives {name}, aged {age}.",
+    "{name} ({age}) moved to {city}.",
+    "Age {age}: {name} from {city}.",
+)
+
+
+@TASKS.register("extraction")
+@dataclasses.dataclass(frozen=True)
+class Extraction(Task):
+    """Text in, JSON out: a sentence about a person becomes
+    ``{"name": ..., "age": ..., "city": ...}`` (keys in that order, ``", "`` / ``": "``
+    separators). `verify` parses the completion and compares the object; `schema` is the
+    JSON Schema the answers follow (for grammar-constrained decoding)."""
+
+    def _draw(self, rng):
+        name = _NAMES[int(rng.integers(0, len(_NAMES)))]
+        city = _CITIES[int(rng.integers(0, len(_CITIES)))]
+        age = int(rng.integers(1, 100))
+        template = _EXTRACTION_TEMPLATES[int(rng.integers(0, len(_EXTRACTION_TEMPLATES)))]
+        answer = {"name": name, "age": age, "city": city}
+        return {"prompt": template.format(name=name, age=age, city=city) + " JSON: ",
+                "completion": json.dumps(answer, ensure_ascii=False), "answer": answer}
+
+    @staticmethod
+    def schema() -> dict[str, Any]:
+        return {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                                 "city": {"type": "string"}},
+                "required": ["name", "age", "city"]}
+
+    def verify(self, example, completion):
+        try:
+            return float(json.loads(completion) == example["answer"])
+        except ValueError:
+            return 0.0
+
+    def chance_accuracy(self):
+        return 1.0 / (len(_NAMES) * len(_CITIES) * 99)
 
 
 def make_task(name: str, **kwargs) -> Task:

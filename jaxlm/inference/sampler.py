@@ -28,6 +28,8 @@ from flax import nnx, struct
 from jaxlm.dtypes import optional_dtype_name
 from jaxlm.inference.cache import KVCache, batch_axis
 from jaxlm.inference.early_exit import ExitWindow, early_exit_generate_tokens
+from jaxlm.inference.grammar.decoding import DeviceGrammar, advance, mask_logits, merge_tables
+from jaxlm.inference.grammar.tables import BITMASK_LIMIT
 from jaxlm.inference.logits_processors import LogitsProcessor, Temperature, TopK, TopP, compose
 from jaxlm.inference.sampling import _select, categorical_and_logsumexp, sample_categorical  # noqa: F401
 from jaxlm.inference.speculative import check_draft, speculative_generate_tokens
@@ -47,6 +49,7 @@ class SamplingState:
     logits: jax.Array  # [B, V] float32 next-token logits
     cache: KVCache
     rng: jax.Array
+    grammar_state: jax.Array | None = None  # [B] int32 with grammar=: each row's grammar state
 
 
 @dataclasses.dataclass
@@ -94,12 +97,16 @@ def generate_tokens(
     condition=None,
     interventions=(),
     samples_per_prompt: int = 1,
+    grammar: DeviceGrammar | None = None,
+    grammar_start: jax.Array | None = None,
 ) -> SamplingState:
     """The jittable core: left-padded ``prompt_tokens [B, P]`` with ``prompt_mask`` -> final state.
     ``condition`` (ids ``[B, C]`` or ``(ids, mask)``) is passed to every forward (MeGan), and so
     are ``interventions`` (`jaxlm.interp.Intervention`: steering, ablation, head masks).
     ``samples_per_prompt = G``: each prompt is prefilled once and its cache repeated, giving
-    ``B * G`` rows (row ``b * G + g`` continues prompt ``b``), e.g. GRPO's groups."""
+    ``B * G`` rows (row ``b * G + g`` continues prompt ``b``), e.g. GRPO's groups.
+    ``grammar`` (`DeviceGrammar`) with ``grammar_start [B]``: constrained decoding; the mask
+    is applied before the processors and a row stops when its grammar is complete."""
     model = nnx.merge(graphdef, params)
     B, P = prompt_tokens.shape
     N = max_new_tokens
@@ -129,6 +136,8 @@ def generate_tokens(
         prompt_mask = jnp.repeat(prompt_mask, G, axis=0)
         if condition is not None:
             condition = jax.tree.map(lambda x: jnp.repeat(x, G, axis=0), condition)
+        if grammar_start is not None:
+            grammar_start = jnp.repeat(grammar_start, G, axis=0)
         B = B * G
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
@@ -141,16 +150,23 @@ def generate_tokens(
         logits=model.unembed(last_hidden),
         cache=out.cache,
         rng=rng,
+        grammar_state=None if grammar is None else jnp.asarray(grammar_start, jnp.int32),
     )
 
     def choose(s: SamplingState) -> SamplingState:
         rng, key = (s.rng, None) if greedy else jax.random.split(s.rng)  # greedy draws nothing
-        token, lp, slp = _select(s.logits, process(s.logits, s), key, greedy, same=not processors)
+        logits = s.logits if grammar is None else mask_logits(grammar, s.grammar_state, s.logits)
+        token, lp, slp = _select(s.logits, process(logits, s), key, greedy, same=not processors and grammar is None)
         token = jnp.where(s.done, pad_id, token)
         lp, slp = jnp.where(s.done, 0.0, lp), jnp.where(s.done, 0.0, slp)
         col = (0, s.step)
         done = s.done if stop is None else s.done | jnp.isin(token, stop)
+        grammar_state = s.grammar_state
+        if grammar is not None:
+            grammar_state = jnp.where(s.done, grammar_state, advance(grammar, grammar_state, token))
+            done = done | grammar.terminal[grammar_state]
         return s.replace(
+            grammar_state=grammar_state,
             tokens=jax.lax.dynamic_update_slice(s.tokens, token[:, None], col),
             logprobs=jax.lax.dynamic_update_slice(s.logprobs, lp[:, None], col),
             sampling_logprobs=jax.lax.dynamic_update_slice(s.sampling_logprobs, slp[:, None], col),
@@ -217,6 +233,7 @@ def generate(
     draft=None,
     num_draft_tokens: int = 4,
     early_exit=None,
+    grammar=None,
 ) -> GenerateResult:
     """Sample up to ``max_new_tokens`` for each prompt.
 
@@ -237,6 +254,10 @@ def generate(
       temperature 0). ``accepted_lengths`` / ``verify_rounds`` report the acceptance.
     early_exit: a `jaxlm.inference.early_exit.ExitWindow` (WAVE): tokens may leave the model
       inside the window through a proxy head; ``exit_layers`` reports the layers each ran.
+    grammar: a `jaxlm.inference.grammar.CompiledGrammar` for every row, or a list with one
+      per prompt (None: that row is free). Tokens the grammar does not allow are masked
+      before the processors; a stop token is allowed only where the grammar is complete; a
+      row whose grammar is complete stops. The grammar's state lives in the decode loop.
     """
     config = model.config
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
@@ -309,6 +330,15 @@ def generate(
         rng = 0
     if isinstance(rng, int):
         rng = jax.random.key(rng)
+    grammar_kw = {}
+    if grammar is not None:
+        if draft is not None or early_exit is not None:
+            raise ValueError("grammar= does not combine with draft= or early_exit= yet")
+        rows = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * B
+        if len(rows) != B:
+            raise ValueError(f"grammar= has {len(rows)} entries for {B} prompts: pass one grammar or one per prompt")
+        device_grammar, starts = merge_tables(rows, config.vocab_size, BITMASK_LIMIT)
+        grammar_kw = dict(grammar=device_grammar, grammar_start=jnp.asarray(starts))
     if early_exit is not None:
         return _early_exit(model, early_exit, block, mask, rng, tokenizer, draft=draft, condition=condition,
                            interventions=interventions, max_new_tokens=max_new_tokens, processors=tuple(processors),
@@ -322,7 +352,7 @@ def generate(
         graphdef, params, jnp.asarray(block), jnp.asarray(mask), rng,
         max_new_tokens=max_new_tokens, processors=tuple(processors), greedy=greedy,
         pad_id=pad_id, stop_tokens=stop_tokens, cache_dtype=cache_dtype, condition=condition,
-        interventions=interventions,
+        interventions=interventions, **grammar_kw,
     )
     result = GenerateResult(
         tokens=final.tokens,

@@ -1,0 +1,114 @@
+"""Grammar tables on the device and the per-step mask and state update (Gram2Token's runtime).
+
+Each row's grammar state is an int32 in the decode loop's carry. Per step:
+
+    allowed = bit(bitmask[state], token)          # or next[state][:, category] >= 0
+    logits  = where(allowed, logits, -inf)        # before temperature / top-k / top-p
+    state   = next[state, category[token]]
+
+Several grammars (one per row) are merged into one table set: their states are stacked and
+the joint category of a token is the tuple of its categories in each grammar, so a row's
+lookups are exactly its own grammar's. A row given no grammar sits in a free state that
+allows every token and never changes. A row stops when its state is terminal: accepting
+with nothing but a stop token allowed, or after a stop token.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxlm.inference.grammar.automaton import GrammarError
+from jaxlm.inference.grammar.tables import TokenTables, pack_bits
+
+SHAPE_BUCKET = 64
+
+
+@struct.dataclass
+class DeviceGrammar:
+    """Merged token tables as device arrays (a pytree: the decode loop takes it as data)."""
+
+    category: jax.Array  # [V] int32
+    next: jax.Array  # [S, C] int32, -1: not allowed
+    terminal: jax.Array  # [S] bool: the row is complete here
+    bitmask: jax.Array | None = None  # [S, ceil(V / 32)] int32
+
+
+def allowed_tokens(g: DeviceGrammar, state: jax.Array) -> jax.Array:
+    """``[B, V]`` bool: the tokens each row's grammar allows in ``state [B]``."""
+    V = g.category.shape[0]
+    if g.bitmask is not None:
+        ids = jnp.arange(V, dtype=jnp.int32)
+        words = jnp.take(g.bitmask, state, axis=0)  # [B, W]
+        return ((jnp.take(words, ids >> 5, axis=1) >> (ids & 31)) & 1).astype(bool)
+    return jnp.take(jnp.take(g.next, state, axis=0), g.category, axis=1) >= 0
+
+
+def mask_logits(g: DeviceGrammar, state: jax.Array, logits: jax.Array) -> jax.Array:
+    return jnp.where(allowed_tokens(g, state), logits, -jnp.inf)
+
+
+def advance(g: DeviceGrammar, state: jax.Array, token: jax.Array) -> jax.Array:
+    """The state after ``token [B]`` (rows that are done keep theirs)."""
+    return g.next[state, g.category[token]]
+
+
+def _one(x):
+    return x if isinstance(x, TokenTables) or x is None else x.tables
+
+
+def merge_tables(grammars: Sequence, vocab_size: int, bitmask_limit: int) -> tuple[DeviceGrammar, np.ndarray]:
+    """`DeviceGrammar` of the rows' grammars (`CompiledGrammar`, `TokenTables` or None) and
+    each row's start state."""
+    tables = [_one(g) for g in grammars]
+    unique: list[TokenTables] = []
+    index: dict[int, int] = {}
+    for t in tables:
+        if t is not None and id(t) not in index:
+            if t.vocab_size != vocab_size:
+                raise GrammarError(f"a grammar was compiled for a vocabulary of {t.vocab_size} tokens; the model "
+                                   f"has vocab_size={vocab_size}")
+            index[id(t)] = len(unique)
+            unique.append(t)
+    if not unique:
+        raise GrammarError("grammar= holds no grammar")
+    joint = np.stack([t.category for t in unique], axis=1)  # [V, n]
+    _, rep, category = np.unique(joint, axis=0, return_index=True, return_inverse=True)
+    category = category.reshape(-1).astype(np.int32)
+    blocks, terminal, offsets, masks = [], [], [], []
+    offset = 0
+    for t in unique:
+        nxt = t.next[:, t.category[rep]]  # [S_i, C]
+        blocks.append(np.where(nxt >= 0, nxt + offset, -1))
+        only_stop = ~np.any(np.delete(nxt, [category[s] for s in t.stop_tokens], axis=1) >= 0, axis=1) \
+            if t.stop_tokens else ~np.any(nxt >= 0, axis=1)
+        terminal.append(t.accepting & only_stop)
+        offsets.append(offset)
+        masks.append(t.bitmask)
+        offset += t.num_states
+    free = None
+    if any(t is None for t in tables):
+        free = offset
+        blocks.append(np.full((1, len(rep)), free, np.int32))
+        terminal.append(np.zeros(1, bool))
+        offset += 1
+    nxt = np.concatenate(blocks).astype(np.int32)
+    terminal = np.concatenate(terminal)
+    # pad states and categories to multiples of SHAPE_BUCKET: grammars of similar size reuse
+    # one compiled decode loop (padded states are unreachable, padded categories unused)
+    S, C = nxt.shape
+    S2, C2 = -(-S // SHAPE_BUCKET) * SHAPE_BUCKET, -(-C // SHAPE_BUCKET) * SHAPE_BUCKET
+    nxt = np.pad(nxt, ((0, S2 - S), (0, C2 - C)), constant_values=-1)
+    terminal = np.pad(terminal, (0, S2 - S))
+    bitmask = None
+    if S2 * (-(-vocab_size // 32)) * 4 <= bitmask_limit:
+        bitmask = pack_bits(nxt[:, category] >= 0)
+    starts = np.array([free if t is None else offsets[index[id(t)]] + t.start for t in tables], np.int32)
+    device = DeviceGrammar(category=jnp.asarray(category), next=jnp.asarray(nxt),
+                           terminal=jnp.asarray(terminal),
+                           bitmask=None if bitmask is None else jnp.asarray(bitmask))
+    return device, starts

@@ -1,0 +1,261 @@
+"""Token-level tables of a byte automaton (Gram2Token's offline stage).
+
+For every automaton state ``s`` and token ``t`` (its byte string) the outcome
+``o(s, t)`` is the state after feeding ``t``'s bytes, or a rejection. Tokens whose outcome
+vectors over all states are equal form one **category**; the tables are
+
+* ``category [V] int32``: each token's category;
+* ``next [S, C] int32``: the state after a category's token (-1: not allowed);
+* ``accepting [S] bool``: a stop token (EOS) is allowed exactly here;
+* ``bitmask [S, ceil(V / 32)] int32`` (optional): the allowed tokens per state as bits,
+  token ``j`` at bit ``j % 32`` of word ``j // 32`` (XGrammar's and vLLM's layout).
+
+Stop tokens form their own category (allowed in accepting states, leading to a finished
+state); special tokens without bytes are never allowed. States from which the vocabulary
+cannot continue (its tokens lack the bytes needed) are cut at the token level too. Since the automaton keeps only states
+that can still reach acceptance and every token is checked byte by byte, a token is allowed
+exactly when the output stays a prefix of some string in the grammar's language.
+
+The bitmask is materialised when it is at most ``bitmask_limit`` bytes (default 16 MiB):
+decoding then reads ``V / 32`` words per row instead of gathering ``C`` validity bits through
+``category``; both give the same mask. Tables are cached on disk by a hash of the grammar's
+automaton and the tokenizer's byte strings (`compile_tables(..., cache_dir=)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from jaxlm.inference.grammar.automaton import ByteDFA, GrammarError
+
+BITMASK_LIMIT = 16 << 20
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to U+0100..."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+def token_byte_strings(tokenizer) -> list[bytes | None]:
+    """Each token id's UTF-8 bytes (None: a special token that never appears in text).
+
+    `ByteTokenizer`: one byte per id past the specials. `HFTokenizer`: byte-level BPE (GPT-2
+    alphabet) or SentencePiece-style (``▁`` for a space, ``<0xNN>`` byte fallback); added
+    special tokens are None."""
+    if hasattr(tokenizer, "offset") and getattr(tokenizer, "vocab_size", None) == 256 + tokenizer.offset:
+        return [None] * tokenizer.offset + [bytes([b]) for b in range(256)]
+    inner = getattr(tokenizer, "_tok", None)
+    if inner is None:
+        raise GrammarError(f"cannot read token byte strings from {type(tokenizer).__name__}: pass a ByteTokenizer, "
+                           "an HFTokenizer or token_bytes=")
+    spec = json.loads(inner.to_str())
+    decoder = json.dumps(spec.get("decoder") or {})
+    byte_level = '"ByteLevel"' in decoder
+    inverse = {c: b for b, c in _bytes_to_unicode().items()}
+    specials = {t.content for t in inner.get_added_tokens_decoder().values() if t.special}
+    out: list[bytes | None] = []
+    for i in range(tokenizer.vocab_size):
+        piece = inner.id_to_token(i)
+        if piece is None or piece in specials:
+            out.append(None)
+            continue
+        if byte_level:
+            try:
+                out.append(bytes(inverse[c] for c in piece))
+            except KeyError:
+                out.append(piece.encode("utf-8"))  # an added non-special token written as text
+            continue
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out.append(bytes([int(piece[3:5], 16)]))
+            continue
+        out.append(piece.replace("\u2581", " ").encode("utf-8"))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenTables:
+    """The compiled grammar for one tokenizer (module docstring). ``finished`` is the state a
+    stop token leads to (accepting, nothing else allowed)."""
+
+    category: np.ndarray  # [V] int32
+    next: np.ndarray  # [S, C] int32
+    accepting: np.ndarray  # [S] bool
+    bitmask: np.ndarray | None  # [S, ceil(V/32)] int32
+    stop_tokens: tuple[int, ...]
+    start: int = 0
+
+    @property
+    def num_states(self) -> int:
+        return self.next.shape[0]
+
+    @property
+    def num_categories(self) -> int:
+        return self.next.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.category.shape[0]
+
+    @property
+    def finished(self) -> int:
+        return self.num_states - 1
+
+    def nbytes(self) -> dict[str, int]:
+        out = {"category": self.category.nbytes, "next": self.next.nbytes, "accepting": self.accepting.nbytes}
+        if self.bitmask is not None:
+            out["bitmask"] = self.bitmask.nbytes
+        return out
+
+    def allowed(self, state: int) -> np.ndarray:
+        """``[V]`` bool: the tokens allowed in ``state``."""
+        return self.next[state][self.category] >= 0
+
+    def step(self, state: int, token: int) -> int:
+        """The state after ``token`` (-1 if it is not allowed)."""
+        return int(self.next[state, self.category[token]])
+
+    def packed(self, state: int) -> np.ndarray:
+        """``allowed(state)`` as int32 words (bit ``j % 32`` of word ``j // 32``)."""
+        return pack_bits(self.allowed(state)[None])[0]
+
+
+def pack_bits(allowed: np.ndarray) -> np.ndarray:
+    """``[N, V]`` bool -> ``[N, ceil(V / 32)]`` int32, token ``j`` at bit ``j % 32`` of word
+    ``j // 32``."""
+    N, V = allowed.shape
+    W = -(-V // 32)
+    padded = np.zeros((N, W * 32), bool)
+    padded[:, :V] = allowed
+    bits = padded.reshape(N, W, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
+    return bits.sum(-1).astype(np.uint32).view(np.int32)
+
+
+def _outcomes(dfa: ByteDFA, tokens: Sequence[bytes]) -> np.ndarray:
+    """``[S, n]``: state after each token from each state (-1: rejected), by token length."""
+    S = dfa.num_states
+    delta = np.concatenate([dfa.delta, np.full((1, 256), S, np.int32)])  # state S: the sink
+    delta = np.where(delta < 0, S, delta)
+    out = np.full((S, len(tokens)), -1, np.int32)
+    by_len: dict[int, list[int]] = {}
+    for j, t in enumerate(tokens):
+        by_len.setdefault(len(t), []).append(j)
+    for n, idx in by_len.items():
+        data = np.frombuffer(b"".join(tokens[j] for j in idx), np.uint8).reshape(len(idx), n)
+        state = np.broadcast_to(np.arange(S, dtype=np.int32)[:, None], (S, len(idx)))
+        for k in range(n):
+            state = delta[state, data[None, :, k]]
+        out[:, idx] = np.where(state == S, -1, state)
+    return out
+
+
+def build_tables(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens: Sequence[int], *,
+                 bitmask_limit: int = BITMASK_LIMIT, chunk: int = 4096) -> TokenTables:
+    """`TokenTables` of ``dfa`` for a vocabulary of ``token_bytes`` (module docstring)."""
+    V = len(token_bytes)
+    stop = sorted({int(t) for t in stop_tokens})
+    bad = [t for t in stop if not 0 <= t < V]
+    if bad:
+        raise GrammarError(f"stop token ids {bad} are outside the vocabulary [0, {V})")
+    S = dfa.num_states
+    finished = S  # one extra state after a stop token
+    category = np.zeros(V, np.int32)
+    columns: list[np.ndarray] = []
+    seen: dict[bytes, int] = {}
+
+    def assign(col: np.ndarray) -> int:
+        key = col.tobytes()
+        if key not in seen:
+            seen[key] = len(columns)
+            columns.append(col)
+        return seen[key]
+
+    never = np.full(S + 1, -1, np.int32)
+    stop_col = np.where(np.append(dfa.accepting, False), finished, -1).astype(np.int32)
+    stop_set = set(stop)
+    regular = [i for i in range(V) if i not in stop_set and token_bytes[i]]
+    for i in range(V):
+        if i in stop_set:
+            category[i] = assign(stop_col)
+        elif not token_bytes[i]:
+            category[i] = assign(never)
+    for lo in range(0, len(regular), chunk):
+        ids = regular[lo: lo + chunk]
+        out = _outcomes(dfa, [token_bytes[i] for i in ids])
+        out = np.concatenate([out, np.full((1, len(ids)), -1, np.int32)])  # the finished state allows nothing
+        for j, i in enumerate(ids):
+            category[i] = assign(out[:, j])
+    nxt = np.stack(columns, axis=1).astype(np.int32)  # [S + 1, C]
+    accepting = np.append(dfa.accepting, True)
+    # a state no token leaves and that does not accept is a dead end at the token level (the
+    # vocabulary lacks the bytes it needs): cut the transitions into it, until none is left
+    while True:
+        dead = ~accepting & ~np.any(nxt >= 0, axis=1)
+        into = (nxt >= 0) & dead[np.where(nxt >= 0, nxt, 0)]
+        if not into.any():
+            break
+        nxt = np.where(into, -1, nxt)
+    if dead[0]:
+        raise GrammarError("this tokenizer cannot write any string of the grammar (its tokens lack the bytes "
+                           "the grammar needs)")
+    bitmask = None
+    if (S + 1) * (-(-V // 32)) * 4 <= bitmask_limit:
+        bitmask = pack_bits(nxt[:, category] >= 0)
+    return TokenTables(category=category, next=nxt, accepting=accepting, bitmask=bitmask, stop_tokens=tuple(stop))
+
+
+def tables_key(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens: Sequence[int],
+               bitmask_limit: int) -> str:
+    h = hashlib.sha256()
+    h.update(b"jaxlm-grammar-tables-v1")
+    h.update(np.ascontiguousarray(dfa.delta).tobytes())
+    h.update(np.ascontiguousarray(dfa.accepting).tobytes())
+    for t in token_bytes:
+        h.update(b"\xff" if t is None else len(t).to_bytes(4, "little") + t)
+    h.update(repr((sorted(stop_tokens), bitmask_limit)).encode())
+    return h.hexdigest()[:32]
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("JAXLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxlm")
+    return Path(root) / "grammar"
+
+
+def cached_tables(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens: Sequence[int], *,
+                  cache_dir: str | os.PathLike | None, bitmask_limit: int = BITMASK_LIMIT) -> TokenTables:
+    """`build_tables`, read from / written to ``cache_dir`` (None: no cache)."""
+    if cache_dir is None:
+        return build_tables(dfa, token_bytes, stop_tokens, bitmask_limit=bitmask_limit)
+    path = Path(cache_dir) / f"{tables_key(dfa, token_bytes, stop_tokens, bitmask_limit)}.npz"
+    if path.exists():
+        try:
+            with np.load(path) as z:
+                return TokenTables(category=z["category"], next=z["next"], accepting=z["accepting"],
+                                   bitmask=z["bitmask"] if "bitmask" in z else None,
+                                   stop_tokens=tuple(int(t) for t in z["stop_tokens"]))
+        except (OSError, KeyError, ValueError):
+            pass  # a damaged cache entry is rebuilt
+    tables = build_tables(dfa, token_bytes, stop_tokens, bitmask_limit=bitmask_limit)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = dict(category=tables.category, next=tables.next, accepting=tables.accepting,
+                  stop_tokens=np.asarray(tables.stop_tokens, np.int64))
+    if tables.bitmask is not None:
+        arrays["bitmask"] = tables.bitmask
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+    return tables

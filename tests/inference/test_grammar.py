@@ -1,0 +1,407 @@
+"""Grammar-constrained decoding: token masks against XGrammar at every prefix, on-device
+generation that always validates, compile-time errors, the table cache."""
+
+import json
+import random
+
+import jsonschema
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm.inference.grammar import GrammarError, compile_ebnf, compile_json_schema, compile_regex
+from jaxlm.inference.grammar.tables import token_byte_strings
+
+xgr = pytest.importorskip("xgrammar")  # the reference; a test dependency (pyproject [test])
+
+REGEXES = [
+    r"[a-c]+\d{2}|x.y",
+    r"\d{3}-\d{4}",
+    r"(yes|no|maybe)",
+    r"[A-Z][a-z]*( [A-Z][a-z]*){0,2}",
+    r"\w+@\w+\.(com|org)",
+    r"-?\d+(\.\d+)?([eE][+-]?\d+)?",
+    r"[^\n]{1,5}\n",
+    r"(ab|cd)*e?",
+    r"[\u00e0-\u00ff]+ü",
+    r"\s*\S+",
+    r"(0x[0-9a-fA-F]{2} ?){1,3}",
+    r"[αβγ]{2}|\u{1F600}",
+]
+OBJECT = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "score": {"type": "number"},
+    "ok": {"type": "boolean"}}, "required": ["name", "age"]}
+SCHEMAS = [
+    {"type": "integer"},
+    {"type": "number"},
+    {"type": "boolean"},
+    {"type": "string"},
+    {"type": "null"},
+    {"enum": ["red", "green", 3, None, True]},
+    {"const": "a\"b\\c\nd"},
+    OBJECT,
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}},  # all optional
+    {"type": "object", "properties": {"p": OBJECT, "tags": {"type": "array", "items": {"type": "string"}}},
+     "required": ["p"]},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+    {"type": "array", "items": OBJECT, "maxItems": 2},
+    {"type": ["integer", "null"]},
+    {"anyOf": [{"type": "number"}, {"type": "array", "items": {"type": "boolean"}}]},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "[A-Z]{2}[0-9]{3}"}}, "required": ["id"]},
+    {"type": "object", "properties": {"x": {"type": "object", "properties": {"y": {"type": "object", "properties": {
+        "z": {"type": "array", "items": {"type": "number"}}}, "required": ["z"]}}, "required": ["y"]}},
+     "required": ["x"]},
+]
+EBNF = [
+    'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+ | "(" expr ")"',
+    'root ::= "[" (item ("," item)*)? "]"\nitem ::= [a-z]+ # a word',
+    'root ::= line+\nline ::= [a-z]+ "=" [0-9]+ "\\n"',
+    'root ::= "\\"" ([^"\\\\] | "\\\\" ["\\\\n])* "\\""',
+    'root ::= "a"{2,4} "b"{3}',
+    'root ::= "héllo" | "日本" [0-9]?',
+]
+RECURSIVE_EBNF = {0}  # recursion is unrolled; compared only within the depth (below)
+
+
+def _valid_texts(kind, source):
+    """Strings of each grammar's language (hand-written per family, unicode and escapes included)."""
+    if kind == "regex":
+        rnd = random.Random(hash(source) % 1000)
+        samples = {
+            0: ["abc12", "xéy", "x\ny"], 1: ["555-0199"], 2: ["yes", "maybe"], 3: ["Ab Cd Ef", "Z"],
+            4: ["me@host.org"], 5: ["-12.5e+3", "0"], 6: ["héllo\n"], 7: ["abcdab", "e", ""],
+            8: ["àÿü"], 9: ["  x1", "\u3000é"], 10: ["0xA1 0xff", "0x00"], 11: ["αβ", "\U0001F600"],
+        }
+        del rnd
+        return samples[REGEXES.index(source)]
+    if kind == "ebnf":
+        samples = {0: ["1+(2-30)", "(7)"], 1: ["[ab,c]", "[]"], 2: ["a=1\nbc=22\n"], 3: ['"x\\"y\\\\"'],
+                   4: ["aaabbb"], 5: ["héllo", "日本7"]}
+        return samples[EBNF.index(source)]
+    schema = source
+    values = {
+        0: [-120, 0], 1: [1.5e-7, -0.0, 12], 2: [True], 3: ["héllo \"quoted\" \\ \u263a\n"], 4: [None],
+        5: ["green", None], 6: ["a\"b\\c\nd"],
+        7: [{"name": "Zoë", "age": 41, "score": -2.5, "ok": False}, {"name": "", "age": 0}],
+        8: [{}, {"b": True}], 9: [{"p": {"name": "a", "age": 1}, "tags": ["x", "y"]}],
+        10: [[1, 2, 3], [-4]], 11: [[], [{"name": "n", "age": 2, "ok": True}]], 12: [None, 7],
+        13: [3.25, [True, False]], 14: [{"id": "AB123"}], 15: [{"x": {"y": {"z": [1.0, 2e5]}}}],
+    }[SCHEMAS.index(schema)]
+    out = []
+    for v in values:
+        out.append(json.dumps(v, ensure_ascii=False, separators=(", ", ": ")))
+        out.append(json.dumps(v, ensure_ascii=False, indent=2))
+    return out
+
+
+def _byte_tokenizer_setup():
+    tok = jaxlm.ByteTokenizer()
+    vocab = [b"", b"", b""] + [bytes([b]) for b in range(256)]
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=tok.vocab_size, stop_token_ids=[tok.eos_id])
+    return tok, info
+
+
+def _bpe_tokenizer_setup():
+    """A tiny byte-level BPE trained here, read by XGrammar through transformers' wrapper
+    (its own decoding of the byte-level alphabet) and by jaxlm through `token_byte_strings`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxlm.data.tokenizers import HFTokenizer
+
+    corpus = [json.dumps(v, ensure_ascii=False) for v in
+              [{"name": "Zoë", "age": 41}, [1, 2.5, -3e4], {"ok": True, "tags": ["a", "b"]}, "héllo wörld 日本",
+               "yes no maybe 555-0199 me@host.org 0xA1"]] * 20
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(corpus, trainer)
+    ours = HFTokenizer(tk, eos_id=tk.token_to_id("<eos>"), pad_id=tk.token_to_id("<pad>"))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
+    decoded = list(xgr.TokenizerInfo.from_huggingface(hf, vocab_size=ours.vocab_size).decoded_vocab)
+    for special in (ours.pad_id, ours.eos_id):  # XGrammar would read "<pad>" as text; specials write nothing
+        decoded[special] = b""
+    info = xgr.TokenizerInfo(decoded, xgr.VocabType.RAW, vocab_size=ours.vocab_size, stop_token_ids=[ours.eos_id])
+    return ours, info
+
+
+@pytest.fixture(scope="module", params=["bytes", "bpe"])
+def setup(request):
+    tok, info = _byte_tokenizer_setup() if request.param == "bytes" else _bpe_tokenizer_setup()
+    return tok, xgr.GrammarCompiler(info, cache_enabled=False)
+
+
+def _theirs_allowed(matcher, V):
+    bm = xgr.allocate_token_bitmask(1, V)
+    matcher.fill_next_token_bitmask(bm)
+    words = bm.numpy()[0]
+    ids = np.arange(V)
+    return ((words[ids >> 5] >> (ids & 31)) & 1).astype(bool)
+
+
+def _compile_pair(kind, source, tok, comp, any_whitespace=True):
+    if kind == "regex":
+        return compile_regex(source, tok, cache_dir=None), comp.compile_regex(source)
+    if kind == "ebnf":
+        return compile_ebnf(source, tok, max_depth=4, cache_dir=None), comp.compile_grammar(source)
+    text = json.dumps(source)
+    return (compile_json_schema(source, tok, any_whitespace=any_whitespace, cache_dir=None),
+            comp.compile_json_schema(text, any_whitespace=any_whitespace))
+
+
+def _compare_along(ours, theirs, ids, V):
+    """Masks equal at every prefix of ``ids`` (which must stay inside both languages)."""
+    matcher = xgr.GrammarMatcher(theirs)
+    state = ours.tables.start
+    for k in range(len(ids) + 1):
+        mine, ref = ours.tables.allowed(state), _theirs_allowed(matcher, V)
+        if not np.array_equal(mine, ref):
+            diff = np.flatnonzero(mine != ref)[:8]
+            return f"prefix {ids[:k]}: tokens {diff.tolist()} ours {mine[diff].tolist()}"
+        if k == len(ids):
+            return None
+        state = ours.tables.step(state, ids[k])
+        assert state >= 0 and matcher.accept_token(ids[k]), f"token {ids[k]} after {ids[:k]} not accepted"
+    return None
+
+
+def _distances(t):
+    """Fewest tokens from each state to acceptance (BFS backwards over the tables)."""
+    succ = t.next[:, t.category]  # [S, V]
+    dist = np.where(t.accepting, 0, np.iinfo(np.int32).max).astype(np.int64)
+    while True:
+        via = np.where(succ >= 0, dist[np.where(succ >= 0, succ, 0)] + 1, np.iinfo(np.int32).max).min(axis=1)
+        new = np.minimum(dist, via)
+        if np.array_equal(new, dist):
+            return dist
+        dist = new
+
+
+def _random_walk(ours, rng, V, steps=30, stop_bias=0.3, finish_bias=0.0):
+    """Token ids chosen uniformly among the allowed ones from our tables (a stop token with
+    probability ``stop_bias`` where one is allowed; with probability ``finish_bias`` a token
+    that brings the output closest to complete)."""
+    t = ours.tables
+    dist = _distances(t) if finish_bias else None
+    state, ids = t.start, []
+    for _ in range(steps):
+        allowed = np.flatnonzero(t.allowed(state))
+        stops = [s for s in t.stop_tokens if s in set(allowed)]
+        if stops and rng.random() < stop_bias:
+            break
+        choices = [a for a in allowed if a not in t.stop_tokens]
+        if not choices:
+            break
+        if dist is not None and rng.random() < finish_bias:
+            d = np.array([dist[t.step(state, a)] for a in choices])
+            choices = [a for a, x in zip(choices, d) if x == d.min()]
+        ids.append(int(rng.choice(choices)))
+        state = t.step(state, ids[-1])
+    return ids
+
+
+GRAMMARS = ([("regex", r) for r in REGEXES] + [("json", s) for s in SCHEMAS] + [("ebnf", e) for e in EBNF])
+
+
+@pytest.mark.parametrize("kind, source", GRAMMARS, ids=[f"{k}{i}" for i, (k, _) in enumerate(GRAMMARS)])
+def test_masks_equal_xgrammar_at_every_prefix(kind, source, setup):
+    """Bit-for-bit the allowed-token set of XGrammar's matcher, along valid strings of the
+    language and along random walks through our tables (which XGrammar must accept too)."""
+    tok, comp = setup
+    V = tok.vocab_size
+    for ws in ((True, False) if kind == "json" else (True,)):
+        ours, theirs = _compile_pair(kind, source, tok, comp, any_whitespace=ws)
+        texts = _valid_texts(kind, source)
+        if kind == "json" and not ws:
+            texts = [t for t in texts if "\n  " not in t]  # the indented variants need whitespace
+        for text in texts:
+            assert ours.matches(text), text
+            problem = _compare_along(ours, theirs, tok.encode(text), V)
+            assert problem is None, f"{kind} {source!r} (any_whitespace={ws}) on {text!r}: {problem}"
+        if kind == "ebnf" and EBNF.index(source) in RECURSIVE_EBNF:
+            continue  # a walk can nest deeper than the unrolled depth; the cut is tested below
+        rng = np.random.default_rng(0)
+        for _ in range(4):
+            ids = _random_walk(ours, rng, V)
+            problem = _compare_along(ours, theirs, ids, V)
+            assert problem is None, f"{kind} {source!r} (any_whitespace={ws}), random walk: {problem}"
+
+
+def test_json_outputs_of_walks_validate():
+    """Every complete string our tables allow for a schema parses and validates."""
+    tok = jaxlm.ByteTokenizer()
+    rng = np.random.default_rng(1)
+    for schema in SCHEMAS:
+        g = compile_json_schema(schema, tok, cache_dir=None)
+        complete = 0
+        for _ in range(40):
+            ids = _random_walk(g, rng, tok.vocab_size, steps=400, stop_bias=0.5, finish_bias=0.3)
+            state = g.tables.start
+            for t in ids:
+                state = g.tables.step(state, t)
+            if g.tables.accepting[state]:
+                jsonschema.validate(json.loads(tok.decode(ids)), schema)
+                complete += 1
+        assert complete > 0, schema
+
+
+def test_recursion_is_cut_at_the_unrolled_depth():
+    tok = jaxlm.ByteTokenizer()
+    g = compile_ebnf(EBNF[0], tok, max_depth=2, cache_dir=None)
+    assert g.matches("((1))") and not g.matches("(((1)))")
+    state = g.tables.start
+    for t in tok.encode("(("):
+        state = g.tables.step(state, t)
+    assert not g.tables.allowed(state)[tok.encode("(")[0]]  # one level deeper is masked
+    assert g.tables.allowed(state)[tok.encode("7")[0]]
+    anything = compile_json_schema({}, tok, max_depth=2, cache_dir=None)
+    assert anything.matches('[{"a": 1}]') and anything.matches("[[1]]") and not anything.matches("[[[1]]]")
+
+
+def test_token_byte_strings_of_a_byte_level_bpe_equal_what_decoding_gives():
+    tok, _ = _bpe_tokenizer_setup()
+    strings = token_byte_strings(tok)
+    assert strings[tok.eos_id] is None and strings[tok.pad_id] is None
+    text = 'héllo {"name": "Zoë"} 日本'
+    ids = tok.encode(text)
+    assert b"".join(strings[i] for i in ids).decode("utf-8") == text
+    assert sum(1 for s in strings if s is not None and len(s) > 1) > 50  # merges really are multi-byte
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    return jaxlm.build_model(jaxlm.ModelConfig.tiny(init_std=0.5, max_seq_len=160), tokenizer=jaxlm.ByteTokenizer(),
+                             seed=0)
+
+
+def test_generation_from_an_adversarial_model_always_validates(random_model):
+    """Random weights at temperature 2: unconstrained output is never JSON; constrained,
+    every finished row parses and validates, and rows that ran out of tokens are prefixes."""
+    tok = random_model.tokenizer
+    schemas = [OBJECT, SCHEMAS[9], SCHEMAS[11], SCHEMAS[13]]
+    grammars = [compile_json_schema(s, tok, cache_dir=None) for s in schemas]
+    rows = [grammars[i % len(grammars)] for i in range(8)]
+    out = jaxlm.generate(random_model, ["Answer in JSON:"] * 8, max_new_tokens=120, temperature=2.0, rng=0,
+                         grammar=rows)
+    plain = jaxlm.generate(random_model, ["Answer in JSON:"] * 8, max_new_tokens=40, temperature=2.0, rng=0)
+    finished = 0
+    for i, (ids, n) in enumerate(zip(out.completions(), np.asarray(out.lengths))):
+        g = rows[i]
+        state = g.tables.start
+        for t in ids:
+            state = g.tables.step(state, t)
+            assert state >= 0, (i, ids)
+        if ids and ids[-1] == tok.eos_id or g.tables.accepting[state]:
+            text = tok.decode(ids)
+            jsonschema.validate(json.loads(text), schemas[i % len(schemas)])
+            finished += 1
+    assert finished >= 4
+
+    def valid(text, schema):
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            return True
+        except (ValueError, jsonschema.ValidationError):
+            return False
+
+    assert not any(valid(text, schemas[i % len(schemas)]) for i, text in enumerate(plain.texts))
+
+
+def test_greedy_constrained_equals_the_masked_argmax_of_full_forwards(random_model):
+    """Reference: a cache-free forward per step, the grammar's mask from the host tables,
+    argmax; and a stop token only where the grammar accepts."""
+    import jax.numpy as jnp
+
+    tok = random_model.tokenizer
+    g = compile_regex(r"(cat|dog|bird)s? [0-9]{1,2}\.", tok, cache_dir=None)
+    prompts = ["Pet: ", "x"]
+    out = jaxlm.generate(random_model, prompts, max_new_tokens=12, temperature=0, grammar=g)
+    for b, prompt in enumerate(prompts):
+        seq = tok.encode(prompt, add_bos=True)
+        state, expected = g.tables.start, []
+        for _ in range(12):
+            logits = np.asarray(random_model(jnp.asarray([seq])).logits[0, -1])
+            masked = np.where(g.tables.allowed(state), logits, -np.inf)
+            t = int(masked.argmax())
+            expected.append(t)
+            seq.append(t)
+            state = g.tables.step(state, t)
+            if t == tok.eos_id or g.tables.finished == state:
+                break
+            if set(np.flatnonzero(g.tables.allowed(state))) <= set(g.tables.stop_tokens):
+                break  # complete: the row stops without a stop token
+        assert out.completions()[b] == expected
+        assert g.matches(tok.decode(expected))
+
+
+def test_per_row_grammars_and_free_rows(random_model):
+    tok = random_model.tokenizer
+    yes_no = compile_regex(r"(yes|no)", tok, cache_dir=None)
+    digits = compile_regex(r"[0-9]{3}", tok, cache_dir=None, stop_tokens=())
+    out = jaxlm.generate(random_model, ["a", "b", "c"], max_new_tokens=8, temperature=1.0, rng=2,
+                         grammar=[yes_no, digits, None])
+    a, b, c = out.texts
+    assert a in ("yes", "no")
+    assert len(b) == 3 and b.isdigit() and int(out.lengths[1]) == 3  # complete: the row stops, no EOS needed
+    assert int(out.lengths[2]) == 8
+    with pytest.raises(ValueError, match="grammar= has 2 entries for 3 prompts"):
+        jaxlm.generate(random_model, ["a", "b", "c"], max_new_tokens=2, grammar=[yes_no, None])
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda t: compile_regex(r"(a)\1", t), "backreference"),
+    (lambda t: compile_regex(r"a(?=b)", t), "lookahead"),
+    (lambda t: compile_regex(r"a\bb", t), "anchor"),
+    (lambda t: compile_regex(r"[^\s\S]", t), "can never be completed"),
+    (lambda t: compile_regex(r"a{3,2}", t), "invalid repetition"),
+    (lambda t: compile_json_schema({"type": "string", "format": "date"}, t), "'format' is not supported"),
+    (lambda t: compile_json_schema({"type": "integer", "minimum": 0}, t), "'minimum' is not supported"),
+    (lambda t: compile_json_schema({"type": "object", "additionalProperties": True}, t), "additionalProperties"),
+    (lambda t: compile_json_schema({"oneOf": [{"type": "null"}]}, t), "'oneOf' without 'type'"),
+    (lambda t: compile_json_schema({"type": "tuple"}, t), "type 'tuple'"),
+    (lambda t: compile_json_schema({"type": "string", "minLength": 3, "maxLength": 2}, t), "can never be completed"),
+    (lambda t: compile_json_schema({"type": "object", "properties": {}, "required": ["a"]}, t), "'a' is not in"),
+    (lambda t: compile_ebnf('root ::= "a" missing', t), "'missing' is used but not defined"),
+    (lambda t: compile_ebnf('start ::= "a"', t), "no 'root' rule"),
+    (lambda t: compile_ebnf('root ::= "a" (="b")', t), "lookahead"),
+    (lambda t: compile_ebnf('root ::= "a\nb"', t), "line 1 column 10: unterminated string"),
+    (lambda t: compile_ebnf('root ::= "a" root', t, max_depth=3), "can never be completed"),
+])
+def test_compile_time_errors_name_the_construct(make, match):
+    with pytest.raises(GrammarError, match=match):
+        make(jaxlm.ByteTokenizer())
+
+
+def test_tables_are_cached_by_grammar_and_tokenizer(tmp_path):
+    tok = jaxlm.ByteTokenizer()
+    first = compile_json_schema(OBJECT, tok, cache_dir=tmp_path)
+    files = list(tmp_path.glob("*.npz"))
+    assert len(files) == 1
+    again = compile_json_schema(OBJECT, tok, cache_dir=tmp_path)
+    for name in ("category", "next", "accepting", "bitmask"):
+        np.testing.assert_array_equal(getattr(first.tables, name), getattr(again.tables, name))
+    compile_json_schema(OBJECT, tok, cache_dir=tmp_path, stop_tokens=())  # other settings: another entry
+    assert len(list(tmp_path.glob("*.npz"))) == 2
+    files[0].write_bytes(b"damaged")
+    rebuilt = compile_json_schema(OBJECT, tok, cache_dir=tmp_path)
+    np.testing.assert_array_equal(rebuilt.tables.next, first.tables.next)
+
+
+def test_bitmask_and_category_paths_give_the_same_mask():
+    import jax.numpy as jnp
+
+    from jaxlm.inference.grammar.decoding import allowed_tokens, merge_tables
+
+    tok = jaxlm.ByteTokenizer()
+    g = compile_json_schema(OBJECT, tok, cache_dir=None)
+    with_bits, starts = merge_tables([g, None], tok.vocab_size, bitmask_limit=1 << 30)
+    without, _ = merge_tables([g, None], tok.vocab_size, bitmask_limit=0)
+    assert with_bits.bitmask is not None and without.bitmask is None
+    states = jnp.arange(g.tables.num_states, dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(allowed_tokens(with_bits, states)),
+                                  np.asarray(allowed_tokens(without, states)))
+    np.testing.assert_array_equal(np.asarray(allowed_tokens(without, states)),
+                                  np.stack([g.tables.allowed(s) for s in range(g.tables.num_states)]))
+    assert np.asarray(allowed_tokens(without, jnp.asarray(starts[1:]))).all()  # the free row
