@@ -28,7 +28,7 @@ LONGEST_FILES = (
     "tests/rl/test_prefix.py", "tests/quant/test_kernels.py", "tests/quant/test_transforms.py",
     "tests/trainers/test_quickstart.py", "tests/quant/test_twinquant_model.py", "tests/rl/test_multiturn.py",
     "tests/inference/test_generate.py", "tests/inference/test_speculative.py", "tests/inference/test_early_exit.py",
-    "tests/inference/test_online_spec.py",
+    "tests/inference/test_online_spec.py", "tests/inference/test_grammar.py",
     "tests/trainers/test_loop.py", "tests/trainers/test_step.py",
     "tests/rl/test_grpo.py", "tests/models/test_attention_fast_path.py", "tests/models/test_variants.py",
     "tests/editing/test_curvature.py", "tests/quant/test_formats.py", "tests/quant/test_quarot.py",

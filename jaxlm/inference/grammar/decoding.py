@@ -66,20 +66,26 @@ def merge_tables(grammars: Sequence, vocab_size: int, bitmask_limit: int) -> tup
     each row's start state."""
     tables = [_one(g) for g in grammars]
     unique: list[TokenTables] = []
-    index: dict[int, int] = {}
+    index: dict[int, int] = {}  # id of a row's tables -> its place in `unique`
     for t in tables:
-        if t is not None and id(t) not in index:
-            if t.vocab_size != vocab_size:
-                raise GrammarError(f"a grammar was compiled for a vocabulary of {t.vocab_size} tokens; the model "
-                                   f"has vocab_size={vocab_size}")
-            index[id(t)] = len(unique)
-            unique.append(t)
+        if t is None or id(t) in index:
+            continue
+        if t.vocab_size > vocab_size:
+            raise GrammarError(f"a grammar was compiled for a vocabulary of {t.vocab_size} tokens; the model "
+                               f"has vocab_size={vocab_size}")
+        index[id(t)] = len(unique)
+        if t.vocab_size < vocab_size:  # the model's padded ids past the tokenizer's are never allowed
+            never = t.num_categories
+            t = TokenTables(category=np.pad(t.category, (0, vocab_size - t.vocab_size), constant_values=never),
+                            next=np.pad(t.next, ((0, 0), (0, 1)), constant_values=-1), accepting=t.accepting,
+                            bitmask=None, stop_tokens=t.stop_tokens, start=t.start)
+        unique.append(t)
     if not unique:
         raise GrammarError("grammar= holds no grammar")
     joint = np.stack([t.category for t in unique], axis=1)  # [V, n]
     _, rep, category = np.unique(joint, axis=0, return_index=True, return_inverse=True)
     category = category.reshape(-1).astype(np.int32)
-    blocks, terminal, offsets, masks = [], [], [], []
+    blocks, terminal, offsets = [], [], []
     offset = 0
     for t in unique:
         nxt = t.next[:, t.category[rep]]  # [S_i, C]
@@ -88,7 +94,6 @@ def merge_tables(grammars: Sequence, vocab_size: int, bitmask_limit: int) -> tup
             if t.stop_tokens else ~np.any(nxt >= 0, axis=1)
         terminal.append(t.accepting & only_stop)
         offsets.append(offset)
-        masks.append(t.bitmask)
         offset += t.num_states
     free = None
     if any(t is None for t in tables):

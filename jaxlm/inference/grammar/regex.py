@@ -18,7 +18,6 @@ from jaxlm.inference.grammar.automaton import (
     GrammarError,
     Repeat,
     Seq,
-    chars,
     complement,
     normalize_ranges,
 )
@@ -241,5 +240,3 @@ def parse_regex(pattern: str):
         raise GrammarError(f"regex must be a str, got {type(pattern).__name__}")
     return _Parser(pattern).parse()
 
-
-__all__ = ["parse_regex", "chars"]
