@@ -45,6 +45,25 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
     return {"prompt": row["prompt"], "completion": row["completion"]}
 
 
+def _jsonl_rows(path: Path):
+    """``(line number, parsed value)`` of each non-blank line; a line that is not UTF-8 or not
+    JSON raises `DataError` naming the file, line (and byte offset)."""
+    offset = 0
+    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        start, offset = offset, offset + len(raw) + 1
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {start + e.start} of the file, "
+                            f"{raw[e.start:e.start + 4]!r}); save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """All rows of a ``.jsonl`` or ``.parquet`` file, validated."""
     path = Path(path)
@@ -54,20 +73,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         raise DataError(f"{path} is a directory, not a .jsonl or .parquet file")
     rows: list[dict[str, Any]] = []
     if path.suffix == ".jsonl":
-        offset = 0
-        for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):
-            start, offset = offset, offset + len(raw) + 1
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {start + e.start} of the file, "
-                                f"{raw[e.start:e.start + 4]!r}); save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        for lineno, row in _jsonl_rows(path):
             rows.append(_check_row(row, f"{path}:{lineno}"))
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -95,18 +101,8 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     if path.is_dir() or path.suffix != ".jsonl":
         raise DataError(f"{path}: prompts are read from a .jsonl file (one {{\"prompt\": ...}} object per line)")
     rows: list[dict[str, Any]] = []
-    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+    for lineno, row in _jsonl_rows(path):
         where = f"{path}:{lineno}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise DataError(f"{where}: not UTF-8 text; save the file as UTF-8") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected an object with a 'prompt' string, got {type(row).__name__}")
         if not isinstance(row.get("prompt"), str) or not row["prompt"]:
