@@ -7,7 +7,9 @@ Overhead grid: a random model (4 layers, width 256, byte vocabulary) decodes
 * constrained `jaxlm.generate(..., grammar=)`: mask and state update inside the loop;
 * the host path: the same model stepped by a jitted one-token function, XGrammar's
   `BatchGrammarMatcher` filling the ``[B, ceil(V/32)]`` bitmask on the host each step, the
-  mask applied on the device, the sampled tokens sent back to the matchers.
+  mask applied on the device, the sampled tokens sent back to the matchers; and that loop
+  with an all-ones mask and no matcher, so each path's masking cost is its time over its
+  own unconstrained loop.
 
 Per decode step times are compared (rows of a constrained batch may finish early: the time
 is divided by the loop's steps). Also the compile time of both and the table sizes.
@@ -38,9 +40,10 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "tags"]}
 
 
-def host_mask_decoder(model, compiled, tokenizer_info, batch: int, new_tokens: int, seed: int):
-    """Greedy-free sampling with XGrammar filling masks on the host each step; returns
-    ``run() -> (tokens [B, N], steps)``."""
+def host_mask_decoder(model, compiled, batch: int, new_tokens: int, seed: int):
+    """Sampling stepped from the host with XGrammar filling the masks each step (``compiled``
+    None: the same loop with an all-ones mask and no matcher, the host loop's own cost);
+    returns ``run() -> (tokens [B, N], steps)``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -75,7 +78,7 @@ def host_mask_decoder(model, compiled, tokenizer_info, batch: int, new_tokens: i
     batch_matcher = xgr.BatchGrammarMatcher()
 
     def run():
-        matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
+        matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)] if compiled is not None else None
         bitmask = xgr.allocate_token_bitmask(batch, V)
         logits, cache = prefill(params, prompt)
         key = jax.random.key(seed)
@@ -83,13 +86,15 @@ def host_mask_decoder(model, compiled, tokenizer_info, batch: int, new_tokens: i
         done = np.zeros(batch, bool)
         steps = 0
         for t in range(new_tokens):
-            batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+            if matchers is not None:
+                active = [b for b in range(batch) if not done[b]]  # a finished matcher has no next mask
+                batch_matcher.batch_fill_next_token_bitmask([matchers[b] for b in active], bitmask, indices=active)
             key, sub = jax.random.split(key)
             token, logits, cache = step(params, cache, logits, jnp.asarray(bitmask.numpy()), sub)
             token = np.asarray(token)
             out[:, t] = token
             steps += 1
-            for b in range(batch):
+            for b in range(batch if matchers is not None else 0):
                 if not done[b]:
                     matchers[b].accept_token(int(token[b]))
                     done[b] = matchers[b].is_terminated()
@@ -129,7 +134,7 @@ def overhead_grid(args) -> list[dict]:
     rows = [{"compile_s": {"jaxlm": ours_compile, "xgrammar": theirs_compile}, "tables": summary}]
     N = args.new_tokens
     print(f"\n{'batch':>5} | {'free ms/step':>12} | {'tables ms/step':>14} | overhead | {'host ms/step':>12} | "
-          f"host / tables")
+          f"host / tables | {'host loop, no mask':>18} | mask cost host / tables")
     for batch in args.batch:
         prompts = ["JSON: "] * batch
 
@@ -143,8 +148,8 @@ def overhead_grid(args) -> list[dict]:
             jax.block_until_ready(r.tokens)
             return r, int(np.max(np.asarray(r.lengths)))
 
-        host_run = host_mask_decoder(model, theirs, info, batch, N, seed=1)
-        runs = {"free": free, "tables": tables, "host": host_run}
+        runs = {"free": free, "tables": tables, "host": host_mask_decoder(model, theirs, batch, N, seed=1),
+                "host free": host_mask_decoder(model, None, batch, N, seed=1)}
         for fn in runs.values():  # compile
             fn()
         per_step = {k: [] for k in runs}
@@ -158,10 +163,14 @@ def overhead_grid(args) -> list[dict]:
         for b, text in enumerate(r.texts):  # a finished row is a valid document
             if ours.matches(text):
                 json.loads(text)
+        # what masking adds to each path's own unconstrained loop
+        cost = {"tables": med["tables"] - med["free"], "host": med["host"] - med["host free"]}
+        ratio = cost["host"] / max(cost["tables"], 1e-6)
         print(f"{batch:>5} | {med['free']:>12.3f} | {med['tables']:>14.3f} | {med['tables'] / med['free']:>7.2f}x | "
-              f"{med['host']:>12.3f} | {med['host'] / med['tables']:.2f}x")
+              f"{med['host']:>12.3f} | {med['host'] / med['tables']:>12.2f}x | {med['host free']:>18.3f} | "
+              f"{cost['host']:.3f} / {cost['tables']:.3f} ms = {ratio:.1f}x")
         rows.append({"batch": batch, "ms_per_step": med, "overhead": med["tables"] / med["free"],
-                     "host_vs_tables": med["host"] / med["tables"]})
+                     "host_vs_tables": med["host"] / med["tables"], "mask_cost_ms": cost})
     return rows
 
 
