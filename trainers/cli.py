@@ -402,20 +402,10 @@ def run_edit(args: EditArgs) -> dict:
 
 
 def run_serve_stream(args: ServeStreamArgs):
-    import json
+    from trainers.serve_stream import serve_prompt_file
 
-    from jaxlm.data.files import read_prompts
-    from jaxlm.fileio import DirectoryLock, atomic_write_text
-    from jaxlm.inference.online_spec import chunked, serve_stream
-
-    rows = read_prompts(args.prompts)
-    if args.save_draft is not None and args.save_draft.exists() and not args.overwrite:
-        raise FileExistsError(f"{args.save_draft} exists; {_OVERWRITE_HINT}")
-    target, draft = _load(args.model), _load(args.draft)
-    if target.tokenizer is None:
-        raise UsageError(f"{args.model} has no tokenizer (tokenizer.json); cannot encode text prompts")
     spec = args.spec
-    print(f"{len(rows)} prompts in chunks of {spec.chunk_size}, draft adapted by {spec.method}; "
+    print(f"serving {args.prompts} in chunks of {spec.chunk_size}, draft adapted by {spec.method}; "
           f"{spec.num_draft_tokens} drafts per verify round", file=sys.stderr)
 
     def show(c) -> None:
@@ -423,30 +413,13 @@ def run_serve_stream(args: ServeStreamArgs):
         print(f"chunk {c.index}: {c.prompts} prompts, {c.tokens_per_round:.2f} tokens/round, accept "
               f"{c.accept_rate:.1%}, {c.tokens_per_second:.1f} tok/s{loss}", file=sys.stderr)
 
-    result = serve_stream(target, draft, chunked([r["prompt"] for r in rows], spec.chunk_size), spec,
-                          keep_completions=True, callback=show)
-    print(f"{len(rows)} prompts: {result.mean('tokens_per_round'):.2f} tokens per verify round, "
+    result = serve_prompt_file(args.model, args.draft, args.prompts, spec, completions=args.completions,
+                               report=args.report, save_draft=args.save_draft, overwrite=args.overwrite,
+                               hint=_OVERWRITE_HINT, callback=show)
+    n = sum(c.prompts for c in result.chunks)
+    print(f"{n} prompts: {result.mean('tokens_per_round'):.2f} tokens per verify round, "
           f"{result.mean('tokens_per_second'):.1f} tok/s while serving")
-    if args.completions is not None:
-        completions = [c for chunk in result.chunks for c in chunk.completions]
-        lines = [json.dumps({**row, "completion": target.tokenizer.decode(ids), "tokens": ids})
-                 for row, ids in zip(rows, completions)]
-        args.completions.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.completions, "\n".join(lines) + "\n")
-    if args.report is not None:
-        finite = lambda v: None if isinstance(v, float) and v != v else v  # noqa: E731  (no loss: static)
-        chunks = [{k: finite(v) for k, v in dataclasses.asdict(c).items() if k != "completions"}
-                  for c in result.chunks]
-        report = {"config": dataclasses.asdict(spec), "chunks": chunks,
-                  "tokens_per_round": result.mean("tokens_per_round"),
-                  "tokens_per_second": result.mean("tokens_per_second")}
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.report, json.dumps(report, indent=2, allow_nan=False))
     if args.save_draft is not None:
-        from jaxlm.checkpoint import save_checkpoint
-
-        with DirectoryLock(args.save_draft, beside=True, what="draft being written"):
-            save_checkpoint(result.draft, args.save_draft, overwrite=args.overwrite)
         print(f"adapted draft -> {args.save_draft}")
     return result
 
