@@ -15,6 +15,7 @@ with nothing but a stop token allowed, or after a stop token.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import jax
@@ -42,9 +43,10 @@ def allowed_tokens(g: DeviceGrammar, state: jax.Array) -> jax.Array:
     """``[B, V]`` bool: the tokens each row's grammar allows in ``state [B]``."""
     V = g.category.shape[0]
     if g.bitmask is not None:
-        ids = jnp.arange(V, dtype=jnp.int32)
         words = jnp.take(g.bitmask, state, axis=0)  # [B, W]
-        return ((jnp.take(words, ids >> 5, axis=1) >> (ids & 31)) & 1).astype(bool)
+        # unpack by shifting each word through its 32 bits: elementwise work, no gather over V
+        bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+        return bits.reshape(words.shape[0], -1)[:, :V].astype(bool)
     return jnp.take(jnp.take(g.next, state, axis=0), g.category, axis=1) >= 0
 
 
@@ -61,27 +63,48 @@ def _one(x):
     return x if isinstance(x, TokenTables) or x is None else x.tables
 
 
+_MERGED: "OrderedDict[tuple, tuple]" = OrderedDict()  # recent merges: (key) -> (tables kept alive, result)
+_MERGED_SIZE = 16
+
+
 def merge_tables(grammars: Sequence, vocab_size: int, bitmask_limit: int) -> tuple[DeviceGrammar, np.ndarray]:
     """`DeviceGrammar` of the rows' grammars (`CompiledGrammar`, `TokenTables` or None) and
-    each row's start state."""
+    each row's start state. The merged device tables of the last few grammar sets are kept,
+    so repeated calls with the same grammars do no host work beyond the start states."""
     tables = [_one(g) for g in grammars]
-    unique: list[TokenTables] = []
-    index: dict[int, int] = {}  # id of a row's tables -> its place in `unique`
+    order: list[TokenTables] = []
     for t in tables:
-        if t is None or id(t) in index:
-            continue
+        if t is not None and all(t is not u for u in order):
+            order.append(t)
+    if not order:
+        raise GrammarError("grammar= holds no grammar")
+    has_free = any(t is None for t in tables)
+    key = (tuple(id(t) for t in order), has_free, vocab_size, bitmask_limit)
+    if key in _MERGED:
+        _MERGED.move_to_end(key)
+        _, (device, offsets, free) = _MERGED[key]
+    else:
+        device, offsets, free = _merge(order, has_free, vocab_size, bitmask_limit)
+        _MERGED[key] = (order, (device, offsets, free))
+        while len(_MERGED) > _MERGED_SIZE:
+            _MERGED.popitem(last=False)
+    place = {id(t): i for i, t in enumerate(order)}
+    starts = np.array([free if t is None else offsets[place[id(t)]] + t.start for t in tables], np.int32)
+    return device, starts
+
+
+def _merge(order: list[TokenTables], has_free: bool, vocab_size: int, bitmask_limit: int):
+    unique: list[TokenTables] = []
+    for t in order:
         if t.vocab_size > vocab_size:
             raise GrammarError(f"a grammar was compiled for a vocabulary of {t.vocab_size} tokens; the model "
                                f"has vocab_size={vocab_size}")
-        index[id(t)] = len(unique)
         if t.vocab_size < vocab_size:  # the model's padded ids past the tokenizer's are never allowed
             never = t.num_categories
             t = TokenTables(category=np.pad(t.category, (0, vocab_size - t.vocab_size), constant_values=never),
                             next=np.pad(t.next, ((0, 0), (0, 1)), constant_values=-1), accepting=t.accepting,
                             bitmask=None, stop_tokens=t.stop_tokens, start=t.start)
         unique.append(t)
-    if not unique:
-        raise GrammarError("grammar= holds no grammar")
     joint = np.stack([t.category for t in unique], axis=1)  # [V, n]
     _, rep, category = np.unique(joint, axis=0, return_index=True, return_inverse=True)
     category = category.reshape(-1).astype(np.int32)
@@ -96,7 +119,7 @@ def merge_tables(grammars: Sequence, vocab_size: int, bitmask_limit: int) -> tup
         offsets.append(offset)
         offset += t.num_states
     free = None
-    if any(t is None for t in tables):
+    if has_free:
         free = offset
         blocks.append(np.full((1, len(rep)), free, np.int32))
         terminal.append(np.zeros(1, bool))
@@ -112,8 +135,7 @@ def merge_tables(grammars: Sequence, vocab_size: int, bitmask_limit: int) -> tup
     bitmask = None
     if S2 * (-(-vocab_size // 32)) * 4 <= bitmask_limit:
         bitmask = pack_bits(nxt[:, category] >= 0)
-    starts = np.array([free if t is None else offsets[index[id(t)]] + t.start for t in tables], np.int32)
     device = DeviceGrammar(category=jnp.asarray(category), next=jnp.asarray(nxt),
                            terminal=jnp.asarray(terminal),
                            bitmask=None if bitmask is None else jnp.asarray(bitmask))
-    return device, starts
+    return device, offsets, free

@@ -193,12 +193,28 @@ def build_tables(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens:
             category[i] = assign(stop_col)
         elif not token_bytes[i]:
             category[i] = assign(never)
-    for lo in range(0, len(regular), chunk):
-        ids = regular[lo: lo + chunk]
-        out = _outcomes(dfa, [token_bytes[i] for i in ids])
-        out = np.concatenate([out, np.full((1, len(ids)), -1, np.int32)])  # the finished state allows nothing
-        for j, i in enumerate(ids):
-            category[i] = assign(out[:, j])
+    # Bytes no state tells apart (equal columns of delta) form classes; tokens with the same
+    # sequence of classes have the same outcome everywhere, so only one of each is run.
+    _, first, byte_class = np.unique(dfa.delta.T, axis=0, return_index=True, return_inverse=True)
+    byte_class = byte_class.reshape(-1).astype(np.uint8 if len(first) <= 256 else np.int32)
+    rep_byte = first.astype(np.uint8)  # a byte of each class
+    by_len: dict[int, list[int]] = {}
+    for i in regular:
+        by_len.setdefault(len(token_bytes[i]), []).append(i)
+    for n, ids in by_len.items():
+        data = np.frombuffer(b"".join(token_bytes[i] for i in ids), np.uint8).reshape(len(ids), n)
+        classes = np.ascontiguousarray(byte_class[data])
+        keys = classes.view(np.dtype((np.void, classes.shape[1] * classes.itemsize))).ravel()
+        _, rep, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        for lo in range(0, len(rep), chunk):
+            reps = rep[lo: lo + chunk]
+            out = _outcomes(dfa, [rep_byte[classes[j]].tobytes() for j in reps])
+            out = np.concatenate([out, np.full((1, len(reps)), -1, np.int32)])  # finished: nothing allowed
+            cats = np.array([assign(out[:, j]) for j in range(len(reps))], np.int32)
+            if lo == 0:
+                unique_cat = np.empty(len(rep), np.int32)
+            unique_cat[lo: lo + len(reps)] = cats
+        category[np.asarray(ids)] = unique_cat[inverse.reshape(-1)]
     nxt = np.stack(columns, axis=1).astype(np.int32)  # [S + 1, C]
     accepting = np.append(dfa.accepting, True)
     # a state no token leaves and that does not accept is a dead end at the token level (the
