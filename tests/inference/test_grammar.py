@@ -266,6 +266,39 @@ def test_token_byte_strings_of_a_byte_level_bpe_equal_what_decoding_gives():
     assert sum(1 for s in strings if s is not None and len(s) > 1) > 50  # merges really are multi-byte
 
 
+def test_token_byte_strings_of_a_sentencepiece_style_vocabulary():
+    """``▁`` stands for a space and ``<0xNN>`` tokens are single bytes (byte fallback), as in
+    Llama-style tokenizer.json files; the tables then follow the byte string the ids spell."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from jaxlm.data.tokenizers import HFTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for c in "▁helowrd":
+        vocab.setdefault(c, len(vocab))
+    merges = [("▁", "h"), ("▁h", "e"), ("▁he", "l"), ("▁hel", "l"), ("▁hell", "o")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tk.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok = HFTokenizer(tk, bos_id=1, eos_id=2)
+    strings = token_byte_strings(tok)
+    assert strings[:3] == [None, None, None] and strings[3 + 0xC3] == b"\xc3" and strings[vocab["▁hello"]] == b" hello"
+    ids = tok.encode("hello world é日")
+    assert b"".join(strings[i] for i in ids) == " hello world é日".encode()  # Metaspace prefixes a space
+    g = compile_regex(r" hello( [a-zé日]+)+", tok, cache_dir=None)
+    state = g.tables.start
+    for i in ids:
+        state = g.tables.step(state, i)
+        assert state >= 0
+    assert g.tables.accepting[state] and g.tables.allowed(state)[tok.eos_id]
+
+
 @pytest.fixture(scope="module")
 def random_model():
     return jaxlm.build_model(jaxlm.ModelConfig.tiny(init_std=0.5, max_seq_len=160), tokenizer=jaxlm.ByteTokenizer(),
