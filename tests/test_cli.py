@@ -103,3 +103,29 @@ def test_generate_chat_renders_the_prompt_as_a_user_turn(capsys):
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     expected = jaxlm.generate(model, [ids], max_new_tokens=2, temperature=0).texts[0]
     assert f"'hi' -> {expected!r}" in chat
+
+
+def test_generate_under_a_regex_or_a_json_schema(tmp_path, capsys):
+    """The embedded default's random weights write noise; constrained, every completion is
+    in the grammar's language."""
+    import ast
+    import json
+    import re
+
+    main(["generate", "--prompt", "a", "b", "--max-new-tokens", "8", "--regex", "(yes|no)!"])
+    out = capsys.readouterr().out
+    assert len(re.findall(r"-> '(yes|no)!'", out)) == 2, out
+    schema = {"enum": ["red", 7, None, [1, "two"]]}  # a literal each: no whitespace for the random model to loop on
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    main(["generate", "--prompt", "x", "--max-new-tokens", "40", "--temperature", "0",
+          "--json-schema", str(tmp_path / "schema.json")])
+    text = ast.literal_eval(capsys.readouterr().out.split(" -> ", 1)[1].strip())  # the completion's repr
+    value = json.loads(text)
+    assert value in schema["enum"], text
+    for argv, needle in ((["--regex", "a", "--json-schema", str(tmp_path / "schema.json")], "exclusive"),
+                         (["--regex", "(a"], "missing ')'"),
+                         (["--json-schema", str(tmp_path / "none.json")], "none.json")):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--prompt", "x", "--max-new-tokens", "4", *argv])
+        assert e.value.code == 2
+        assert needle in capsys.readouterr().err

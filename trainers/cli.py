@@ -6,6 +6,7 @@ call into a library function.
     jaxlm train CONFIG --help                             # the config's keys, types, defaults
     jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--chat] [--max-new-tokens 32] [--temperature 0]
+                   [--regex PATTERN | --json-schema FILE]
     jaxlm convert SRC DST [--to orbax|hf] [--overwrite]
     jaxlm quantize MODEL --out DIR [--method wush] [--format nvfp4] [--inner gptq]
     jaxlm compress MODEL --out DIR [--budget 0.5] [--components qk,ov,mlp]
@@ -73,6 +74,10 @@ class GenerateArgs:
     """Random seed of the sampler."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Compute dtype for HF directories (default: the checkpoint's)."""
+    regex: Annotated[str | None, tyro.conf.arg(metavar="PATTERN")] = None
+    """Constrain every completion to match this regular expression (on-device token masks)."""
+    json_schema: Annotated[Path | None, tyro.conf.arg(metavar="FILE")] = None
+    """Constrain every completion to JSON valid under the schema in this file."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +294,15 @@ def run_generate(args: GenerateArgs) -> list[str]:
         model = _load(args.model, **({"dtype": args.dtype} if args.dtype else {}))
     if model.tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer (tokenizer.json); cannot encode text prompts")
+    if args.regex is not None and args.json_schema is not None:
+        raise UsageError("--regex and --json-schema are exclusive: pass one grammar")
+    grammar = None
+    if args.regex is not None or args.json_schema is not None:
+        from jaxlm.fileio import read_json
+        from jaxlm.inference.grammar import compile_json_schema, compile_regex
+
+        grammar = (compile_regex(args.regex, model.tokenizer) if args.regex is not None else
+                   compile_json_schema(read_json(args.json_schema, what="JSON schema"), model.tokenizer))
     prompts: list = list(args.prompt)
     if args.chat:
         prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
@@ -296,7 +310,7 @@ def run_generate(args: GenerateArgs) -> list[str]:
     start = time.perf_counter()
     result = jaxlm.generate(
         model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, rng=args.seed,
+        top_k=args.top_k, top_p=args.top_p, rng=args.seed, grammar=grammar,
     )
     elapsed = time.perf_counter() - start
     for prompt, text in zip(args.prompt, result.texts):
