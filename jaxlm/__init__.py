@@ -1,6 +1,7 @@
 """jaxlm: a JAX/Flax NNX research framework for large language models.
 
 Core API: `ModelConfig` (+ presets), `build_model`, `load_hf` / `save_hf`, `generate`,
+`diffusion_generate` (masked diffusion LMs),
 `save_checkpoint` / `load_checkpoint` / `load_model` (orbax), `sharding.make_mesh`.
 """
 
@@ -8,6 +9,7 @@ import importlib
 
 from jaxlm.data.tokenizers import ByteTokenizer, HFTokenizer
 from jaxlm.inference.cache import KVCache
+from jaxlm.inference.diffusion import DiffusionResult, diffusion_generate
 from jaxlm.inference.sampler import GenerateResult, generate
 from jaxlm.models.config import ModelConfig, RopeScaling, preset
 from jaxlm.models.hf import CheckpointError, load_hf, save_hf
@@ -34,7 +36,8 @@ def __getattr__(name):
 
 
 __all__ = [
-    "ByteTokenizer", "HFTokenizer", "KVCache", "GenerateResult", "generate", "ModelConfig",
+    "ByteTokenizer", "HFTokenizer", "KVCache", "GenerateResult", "generate", "DiffusionResult",
+    "diffusion_generate", "ModelConfig",
     "RopeScaling", "preset", "CheckpointError", "load_hf", "save_hf", "ModelOutput",
     "Transformer", "abstract_model", "build_model", *_LAZY,
 ]

@@ -165,6 +165,50 @@ class SFTConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DiffusionConfig:
+    """Masked-diffusion training (LLaDA, Nie et al. 2025; `trainers.diffusion`) of a
+    ``model.mode="diffusion"`` model: each document draws ``t ~ U(0, 1)``, each eligible token
+    is masked with ``p_mask = (1 - eps) t + eps`` and the loss is the cross-entropy on masked
+    tokens divided by ``p_mask``. Optional SPEED sharpened-teacher distillation."""
+
+    name: Literal["diffusion"] = "diffusion"
+    """The algorithm's registered name (`trainers.algorithm.ALGORITHMS`)."""
+    objective: Literal["pretrain", "sft"] = "sft"
+    """pretrain: every real token may be masked, loss / (B L); sft: the prompt is never masked and
+    each document's loss is divided by its answer length, then averaged over documents."""
+    eps: float = 1e-3
+    """Smallest masking probability."""
+    pad_answers: bool = True
+    """sft: each row's padding becomes EOS tokens counted as answer (LLaDA), so the model learns to
+    end a fixed-length response; needs data.pack=False."""
+    eval_steps: int | None = None
+    """Denoising steps of the held-out accuracy sampler (None: one token per step)."""
+    eval_block_length: int | None = None
+    """Block length of the held-out accuracy sampler (None: one block)."""
+    teacher: str | None = None
+    """SPEED: a diffusion checkpoint (jaxlm or HF directory) whose logits the student is distilled from."""
+    distill_weight: float = 1.0
+    """SPEED: lambda, the weight of the KL term."""
+    teacher_temperature: float = 0.5
+    """SPEED: tau_T < 1 sharpens the teacher's distribution."""
+    student_temperature: float = 1.0
+    """SPEED: tau, the student's temperature (the KL is scaled by tau^2)."""
+
+    def __post_init__(self):
+        if not 0 < self.eps < 1:
+            raise ValueError(f"algorithm.eps={self.eps!r} is invalid: must be in (0, 1)")
+        for name in ("eval_steps", "eval_block_length"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ValueError(f"algorithm.{name}={v!r} is invalid: must be a positive int or None")
+        if not self.distill_weight >= 0:
+            raise ValueError(f"algorithm.distill_weight={self.distill_weight!r} is invalid: must be >= 0")
+        for name in ("teacher_temperature", "student_temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"algorithm.{name}={getattr(self, name)!r} is invalid: must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class PrefixConfig:
     """PrefixRL (Setlur et al. 2026, method card B.1; `trainers.rl.prefix`): GRPO on hard
     problems prefixed with the start of a correct trace. Setting ``GRPOConfig.prefix`` makes
@@ -309,8 +353,8 @@ class ExperimentConfig:
     """The optimizer and its learning-rate schedule."""
     trainer: TrainerConfig = TrainerConfig()
     """The run: length, logging, evaluation, checkpoints, devices."""
-    algorithm: SFTConfig | GRPOConfig = SFTConfig()
-    """The training algorithm and its settings: SFT or GRPO (any frozen dataclass whose ``name``
+    algorithm: SFTConfig | GRPOConfig | DiffusionConfig = SFTConfig()
+    """The training algorithm and its settings: SFT, GRPO or masked diffusion (any frozen dataclass whose ``name``
     is registered in `trainers.algorithm.ALGORITHMS` plugs in from Python)."""
     tokenizer: str = "byte"
     """'byte' (the embedded default) or a directory holding tokenizer.json."""
@@ -320,7 +364,7 @@ class ExperimentConfig:
 
     def __post_init__(self):
         for name, kinds in (("model", ModelConfig), ("data", DataConfig), ("optimizer", OptimizerConfig),
-                            ("trainer", TrainerConfig), ("algorithm", (SFTConfig, GRPOConfig))):
+                            ("trainer", TrainerConfig), ("algorithm", (SFTConfig, GRPOConfig, DiffusionConfig))):
             value = getattr(self, name)
             if name == "algorithm" and _is_algorithm_config(value):
                 continue
@@ -334,7 +378,17 @@ class ExperimentConfig:
             raise ValueError(f"ExperimentConfig.tokenizer={self.tokenizer!r} must be 'byte' or a directory (str)")
         if self.init_from is not None and not isinstance(self.init_from, str):
             raise ValueError(f"ExperimentConfig.init_from={self.init_from!r} must be a path (str) or None")
-        if isinstance(self.algorithm, SFTConfig) and self.data.batch_size % self.trainer.grad_accum:
+        if isinstance(self.algorithm, DiffusionConfig):
+            if self.model.mode != "diffusion":
+                raise ValueError(f"algorithm.name='diffusion' needs model.mode='diffusion' (got {self.model.mode!r}) "
+                                 "and a model.mask_token_id")
+            if self.algorithm.objective == "sft" and self.algorithm.pad_answers and self.data.pack:
+                raise ValueError("algorithm.pad_answers=True needs data.pack=False (one example per row, its "
+                                 "padding turned into EOS answer tokens)")
+        elif self.model.mode == "diffusion":
+            raise ValueError(f"model.mode='diffusion' is trained with algorithm=DiffusionConfig(), not "
+                             f"{self.algorithm.name!r}")
+        if isinstance(self.algorithm, (SFTConfig, DiffusionConfig)) and self.data.batch_size % self.trainer.grad_accum:
             raise ValueError(
                 f"data.batch_size={self.data.batch_size} is not divisible by "
                 f"trainer.grad_accum={self.trainer.grad_accum}"

@@ -37,6 +37,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import jaxlm
+import trainers.diffusion  # noqa: F401  (registers the "diffusion" algorithm)
 import trainers.rl.loop  # noqa: F401  (registers the "grpo" algorithm)
 import trainers.sft  # noqa: F401  (registers the "sft" algorithm)
 from jaxlm.fileio import (

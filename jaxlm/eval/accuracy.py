@@ -8,6 +8,7 @@ from typing import Any, Callable
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxlm.inference.diffusion import diffusion_generate
 from jaxlm.inference.sampler import generate
 
 
@@ -31,7 +32,9 @@ def task_accuracy(
 ) -> AccuracyResult:
     """Greedy completions of each example's ``prompt``, scored by ``verify(example, text)``
     (1.0 correct). ``progress(n)`` is called after each batch of ``n`` examples;
-    ``generate_kwargs`` go to `generate` (e.g. ``early_exit=``, ``draft=``)."""
+    ``generate_kwargs`` go to `generate` (e.g. ``early_exit=``, ``draft=``), or for a
+    ``mode="diffusion"`` model to `diffusion_generate` (``gen_length = max_new_tokens``;
+    e.g. ``steps=``, ``block_length=``, ``cache=``; default one token per step)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r} is invalid: must be a positive int")
     if not examples:
@@ -39,10 +42,17 @@ def task_accuracy(
     samples, scores = [], []
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
-        out = generate(
-            model, [e["prompt"] for e in chunk], max_new_tokens=max_new_tokens, temperature=0,
-            tokenizer=tokenizer, **(generate_kwargs or {}),
-        )
+        prompts = [e["prompt"] for e in chunk]
+        if getattr(model.config, "mode", "causal") == "diffusion":
+            kw = {"steps": max_new_tokens, **(generate_kwargs or {})}
+            if kw.get("threshold") is not None or kw.get("slow_fast") is not None:
+                kw.pop("steps")
+            out = diffusion_generate(model, prompts, gen_length=max_new_tokens, tokenizer=tokenizer, **kw)
+        else:
+            out = generate(
+                model, prompts, max_new_tokens=max_new_tokens, temperature=0,
+                tokenizer=tokenizer, **(generate_kwargs or {}),
+            )
         for e, text in zip(chunk, out.texts):
             score = float(verify(e, text))
             scores.append(score)

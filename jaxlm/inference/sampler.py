@@ -260,6 +260,9 @@ def generate(
       row whose grammar is complete stops. The grammar's state lives in the decode loop.
     """
     config = model.config
+    if getattr(config, "mode", "causal") == "diffusion":
+        raise ValueError("generate decodes causal models left to right; this model is a masked diffusion LM "
+                         "(ModelConfig.mode='diffusion'): use jaxlm.diffusion_generate")
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     token_lists = _as_token_lists(prompts, tokenizer, add_bos)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:

@@ -26,6 +26,8 @@ _ROPE_SCALINGS = ("none", "linear", "llama3")
 #: the HuggingFace families a model maps to (their tables: `jaxlm.models.hf.families`)
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _REMAT = ("none", "full", "dots")
+#: ``ModelConfig.mode``: a left-to-right decoder, or a masked diffusion LM (LLaDA)
+MODES = ("causal", "diffusion")
 #: per-layer field -> the scalar field it overrides
 _LAYER_FIELDS = {"layer_qk_head_dims": "qk_head_dim", "layer_v_head_dims": "v_head_dim", "layer_ffn_dims": "ffn_dim"}
 
@@ -171,6 +173,14 @@ class ModelConfig:
     """Rematerialise each block in the backward pass: none | full | dots (keep matmul outputs)."""
     family: str = "llama"
     """HF family this model maps to: llama | qwen2 | qwen3 | mistral."""
+    mode: str = "causal"
+    """causal (next-token decoder) | diffusion (masked diffusion LM, LLaDA: attention is
+    bidirectional by default and mask_token_id marks the noised positions)."""
+    mask_token_id: int | None = None
+    """diffusion: the [MASK] id (required; < vocab_size)."""
+    next_token_head: bool = False
+    """diffusion: a second LM head beside the current-token one whose logits at position i
+    predict the token to insert after i (ME-DLM's edit model); ``ModelOutput.next_logits``."""
     init_std: float = 0.02
     """Standard deviation of the random initial weights."""
 
@@ -265,6 +275,23 @@ class ModelConfig:
             raise _err("attention_impl", self.attention_impl, f"must be one of {ATTENTION_IMPLS}")
         if self.family not in HF_FAMILIES:
             raise _err("family", self.family, f"must be one of {sorted(HF_FAMILIES)}")
+        if self.mode not in MODES:
+            raise _err("mode", self.mode, f"must be one of {MODES}")
+        if not isinstance(self.next_token_head, bool):
+            raise _err("next_token_head", self.next_token_head, "must be a bool")
+        if self.mode == "diffusion":
+            m = self.mask_token_id
+            if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < self.vocab_size:
+                raise _err("mask_token_id", m, f"must be an int in [0, vocab_size={self.vocab_size}) with "
+                           "mode='diffusion'")
+            if self.sliding_window is not None:
+                raise _err("sliding_window", self.sliding_window, "must be None with mode='diffusion' "
+                           "(attention is bidirectional)")
+        else:
+            if self.mask_token_id is not None:
+                raise _err("mask_token_id", self.mask_token_id, "is only used with mode='diffusion'")
+            if self.next_token_head:
+                raise _err("next_token_head", True, "needs mode='diffusion' (ME-DLM's edit model)")
 
     def _validate_layer_dims(self) -> None:
         """Per-layer widths: a tuple of ``n_layers`` values, each valid where the scalar field is."""
@@ -387,6 +414,7 @@ class ModelConfig:
         mlp = 3 * d * self.ffn_dim
         per_layer = attn + mlp + 2 * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
+        head += self.vocab_size * d if self.next_token_head else 0
         total = self.vocab_size * d + l * per_layer + d + head
         if self.per_layer_dims:  # every layer with its own widths
             outer = total - l * per_layer

@@ -46,6 +46,7 @@ class ModelOutput:
     cache: KVCache | None
     hidden: jax.Array  # [B, T, D] after the final norm
     collected: dict[str, jax.Array]  # name -> [L, ...]
+    next_logits: jax.Array | None = None  # [B, T, V] float32: ModelConfig.next_token_head (ME-DLM)
 
 
 class Block(nnx.Module):
@@ -107,6 +108,13 @@ class Transformer(nnx.Module):
                 c.d_model, c.vocab_size, axes=("embed", "vocab"), std=c.init_std, param_dtype=pd,
                 rngs=rngs,
             )
+        if c.next_token_head:  # ME-DLM: logits at i predict the token that follows i
+            self.next_head = Linear(
+                c.d_model, c.vocab_size, axes=("embed", "vocab"), std=c.init_std, param_dtype=pd,
+                rngs=rngs,
+            )
+        else:
+            self.next_head = None
 
     # ---------------------------------------------------------------- pieces
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
@@ -119,6 +127,10 @@ class Transformer(nnx.Module):
             return jnp.einsum("...d,vd->...v", h, emb, preferred_element_type=jnp.float32)
         return linear(h, self.lm_head.kernel.get_value()).astype(jnp.float32)
 
+    def unembed_next(self, h: jax.Array) -> jax.Array:
+        """Final hidden ``[..., D]`` -> the next-token head's logits ``[..., V]`` in float32."""
+        return linear(h, self.next_head.kernel.get_value()).astype(jnp.float32)
+
     def backbone(
         self,
         tokens: jax.Array,
@@ -130,7 +142,8 @@ class Transformer(nnx.Module):
         condition: jax.Array | tuple[jax.Array, jax.Array] | None = None,
         interventions=(),
     ) -> ModelOutput:
-        """Everything but the LM head (``logits`` is None): for chunked log-prob code."""
+        """Everything but the LM head (``logits`` is None): for chunked log-prob code.
+        A ``mode="diffusion"`` model attends bidirectionally unless a full mask is given."""
         c = self.config
         names = check_collect(collect)
         chex.assert_rank(tokens, 2)
@@ -179,6 +192,8 @@ class Transformer(nnx.Module):
             else:
                 kv_valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, write_index))
             q_start = write_index
+        if full_mask is None and c.mode == "diffusion":  # bidirectional: every real slot
+            full_mask = jnp.ones((1, 1, T, kv_valid.shape[1]), bool)
         if full_mask is not None:
             chex.assert_axis_dimension(full_mask, -1, kv_valid.shape[1])
             chex.assert_axis_dimension(full_mask, -2, T)
@@ -233,7 +248,8 @@ class Transformer(nnx.Module):
         logits = self.unembed(out.hidden)
         chex.assert_shape(logits, (*tokens.shape, self.config.vocab_size))
         chex.assert_type(logits, jnp.float32)
-        return out.replace(logits=logits)
+        next_logits = self.unembed_next(out.hidden) if self.next_head is not None else None
+        return out.replace(logits=logits, next_logits=next_logits)
 
     def _meta_inputs(self, condition):
         if condition is None or self.meta_gate is None:

@@ -222,6 +222,23 @@ class Attention(nnx.Module):
         """Returns the output ``[B,T,D]`` and the cache with this step's keys/values written."""
         c = self.config
         B, T, _ = x.shape
+        q, k, v = self.project(x, positions, taps)
+        if kv is not None:
+            kv, k, v = kv.write(k, v)
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        need_probs = "attn_probs" in taps.names
+        ctx, probs = self.attend(q, k, v, mask, inputs=x, need_probs=need_probs)
+        if need_probs:
+            taps.put("attn_probs", probs)
+        ctx = taps.put("attn_ctx", ctx.reshape(B, T, c.o_dim))
+        return self.o_proj(ctx), kv
+
+    def project(self, x: jax.Array, positions: jax.Array, taps: Taps) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries ``[B, T, N, H]`` and keys / values in the cache layout ``[B, K, T, H]`` of
+        the (normed) input ``x`` at ``positions``: projections, qk-norm, RoPE, key shift and
+        the simulated low-bit KV cache."""
+        c = self.config
+        B, T, _ = x.shape
         q = self.q_proj(x).reshape(B, T, c.n_heads, c.qk_head_dim)
         k = self.k_proj(x).reshape(B, T, c.n_kv_heads, c.qk_head_dim)
         v = self.v_proj(x).reshape(B, T, c.n_kv_heads, c.v_head_dim)
@@ -246,12 +263,4 @@ class Attention(nnx.Module):
         if c.kv_quant is not None:  # a low-bit KV cache, simulated (straight-through)
             k, v = fake_quant(k, c.kv_quant, axis=-1).astype(k.dtype), fake_quant(v, c.kv_quant, axis=-1).astype(v.dtype)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
-        if kv is not None:
-            kv, k, v = kv.write(k, v)
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
-        need_probs = "attn_probs" in taps.names
-        ctx, probs = self.attend(q, k, v, mask, inputs=x, need_probs=need_probs)
-        if need_probs:
-            taps.put("attn_probs", probs)
-        ctx = taps.put("attn_ctx", ctx.reshape(B, T, c.o_dim))
-        return self.o_proj(ctx), kv
+        return q, k, v

@@ -1,0 +1,405 @@
+"""`diffusion_generate`: block-wise denoising of a masked diffusion LM inside one `jit`.
+
+The response starts as ``gen_length`` [MASK] tokens after the (left-padded) prompt and is
+decoded block by block, left to right (LLaDA's semi-autoregressive sampler, Nie et al. 2025).
+Each iteration of one `lax.while_loop` runs a forward, proposes a token for every masked
+position of the current block (`commit.predict`) and commits some of them:
+
+* ``rule="schedule"``: LLaDA low-confidence remasking, ``steps / n_blocks`` steps per block
+  committing `commit.num_transfer_tokens` tokens each;
+* ``threshold=``: Fast-dLLM's confidence-aware parallel decoding (a block takes as many
+  steps as it needs);
+* ``slow_fast=`` (`SlowFast`): SPEED's Slow-Fast decoding, one extra forward per step with
+  the preceding block masked to measure each token's sensitivity (JSD).
+
+How each forward is computed is ``cache=``: None (the full sequence every step), ``"prefix"``
+/ ``"dual"`` (Fast-dLLM's block-wise prefix and dual KV caches) or a `DLLMCache` (dLLM-Cache).
+Classifier-free guidance (``cfg_scale = w``): ``un + (w + 1) (cond - un)``, ``un`` the logits
+with the prompt masked. The result reports the forwards, the steps and the matmul FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlm.inference.diffusion import forward as fw
+from jaxlm.inference.diffusion.commit import (
+    FAST_GROUPS,
+    commit_slow_fast,
+    commit_threshold,
+    commit_top_k,
+    jensen_shannon,
+    num_transfer_tokens,
+    predict,
+)
+from jaxlm.inference.diffusion.forward import DLLMCache
+
+CACHES = (None, "prefix", "dual")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowFast:
+    """SPEED's Slow-Fast decoding (`commit.commit_slow_fast`)."""
+
+    jsd_threshold: float = 0.05
+    """delta: a token with JSD < delta is low-sensitivity."""
+    confidence: float = 0.5
+    """gamma: fast-group tokens at or above this confidence are committed together."""
+    fast: str = "low"
+    """Which group is decoded jointly: low (the seed abstract) | high (the ICML page)."""
+
+    def __post_init__(self):
+        if self.fast not in FAST_GROUPS:
+            raise ValueError(f"SlowFast.fast={self.fast!r} is invalid: must be one of {FAST_GROUPS}")
+        for name in ("jsd_threshold", "confidence"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"SlowFast.{name}={v!r} is invalid: must be a number >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The static settings of one compiled sampler."""
+
+    prompt_len: int
+    gen_length: int
+    block_length: int
+    steps_per_block: int | None
+    temperature: float
+    remasking: str
+    cfg_scale: float
+    threshold: float | None
+    slow_fast: SlowFast | None
+    cache: Any
+    mask_id: int
+    banned: tuple[int, ...]
+
+    @property
+    def n_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+
+@dataclasses.dataclass
+class DiffusionResult:
+    tokens: np.ndarray  # [B, gen_length] the decoded response (EOS and what follows included)
+    completions: list[list[int]]  # per row: the response up to its first stop token (excluded)
+    texts: list[str] | None  # decoded completions when a tokenizer is known
+    prompt_tokens: np.ndarray  # [B, P] left-padded prompts
+    steps: int  # denoising iterations (all rows advance together)
+    forwards: int  # model forwards (a guided or Slow-Fast step counts two)
+    flops: float  # matmul FLOPs of all forwards, the whole batch
+    tokens_per_step: float  # response tokens committed per iteration, mean over rows
+
+
+def _logits(model, plan: _Plan, x, valid, caches, step_in_block, block, forward_index):
+    """The current block's logits ``[B, L, V]`` (and the caches, FLOPs) for one step."""
+    P, L, c = plan.prompt_len, plan.block_length, model.config
+    B, T = x.shape
+    if plan.cfg_scale:
+        prompt_slot = (jnp.arange(T) < P)[None] & valid
+        x = jnp.concatenate([x, jnp.where(prompt_slot, plan.mask_id, x)])
+        valid = jnp.concatenate([valid, valid])
+    rows = x.shape[0]
+    start = P + block * L
+
+    def block_of(gen_logits):
+        return jax.lax.dynamic_slice_in_dim(gen_logits, block * L, L, axis=1)
+
+    if plan.cache is None:
+        logits, _ = fw.full_forward(model, x, valid, start=P, collect=False)
+        out, flops = block_of(logits), fw.full_flops(c, rows, T, T - P)
+    elif isinstance(plan.cache, DLLMCache):
+        d = plan.cache
+        mode = d.mode(forward_index)
+
+        def full(caches):
+            logits, new = fw.full_forward(model, x, valid, start=P, collect=True)
+            return logits, new
+
+        def partial(m):
+            return lambda caches: fw.dllm_cache_forward(model, x, valid, caches, m, prompt_len=P,
+                                                        transfer_ratio=d.transfer_ratio)
+
+        logits, caches = jax.lax.switch(mode, [full, partial(1), partial(2), partial(3)], caches)
+        costs = jnp.asarray([fw.dllm_cache_flops(c, rows, T, P, m, d.transfer_ratio) for m in range(4)], jnp.float32)
+        out, flops = block_of(logits), costs[mode]
+    else:  # Fast-dLLM: a full forward at each block's first step, then the span only
+        def full(caches):
+            logits, new = fw.full_forward(model, x, valid, start=P, collect=True)
+            return block_of(logits), {"k": new["k"], "v": new["v"]}
+
+        if plan.cache == "dual":
+            def span(caches):
+                return fw.span_forward(model, x, valid, caches, start=start, size=L), caches
+            span_cost = fw.span_flops(c, rows, T, L)
+        else:  # prefix: the block and everything after it, a static size per block
+            def span_at(b):
+                size = T - (P + b * L)
+                return lambda caches: (fw.span_forward(model, x, valid, caches, start=P + b * L, size=size)[:, :L],
+                                       caches)
+
+            def span(caches):
+                return jax.lax.switch(block, [span_at(b) for b in range(plan.n_blocks)], caches)
+            span_cost = jnp.asarray([fw.span_flops(c, rows, T, T - (P + b * L)) for b in range(plan.n_blocks)],
+                                    jnp.float32)[block]
+        out, caches = jax.lax.cond(step_in_block == 0, full, span, caches)
+        flops = jnp.where(step_in_block == 0, fw.full_flops(c, rows, T, T - P), span_cost)
+    if plan.cfg_scale:
+        cond, un = out[:B], out[B:]
+        out = un + (plan.cfg_scale + 1.0) * (cond - un)
+    return out, caches, jnp.asarray(flops, jnp.float32)
+
+
+def _init_caches(model, plan: _Plan, batch: int, length: int):
+    if plan.cache is None:
+        return None
+    c = model.config
+    rows = batch * (2 if plan.cfg_scale else 1)
+    dt = c.compute_dtype
+    caches = {
+        "k": jnp.zeros((c.n_layers, rows, length, c.n_kv_heads, c.qk_head_dim), dt),
+        "v": jnp.zeros((c.n_layers, rows, length, c.n_kv_heads, c.v_head_dim), dt),
+    }
+    if isinstance(plan.cache, DLLMCache):
+        caches["attn"] = jnp.zeros((c.n_layers, rows, length, c.d_model), dt)
+        caches["mlp"] = jnp.zeros((c.n_layers, rows, length, c.d_model), dt)
+    return caches
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan"))
+def diffusion_tokens(graphdef, params, prompt_tokens, prompt_mask, rng, *, plan: _Plan):
+    """The jittable core: left-padded prompts ``[B, P]`` -> ``(tokens [B, G], steps, forwards,
+    flops, committed [B])``."""
+    model = nnx.merge(graphdef, params)
+    B, P = prompt_tokens.shape
+    G, L = plan.gen_length, plan.block_length
+    x = jnp.concatenate([prompt_tokens.astype(jnp.int32), jnp.full((B, G), plan.mask_id, jnp.int32)], axis=1)
+    valid = jnp.concatenate([prompt_mask.astype(bool), jnp.ones((B, G), bool)], axis=1)
+    T = P + G
+    schedule = None
+    if plan.steps_per_block is not None and plan.threshold is None and plan.slow_fast is None:
+        schedule = jnp.asarray(num_transfer_tokens(L, plan.steps_per_block))
+    banned = jnp.asarray(plan.banned, jnp.int32) if plan.banned else None
+    sensitivity_width = L
+
+    def block_logits(x, caches, j, b, n):
+        logits, caches, flops = _logits(model, plan, x, valid, caches, j, b, n)
+        if banned is not None:
+            logits = logits.at[..., banned].set(-jnp.inf)
+        return logits, caches, flops
+
+    def cond(carry):
+        return carry["block"] < plan.n_blocks
+
+    def body(carry):
+        x, b, j = carry["x"], carry["block"], carry["step_in_block"]
+        start = P + b * L
+        blk = jax.lax.dynamic_slice_in_dim(x, start, L, axis=1)
+        masked = blk == plan.mask_id
+        logits, caches, flops = block_logits(x, carry["caches"], j, b, carry["forwards"])
+        key = jax.random.fold_in(rng, carry["steps"])
+        proposal, conf = predict(logits, key, temperature=plan.temperature, remasking=plan.remasking)
+        forwards = carry["forwards"] + (2 if plan.cfg_scale else 1)
+        if plan.slow_fast is not None:
+            # the same step with the preceding block (the prompt's last L tokens for the first) masked
+            hidden_from = start - sensitivity_width
+            slot = jnp.arange(T)[None]
+            hide = (slot >= hidden_from) & (slot < start) & valid
+            blind, _, blind_flops = _logits(model, plan, jnp.where(hide, plan.mask_id, x), valid, None, j, b, 0)
+            if banned is not None:
+                blind = blind.at[..., banned].set(-jnp.inf)
+            jsd = jensen_shannon(logits, blind)
+            sf = plan.slow_fast
+            new_blk, select = commit_slow_fast(blk, masked, proposal, conf, jsd, jsd_threshold=sf.jsd_threshold,
+                                               confidence=sf.confidence, fast=sf.fast)
+            flops, forwards = flops + blind_flops, forwards + 1
+        elif plan.threshold is not None:
+            new_blk, select = commit_threshold(blk, masked, proposal, conf, plan.threshold)
+        else:
+            new_blk, select = commit_top_k(blk, masked, proposal, conf, schedule[j])
+        x = jax.lax.dynamic_update_slice_in_dim(x, new_blk, start, axis=1)
+        if schedule is not None:
+            block_done = j + 1 >= plan.steps_per_block
+        else:
+            block_done = ~jnp.any(new_blk == plan.mask_id)
+        return {
+            "x": x, "caches": caches, "block": jnp.where(block_done, b + 1, b),
+            "step_in_block": jnp.where(block_done, 0, j + 1), "steps": carry["steps"] + 1,
+            "forwards": forwards, "flops": carry["flops"] + flops,
+            "committed": carry["committed"] + select.sum(-1, dtype=jnp.int32),
+        }
+
+    carry = {
+        "x": x, "caches": _init_caches(model, plan, B, T), "block": jnp.zeros((), jnp.int32),
+        "step_in_block": jnp.zeros((), jnp.int32), "steps": jnp.zeros((), jnp.int32),
+        "forwards": jnp.zeros((), jnp.int32), "flops": jnp.zeros((), jnp.float32),
+        "committed": jnp.zeros((B,), jnp.int32),
+    }
+    out = jax.lax.while_loop(cond, body, carry)
+    return out["x"][:, P:], out["steps"], out["forwards"], out["flops"], out["committed"]
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}={value!r} is invalid: must be a positive int")
+    return int(value)
+
+
+def check_diffusion_model(model) -> None:
+    config = getattr(model, "config", None)
+    if getattr(config, "mode", None) != "diffusion":
+        raise ValueError(
+            f"diffusion_generate needs a masked diffusion LM (ModelConfig.mode='diffusion'), got "
+            f"mode={getattr(config, 'mode', None)!r}: a causal checkpoint decodes left to right with jaxlm.generate"
+        )
+
+
+def diffusion_generate(
+    model,
+    prompts: Sequence[Sequence[int]] | Sequence[str] | str,
+    *,
+    gen_length: int,
+    steps: int | None = None,
+    block_length: int | None = None,
+    temperature: float = 0.0,
+    cfg_scale: float = 0.0,
+    remasking: str = "low_confidence",
+    threshold: float | None = None,
+    slow_fast: SlowFast | None = None,
+    cache: str | DLLMCache | None = None,
+    rng: jax.Array | int | None = None,
+    tokenizer: Any = None,
+    add_bos: bool = True,
+    stop_tokens: Sequence[int] | None = None,
+    banned_tokens: Sequence[int] = (),
+    logits_eos_inf: bool = False,
+    bucket: int = 8,
+) -> DiffusionResult:
+    """Decode ``gen_length`` response tokens per prompt with a masked diffusion LM.
+
+    gen_length / block_length: the response and the blocks it is decoded in, left to right
+      (default one block); gen_length must be a multiple of block_length.
+    steps: denoising steps of the fixed schedule (a multiple of the number of blocks); not
+      used with ``threshold`` or ``slow_fast``, whose blocks take as many steps as they need.
+    temperature: 0 is argmax (deterministic); else Gumbel-max sampling.
+    remasking: low_confidence | random (which proposals the schedule keeps).
+    cache: None | "prefix" | "dual" (Fast-dLLM) | `DLLMCache` (dLLM-Cache).
+    banned_tokens: ids never proposed (e.g. ME-DLM's delete token); ``logits_eos_inf`` bans EOS.
+    stop_tokens: where a completion ends (default the tokenizer's EOS).
+    """
+    check_diffusion_model(model)
+    config = model.config
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    gen_length = _positive_int("gen_length", gen_length)
+    block_length = gen_length if block_length is None else _positive_int("block_length", block_length)
+    if gen_length % block_length:
+        raise ValueError(f"gen_length={gen_length} is not divisible by block_length={block_length}")
+    n_blocks = gen_length // block_length
+    steps_per_block = None
+    if threshold is None and slow_fast is None:
+        if steps is None:
+            raise ValueError("steps is required with the fixed schedule (set steps, threshold= or slow_fast=)")
+        steps = _positive_int("steps", steps)
+        if steps % n_blocks:
+            raise ValueError(f"steps={steps} is not divisible by the number of blocks gen_length/block_length = "
+                             f"{n_blocks}")
+        steps_per_block = steps // n_blocks
+        if steps_per_block > block_length:
+            raise ValueError(f"steps={steps} gives {steps_per_block} steps per block of {block_length} tokens: "
+                             f"at most one step per token (steps <= gen_length={gen_length})")
+    if threshold is not None and (isinstance(threshold, bool) or not 0 <= float(threshold) <= 1):
+        raise ValueError(f"threshold={threshold!r} is invalid: must be in [0, 1]")
+    if threshold is not None and slow_fast is not None:
+        raise ValueError("threshold= and slow_fast= are two commit rules: pass one")
+    if slow_fast is not None and not isinstance(slow_fast, SlowFast):
+        raise TypeError(f"slow_fast must be a SlowFast, got {type(slow_fast).__name__}")
+    if not (cache in CACHES or isinstance(cache, DLLMCache)):
+        raise ValueError(f"cache={cache!r} is invalid: must be None, 'prefix', 'dual' or a DLLMCache")
+    if cache is not None:
+        fw.check_cacheable(config)
+    if slow_fast is not None and (cache is not None or cfg_scale):
+        raise ValueError("slow_fast= runs without a cache and without guidance (cache=None, cfg_scale=0)")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} is invalid: must be a number >= 0")
+    if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, (int, float)) or cfg_scale < 0:
+        raise ValueError(f"cfg_scale={cfg_scale!r} is invalid: must be a number >= 0")
+
+    token_lists = _token_lists(prompts, tokenizer, add_bos)
+    for i, p in enumerate(token_lists):
+        bad = [t for t in p if not 0 <= t < config.vocab_size or t == config.mask_token_id]
+        if bad:
+            raise ValueError(f"prompt {i} has ids {bad[:5]} outside [0, vocab_size={config.vocab_size}) or equal "
+                             f"to mask_token_id={config.mask_token_id}")
+    eos = getattr(tokenizer, "eos_id", None)
+    banned = tuple(int(t) for t in banned_tokens) + ((int(eos),) if logits_eos_inf and eos is not None else ())
+    for t in banned:
+        if not 0 <= t < config.vocab_size:
+            raise ValueError(f"banned_tokens has {t}, outside [0, vocab_size={config.vocab_size})")
+    longest = max(len(p) for p in token_lists)
+    P = -(-longest // bucket) * bucket
+    if P + gen_length > config.max_seq_len:
+        raise ValueError(f"prompt ({longest} tokens, padded to {P}) + gen_length={gen_length} exceeds "
+                         f"ModelConfig.max_seq_len={config.max_seq_len}")
+    pad = getattr(tokenizer, "pad_id", None) or 0
+    tokens = np.full((len(token_lists), P), pad, np.int32)
+    mask = np.zeros((len(token_lists), P), bool)
+    for i, p in enumerate(token_lists):
+        tokens[i, P - len(p):], mask[i, P - len(p):] = p, True
+    plan = _Plan(
+        prompt_len=P, gen_length=gen_length, block_length=block_length, steps_per_block=steps_per_block,
+        temperature=float(temperature), remasking=remasking, cfg_scale=float(cfg_scale),
+        threshold=None if threshold is None else float(threshold), slow_fast=slow_fast, cache=cache,
+        mask_id=int(config.mask_token_id), banned=banned,
+    )
+    if rng is None:
+        rng = 0
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    graphdef, state = nnx.split(model)
+    out, n_steps, n_forwards, flops, committed = diffusion_tokens(
+        graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), rng, plan=plan)
+    out = np.asarray(out)
+    if stop_tokens is None:
+        stop_tokens = () if eos is None else (int(eos),)
+    stops = set(int(t) for t in stop_tokens)
+    completions = []
+    for row in out.tolist():
+        end = next((i for i, t in enumerate(row) if t in stops), len(row))
+        completions.append(row[:end])
+    texts = [tokenizer.decode(c) for c in completions] if tokenizer is not None else None
+    n_steps = int(n_steps)
+    return DiffusionResult(
+        tokens=out, completions=completions, texts=texts, prompt_tokens=tokens, steps=n_steps,
+        forwards=int(n_forwards), flops=float(flops),
+        tokens_per_step=float(np.mean(np.asarray(committed))) / max(n_steps, 1),
+    )
+
+
+def _token_lists(prompts, tokenizer, add_bos: bool) -> list[list[int]]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        if prompts.ndim != 2:
+            raise ValueError(f"prompts array must be [B, P], got shape {prompts.shape}")
+        return [list(map(int, row)) for row in np.asarray(prompts)]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError(f"prompt {i} is text but no tokenizer is known: pass tokenizer= or token ids")
+            p = tokenizer.encode(p, add_bos=add_bos)
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        out.append(p)
+    return out
