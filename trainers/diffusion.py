@@ -35,6 +35,7 @@ from trainers.config import ConfigError
 from trainers.losses import token_nll
 from trainers.optim import make_optimizer, param_names
 from trainers.setup import check_trainable
+from trainers.sft import SFT
 from trainers.step import StateShardedJit, TrainState, apply_summed_gradients, init_state
 
 Batch = dict[str, jax.Array]
@@ -243,13 +244,7 @@ class Diffusion:
             result["accuracy"], samples = acc.accuracy, acc.samples
         return result, samples
 
-    def data_state(self) -> dict[str, Any]:
-        return self.batches.get_state()
-
-    def load_data_state(self, data_state: dict[str, Any]) -> None:
-        self.batches.set_state(data_state)
-
-    def final_model(self, state: TrainState):
-        model = nnx.merge(self.graphdef, state.params)
-        model.tokenizer = self.tokenizer
-        return model
+    # the data position and the final model are kept as SFT keeps them
+    data_state = SFT.data_state
+    load_data_state = SFT.load_data_state
+    final_model = SFT.final_model

@@ -40,6 +40,7 @@ from jaxlm.inference.diffusion.commit import (
     predict,
 )
 from jaxlm.inference.diffusion.forward import DLLMCache
+from jaxlm.inference.sampler import _as_token_lists
 
 CACHES = (None, "prefix", "dual")
 
@@ -331,8 +332,10 @@ def diffusion_generate(
     if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, (int, float)) or cfg_scale < 0:
         raise ValueError(f"cfg_scale={cfg_scale!r} is invalid: must be a number >= 0")
 
-    token_lists = _token_lists(prompts, tokenizer, add_bos)
+    token_lists = _as_token_lists(prompts, tokenizer, add_bos)
     for i, p in enumerate(token_lists):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
         bad = [t for t in p if not 0 <= t < config.vocab_size or t == config.mask_token_id]
         if bad:
             raise ValueError(f"prompt {i} has ids {bad[:5]} outside [0, vocab_size={config.vocab_size}) or equal "
@@ -380,26 +383,3 @@ def diffusion_generate(
         forwards=int(n_forwards), flops=float(flops),
         tokens_per_step=float(np.mean(np.asarray(committed))) / max(n_steps, 1),
     )
-
-
-def _token_lists(prompts, tokenizer, add_bos: bool) -> list[list[int]]:
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if isinstance(prompts, (np.ndarray, jax.Array)):
-        if prompts.ndim != 2:
-            raise ValueError(f"prompts array must be [B, P], got shape {prompts.shape}")
-        return [list(map(int, row)) for row in np.asarray(prompts)]
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("prompts is empty: pass at least one prompt")
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise ValueError(f"prompt {i} is text but no tokenizer is known: pass tokenizer= or token ids")
-            p = tokenizer.encode(p, add_bos=add_bos)
-        p = [int(t) for t in p]
-        if not p:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        out.append(p)
-    return out
