@@ -12,6 +12,7 @@ call into a library function.
     jaxlm compress MODEL --out DIR [--budget 0.5] [--components qk,ov,mlp]
     jaxlm edit MODEL --requests FILE [--method crispedit|finetune|alphaedit|memit|all]
     jaxlm serve-stream MODEL --draft DIR --prompts FILE [spec:opt-hydra|ens-eagle|osd|static]
+    jaxlm logprobs MODEL --data FILE --out FILE [--as behavior|target|teacher] [--top-k K]
 
 ``--model`` / ``MODEL`` take a HuggingFace directory or a jaxlm (orbax) checkpoint; without
 ``--model``, ``generate`` uses the embedded default: a tiny random `ModelConfig.tiny()` model
@@ -271,6 +272,28 @@ class ServeStreamArgs:
     """Replace --save-draft if it exists."""
 
 
+@dataclasses.dataclass(frozen=True)
+class LogprobsArgs:
+    """Add a model's per-token log-probs to a training file: the behaviour policy's for PEAR
+    (--as behavior), a fixed target policy's (--as target) or a teacher's, with its top-K for
+    offline distillation (--as teacher --top-k K)."""
+
+    model: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL")]
+    """The scoring model: a jaxlm checkpoint or HF directory with the training run's tokenizer."""
+    data: Annotated[Path, tyro.conf.arg(metavar="FILE")]
+    """The training rows (.jsonl: prompt/completion or messages)."""
+    out: Annotated[Path, tyro.conf.arg(metavar="FILE")]
+    """Where the rows go with the new columns (.jsonl)."""
+    as_: Annotated[Literal["behavior", "target", "teacher"], tyro.conf.arg(name="as")] = "behavior"
+    """Which column to write: behavior_logprobs, target_logprobs or teacher_logprobs."""
+    top_k: int = 0
+    """With --as teacher: also write the K most likely tokens' ids and log-probs per position."""
+    batch_size: int = 16
+    """Rows per forward pass."""
+    overwrite: bool = False
+    """Replace --out if it exists."""
+
+
 class UsageError(ValueError):
     """A command-line argument is invalid (exit status 2)."""
 
@@ -438,6 +461,15 @@ def run_serve_stream(args: ServeStreamArgs):
     return result
 
 
+def run_logprobs(args: LogprobsArgs) -> Path:
+    from trainers.annotate import annotate_file
+
+    out = annotate_file(_load(args.model), args.data, args.out, as_=args.as_, top_k=args.top_k,
+                        batch_size=args.batch_size, overwrite=args.overwrite)
+    print(f"wrote {args.as_}_logprobs" + (f" and top-{args.top_k}" if args.top_k else "") + f" to {out}")
+    return out
+
+
 def run_train(args: TrainArgs):
     from trainers.loop import train
     from trainers.recipes import load_config
@@ -518,6 +550,7 @@ VERBS = {
     "compress": (CompressArgs, run_compress),
     "edit": (EditArgs, run_edit),
     "serve-stream": (ServeStreamArgs, run_serve_stream),
+    "logprobs": (LogprobsArgs, run_logprobs),
 }
 
 

@@ -16,7 +16,9 @@ from typing import Any, Literal
 
 from jaxlm.data.pipeline import DataConfig
 from jaxlm.models.config import ModelConfig
+from trainers.distill.config import DistillConfig
 from trainers.losses import TOKEN_WEIGHTS
+from trainers.pear import PEARConfig
 from trainers.rl.environments import RPSConfig
 from trainers.rl.registries import check_grpo_config
 
@@ -156,12 +158,26 @@ class SFTConfig:
     """Selective entropy minimisation (ReQAT): adds sem_lambda * (1/N) sum_t w_t H_t (reference 0.01; README 0.1)."""
     sem_threshold: float = 0.25
     """SEM: tau is the floor(N * sem_threshold)-th smallest token entropy (reference 0.25; README 0.75)."""
+    distill: DistillConfig | None = None
+    """Distil a frozen teacher in the same step (`trainers.distill`; None: off)."""
+    pear: PEARConfig | None = None
+    """PEAR importance weights toward the RL policy (`trainers.pear`; None: off)."""
 
     def __post_init__(self):
         if not self.sem_lambda >= 0:
             raise ValueError(f"algorithm.sem_lambda={self.sem_lambda!r} is invalid: must be >= 0")
         if not 0 < self.sem_threshold <= 1:
             raise ValueError(f"algorithm.sem_threshold={self.sem_threshold!r} is invalid: must be in (0, 1]")
+        for name, kind in (("distill", DistillConfig), ("pear", PEARConfig)):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, kind):
+                raise ValueError(f"algorithm.{name} must be a {kind.__name__} or None, got {type(v).__name__}")
+        if self.distill is not None or self.pear is not None:
+            used = [f"{k}={getattr(self, k)!r}" for k, off in (("token_weights", "uniform"), ("sem_lambda", 0.0),
+                                                               ("beta_l1", 0.0)) if getattr(self, k) != off]
+            if used:
+                raise ValueError(f"algorithm.distill / algorithm.pear replace the SFT loss and do not combine with "
+                                 f"{', '.join(used)}")
 
 
 @dataclasses.dataclass(frozen=True)

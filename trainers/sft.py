@@ -1,7 +1,9 @@
 """Supervised fine-tuning as a run-harness algorithm (``algorithm.name = "sft"``): next-token
 cross-entropy on the trained tokens of `jaxlm.data` batches, each token weighted by the
 configured token-weight function (`trainers.losses.TOKEN_WEIGHTS`), with exact gradient
-accumulation (`trainers.step.make_train_step`).
+accumulation (`trainers.step.make_train_step`). ``algorithm.distill`` runs a frozen teacher
+beside the student in the same step (`trainers.distill`); ``algorithm.pear`` reweights each
+token toward the RL policy (`trainers.pear`).
 
 ``data.batch_size`` is global: each process loads its share of every batch and the rows are
 split over the mesh's ``data`` x ``fsdp`` devices. A checkpoint stores the data iterator's
@@ -19,16 +21,51 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+import jaxlm
 from jaxlm.data.pipeline import eval_batches, eval_examples, train_dataset
 from jaxlm.eval import task_accuracy
 from jaxlm.sharding import model_shardings, place, to_host
 from trainers.algorithm import ALGORITHMS, RunSetup
 from trainers.config import ConfigError
+from trainers.distill.loss import make_distill_loss_fn
 from trainers.evaluate import heldout_metrics
 from trainers.losses import TOKEN_WEIGHTS
 from trainers.optim import make_optimizer, param_names
 from trainers.setup import check_trainable
 from trainers.step import TrainState, init_state, make_eval_loss, make_train_step
+
+
+def required_fields(algo) -> tuple[str, ...]:
+    """Per-token data columns the SFT configuration reads (PEAR's log-probs, stored top-K)."""
+    fields: tuple[str, ...] = ()
+    if algo.pear is not None:
+        fields += algo.pear.fields
+    d = algo.distill
+    if d is not None and d.teacher_logprobs == "offline":
+        fields += ("teacher_topk_ids", "teacher_topk_logprobs") + (("teacher_logprobs",) if d.tpa_weight else ())
+    return fields
+
+
+#: A string every tokenizer encodes, compared between teacher and student to catch different
+#: vocabularies of the same size.
+_TOKENIZER_PROBE = "The quick brown fox, 12 + 30 = 42.\n{\"a\": [1, 2]}"
+
+
+def load_teacher(path: str, student, tokenizer):
+    """The frozen teacher, checked to share the student's vocabulary (same size and, when it
+    carries a tokenizer, the same ids for a probe text)."""
+    teacher = jaxlm.load_model(path)
+    tv, sv = teacher.config.vocab_size, student.config.vocab_size
+    if tv != sv:
+        raise ConfigError(f"algorithm.distill.teacher={path!r} has vocab_size={tv} but the student has {sv}: "
+                          "distillation compares next-token distributions over one shared vocabulary")
+    theirs = getattr(teacher, "tokenizer", None)
+    if theirs is not None and tokenizer is not None:
+        a, b = theirs.encode(_TOKENIZER_PROBE), tokenizer.encode(_TOKENIZER_PROBE)
+        if list(a) != list(b):
+            raise ConfigError(f"algorithm.distill.teacher={path!r} uses a different tokenizer than the student "
+                              f"(the probe text encodes to {list(a)[:8]}... vs {list(b)[:8]}...)")
+    return teacher
 
 
 @ALGORITHMS.register("sft")
@@ -63,10 +100,20 @@ class SFT:
         self._replicated = NamedSharding(mesh, PartitionSpec())
 
         window = setup.model.config.sliding_window
+        self._teacher, teacher_graphdef, loss_fn = None, None, None
+        d = a.distill
+        if d is not None and d.teacher_logprobs != "offline":
+            teacher = load_teacher(d.teacher, setup.model, setup.tokenizer)
+            teacher_graphdef, tstate = nnx.split(teacher)
+            self._teacher = place(nnx.to_pure_dict(tstate), nnx.to_pure_dict(model_shardings(teacher, mesh)))
+        if d is not None or a.pear is not None:
+            loss_fn = make_distill_loss_fn(self.graphdef, sliding_window=window, distill=d, pear=a.pear,
+                                           teacher_graphdef=teacher_graphdef, vocab_size=setup.model.config.vocab_size)
+        self._fields = required_fields(a)
         self._step = make_train_step(
             self.graphdef, self.tx, schedule, grad_accum=t.grad_accum, sliding_window=window,
             weight_fn=TOKEN_WEIGHTS[a.token_weights], beta_l1=a.beta_l1, sem_lambda=a.sem_lambda,
-            sem_threshold=a.sem_threshold,
+            sem_threshold=a.sem_threshold, loss_fn=loss_fn,
         )
         self._eval_loss = make_eval_loss(self.graphdef, sliding_window=window, attention_stats=t.eval_attention_stats)
         self._heldout = eval_batches(cfg.data, setup.tokenizer)
@@ -84,7 +131,23 @@ class SFT:
                              rng=jax.device_put(state.rng, self._replicated))
 
     def batch(self, state: TrainState, k: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        return next(self.batches), {}
+        batch = next(self.batches)
+        missing = [f for f in self._fields if f not in batch]
+        if missing:
+            raise ConfigError(
+                f"{' and '.join(self._fields_for(missing))} need(s) the data rows' per-token {missing} columns, which "
+                f"{type(self.cfg.data.source).__name__} rows do not carry: write them with `jaxlm logprobs MODEL "
+                f"--data FILE --out FILE --as {missing[0].split('_')[0]}` and train on data.source=Files(path=...)")
+        return batch, {}
+
+    def _fields_for(self, missing: list[str]) -> list[str]:
+        a = self.cfg.algorithm
+        names = []
+        if a.pear is not None and set(missing) & set(a.pear.fields):
+            names.append("algorithm.pear")
+        if a.distill is not None and set(missing) - set(a.pear.fields if a.pear is not None else ()):
+            names.append("algorithm.distill.teacher_logprobs='offline'")
+        return names
 
     def tokens(self, batch: dict[str, np.ndarray]) -> float:
         """Tokens in the global batch (this process holds its share of the rows)."""
@@ -94,8 +157,15 @@ class SFT:
         return float(np.asarray(multihost_utils.process_allgather(np.int64(local))).sum())
 
     def step(self, state: TrainState, batch: dict[str, np.ndarray]) -> tuple[TrainState, dict[str, Any]]:
-        state, metrics = self._step(state, self.place(batch))
+        placed = self.place(batch)
+        inputs = (placed, self._teacher) if self._uses_side else placed
+        state, metrics = self._step(state, inputs)
         return state, to_host(metrics)
+
+    @property
+    def _uses_side(self) -> bool:
+        a = self.cfg.algorithm
+        return a.distill is not None or a.pear is not None
 
     def _place_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """A global batch (every process holds all rows, e.g. the held-out set) -> this

@@ -181,15 +181,26 @@ def make_train_step(
     beta_l1: float = 0.0,
     sem_lambda: float = 0.0,
     sem_threshold: float = 0.25,
+    loss_fn: Callable | None = None,
     donate: bool = True,
 ):
     """A jitted ``step(state, batch) -> (state, metrics)``; the batch's leading axis is split
-    into ``grad_accum`` micro-batches."""
-    loss_fn = make_loss_fn(graphdef, sliding_window=sliding_window, weight_fn=weight_fn, beta_l1=beta_l1,
-                           sem_lambda=sem_lambda, sem_threshold=sem_threshold)
+    into ``grad_accum`` micro-batches.
+
+    ``loss_fn`` replaces the SFT loss (`make_loss_fn`): ``loss_fn(params, micro_batch, side)``
+    with the step called as ``step(state, (batch, side))``, ``side`` (e.g. a frozen teacher's
+    parameters) handed unsplit to every micro-batch. It returns ``(sum, count)`` or
+    ``(sum, (count, sums))``: ``sums`` are summed over the micro-batches and reported as
+    metrics, ``sums["tokens"]`` as is and the others divided by it (per-token means)."""
+    side_input = loss_fn is not None
+    if loss_fn is None:
+        loss_fn = make_loss_fn(graphdef, sliding_window=sliding_window, weight_fn=weight_fn, beta_l1=beta_l1,
+                               sem_lambda=sem_lambda, sem_threshold=sem_threshold)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def step(state: TrainState, batch: Batch):
+    def step(state: TrainState, inputs):
+        batch, side = inputs if side_input else (inputs, None)
+        args = (side,) if side_input else ()
         B = batch["tokens"].shape[0]
         # micro-batch i = rows i, i + A, i + 2A, ...: a batch sharded over its leading axis
         # keeps every device's rows in place (no resharding for the accumulation loop)
@@ -197,22 +208,34 @@ def make_train_step(
             lambda x: x.reshape(B // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1), batch
         )
 
+        def split_aux(aux):
+            return aux if isinstance(aux, tuple) else (aux, {})
+
         def accumulate(carry, mb):
-            g_sum, loss_sum, count = carry
-            (loss, n), g = grad_fn(state.params, mb)
-            return (jax.tree.map(jnp.add, g_sum, g), loss_sum + loss, count + n), None
+            g_sum, loss_sum, count, sums = carry
+            (loss, aux), g = grad_fn(state.params, mb, *args)
+            n, s = split_aux(aux)
+            return (jax.tree.map(jnp.add, g_sum, g), loss_sum + loss, count + n, jax.tree.map(jnp.add, sums, s)), None
 
         if grad_accum == 1:  # no loop: lets XLA fuse the gradient into the update
-            (loss_sum, count), g_sum = grad_fn(state.params, batch)
+            (loss_sum, aux), g_sum = grad_fn(state.params, batch, *args)
+            count, sums = split_aux(aux)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-            (g_sum, loss_sum, count), _ = jax.lax.scan(accumulate, init, micro)
+            first = jax.tree.map(lambda x: x[0], micro)
+            sums0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                 split_aux(jax.eval_shape(grad_fn, state.params, first, *args)[0][1])[1])
+            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), sums0)
+            (g_sum, loss_sum, count, sums), _ = jax.lax.scan(accumulate, init, micro)
         new, loss, grad_norm, finite = apply_summed_gradients(state, tx, g_sum, loss_sum, count)
         metrics = {
             "loss": loss, "grad_norm": grad_norm, "tokens": count, "lr": schedule(state.step),
             "finite": finite,
         }
+        if sums:
+            tokens = sums.get("tokens", count)
+            metrics["tokens"] = tokens
+            metrics.update({k: v / jnp.maximum(tokens, 1.0) for k, v in sums.items() if k != "tokens"})
         return new, metrics
 
     return StateShardedJit(step, donate=donate)

@@ -14,9 +14,53 @@ from typing import Any
 
 ROLES = ("system", "user", "assistant")
 
+#: Optional per-token columns a row may carry, one entry per token of the row's encoding
+#: (`jaxlm.data.encoding.encode`; entry i scores token i given the tokens before it; ``jaxlm
+#: logprobs`` writes them): log-probs of each token under the behaviour policy (PEAR), a fixed
+#: target policy (PEAR) and a teacher, and a teacher's top-K ids and log-probs (offline
+#: distillation, ``[n, K]``).
+TOKEN_FIELDS = ("behavior_logprobs", "target_logprobs", "teacher_logprobs")
+TOPK_FIELDS = ("teacher_topk_ids", "teacher_topk_logprobs")
+
 
 class DataError(ValueError):
     """A data file or row is malformed."""
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+
+
+def _token_fields(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """The row's per-token columns, validated (lengths against the encoding are checked when
+    the row is encoded)."""
+    out: dict[str, Any] = {}
+    for k in TOKEN_FIELDS:
+        if k in row:
+            v = row[k]
+            if not isinstance(v, list) or not all(_is_number(x) for x in v):
+                raise DataError(f"{where}: column {k!r} must be a list of finite numbers (one per token)")
+            out[k] = v
+    widths = set()
+    for k in TOPK_FIELDS:
+        if k in row:
+            v = row[k]
+            ok = isinstance(v, list) and all(isinstance(r, list) and all(_is_number(x) for x in r) for r in v)
+            if not ok:
+                raise DataError(f"{where}: column {k!r} must be a list (one per token) of lists of K numbers")
+            widths |= {len(r) for r in v}
+            out[k] = v
+    if (TOPK_FIELDS[0] in out) != (TOPK_FIELDS[1] in out):
+        raise DataError(f"{where}: {TOPK_FIELDS[0]!r} and {TOPK_FIELDS[1]!r} come together")
+    if len(widths) > 1 or 0 in widths:
+        raise DataError(f"{where}: the top-K columns need the same K >= 1 for every token, got {sorted(widths)}")
+    if TOPK_FIELDS[0] in out:
+        ids, lps = out[TOPK_FIELDS[0]], out[TOPK_FIELDS[1]]
+        if len(ids) != len(lps) or any(len(a) != len(b) for a, b in zip(ids, lps)):
+            raise DataError(f"{where}: {TOPK_FIELDS[0]!r} and {TOPK_FIELDS[1]!r} differ in shape")
+        if any(not float(x).is_integer() or x < 0 for r in ids for x in r):
+            raise DataError(f"{where}: {TOPK_FIELDS[0]!r} must hold non-negative token ids")
+    return out
 
 
 def _check_row(row: Any, where: str) -> dict[str, Any]:
@@ -33,7 +77,7 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
                 )
         if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: 'messages' has no assistant turn (nothing to train on)")
-        return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs], **_token_fields(row, where)}
     missing = [k for k in ("prompt", "completion") if k not in row]
     if missing:
         raise DataError(
@@ -42,7 +86,7 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
     for k in ("prompt", "completion"):
         if not isinstance(row[k], str):
             raise DataError(f"{where}: column {k!r} must be a string, got {type(row[k]).__name__}")
-    return {"prompt": row["prompt"], "completion": row["completion"]}
+    return {"prompt": row["prompt"], "completion": row["completion"], **_token_fields(row, where)}
 
 
 def _jsonl_rows(path: Path):
@@ -88,6 +132,11 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
     if not rows:
         raise DataError(f"{path} holds no rows")
+    for k in TOKEN_FIELDS + TOPK_FIELDS[:1]:
+        have = [k in r for r in rows]
+        if any(have) and not all(have):
+            raise DataError(f"{path}: row {have.index(False)} has no {k!r} column but row {have.index(True)} does; "
+                            "every row or none must carry it")
     return rows
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from jaxlm.data.conditioned import ConditionedDigits
 from jaxlm.data.encoding import encode
 from jaxlm.data.facts import FactWorld
-from jaxlm.data.files import DataError, Files, read_rows
+from jaxlm.data.files import TOKEN_FIELDS, TOPK_FIELDS, DataError, Files, read_rows
 from jaxlm.data.graphs import GraphLabels
 from jaxlm.data.polarity import Polarity
 from jaxlm.data.regression import LongTailedRegression
@@ -121,6 +121,12 @@ def _pad(example: dict[str, np.ndarray], seq_len: int, pad_id: int) -> dict[str,
         am = np.zeros((seq_len, seq_len), bool)
         am[:n, :n] = example["attn_mask"]
         out["attn_mask"] = am
+    for key in TOKEN_FIELDS + TOPK_FIELDS:  # per-token columns, zero on padding
+        if key in example:
+            v = example[key]
+            padded = np.zeros((seq_len,) + v.shape[1:], v.dtype)
+            padded[:n] = v
+            out[key] = padded
     for key in ("condition", "condition_mask"):  # fixed-width already
         if key in example:
             out[key] = example[key]
@@ -148,7 +154,13 @@ def _encoded_split(cfg: DataConfig, tokenizer, split: str) -> grain.MapDataset:
     examples = ExampleSource(cfg.source, split)
     if examples._rows is None:
         return grain.MapDataset.source(examples).map(_checked_encode(tokenizer, cfg.seq_len, cfg.source))
-    encoded = [encode(r, tokenizer) for r in examples._rows]
+    encoded = []
+    for i, r in enumerate(examples._rows):
+        try:
+            encoded.append(encode(r, tokenizer))
+        except DataError as e:
+            raise DataError(f"{cfg.source.path if split == 'train' or cfg.source.eval_path is None else cfg.source.eval_path}"
+                            f" row {i} of the {split} split: {e}") from None
     kept = [e for e in encoded if len(e["tokens"]) <= cfg.seq_len and e["loss_mask"].any()]
     dropped = len(encoded) - len(kept)
     if dropped:
@@ -175,8 +187,9 @@ def train_dataset(cfg: DataConfig, tokenizer, *, shard_index: int = 0, shard_cou
         )
     if cfg.pack:
         T = cfg.seq_len
+        extra = [k for k in TOKEN_FIELDS + TOPK_FIELDS if len(ds) and k in ds[0]]
         packed = grain.experimental.FirstFitPackIterDataset(
-            ds.to_iter_dataset(), length_struct={"tokens": T, "loss_mask": T},
+            ds.to_iter_dataset(), length_struct={"tokens": T, "loss_mask": T, **{k: T for k in extra}},
             num_packing_bins=cfg.batch_size, seed=cfg.shuffle_seed, shuffle_bins=True,
         )
 
@@ -186,6 +199,7 @@ def train_dataset(cfg: DataConfig, tokenizer, *, shard_index: int = 0, shard_cou
                 "loss_mask": x["loss_mask"].astype(bool),
                 "segment_ids": x["tokens_segment_ids"].astype(np.int32),
                 "positions": x["tokens_positions"].astype(np.int32),
+                **{k: x[k] for k in extra},
             }
 
         it = packed.map(rename)

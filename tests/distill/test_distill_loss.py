@@ -1,0 +1,232 @@
+"""The SFT loss with a teacher: every term against a numpy reference built from both models'
+full logits (shifts, packing and masking included), row-chunked == whole (values and
+gradients), top-K and offline modes, TPA against explicit two-step joints, and gradient
+accumulation exact under unequal token counts."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxlm
+from jaxlm.data.encoding import encode
+from jaxlm.models.masks import segment_mask
+from trainers.distill import loss as distill_loss
+from trainers.distill.config import DistillConfig
+from trainers.distill.loss import make_distill_loss_fn, transition_alignment
+from trainers.pear import PEARConfig
+from trainers.step import init_state, make_train_step
+
+TOK = jaxlm.ByteTokenizer()
+STUDENT = jaxlm.ModelConfig.tiny(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=1, init_std=0.3)
+TEACHER = jaxlm.ModelConfig.tiny(d_model=48, n_heads=2, n_kv_heads=1, ffn_dim=96, n_layers=2, init_std=0.5)
+EXAMPLES = [{"prompt": "12+30=", "completion": "42"}, {"prompt": "7+8=", "completion": "15"},
+            {"prompt": "sort 3 1 2:", "completion": "1 2 3"}, {"prompt": "a", "completion": "a longer answer here"}]
+
+
+def _batch(groups, T=40):
+    rows = []
+    for group in groups:
+        tokens, mask, seg, pos = [], [], [], []
+        for i, ex in enumerate(group, 1):
+            enc = encode(ex, TOK)
+            n = len(enc["tokens"])
+            tokens += enc["tokens"].tolist()
+            mask += enc["loss_mask"].tolist()
+            seg += [i] * n
+            pos += list(range(n))
+        pad = T - len(tokens)
+        rows.append({"tokens": tokens + [0] * pad, "loss_mask": mask + [False] * pad,
+                     "segment_ids": seg + [0] * pad, "positions": pos + [0] * pad})
+    return {k: jnp.asarray(np.array([r[k] for r in rows]), jnp.bool_ if k == "loss_mask" else jnp.int32)
+            for k in rows[0]}
+
+
+BATCH = _batch([[EXAMPLES[0], EXAMPLES[1]], [EXAMPLES[3]], [EXAMPLES[2], EXAMPLES[0]], [EXAMPLES[1]]])
+
+
+@pytest.fixture(scope="module")
+def models():
+    s, t = jaxlm.build_model(STUDENT, seed=0), jaxlm.build_model(TEACHER, seed=1)
+    sg, ss = nnx.split(s)
+    tg, ts = nnx.split(t)
+    return s, t, (sg, nnx.to_pure_dict(ss)), (tg, nnx.to_pure_dict(ts))
+
+
+def _np_logp(model, batch, tau):
+    logits = model(batch["tokens"], batch["positions"], mask=segment_mask(batch["segment_ids"])).logits
+    z = np.asarray(logits, np.float64) / tau
+    z -= z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def _np_valid(batch):
+    tok, seg, m = (np.asarray(batch[k]) for k in ("tokens", "segment_ids", "loss_mask"))
+    valid = np.zeros(tok.shape, bool)
+    valid[:, :-1] = m[:, 1:] & (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0)
+    targets = np.zeros_like(tok)
+    targets[:, :-1] = tok[:, 1:]
+    return targets, valid
+
+
+def _kl(p, q):
+    nz = p > 0
+    return float(np.sum(p[nz] * np.log(p[nz] / q[nz])))
+
+
+def np_reference(s, t, batch, cfg):
+    """(sum, count) of the distillation loss, from the definitions, position by position."""
+    tau = cfg.temperature
+    ls, lt, ls1 = _np_logp(s, batch, tau), _np_logp(t, batch, tau), _np_logp(s, batch, 1.0)
+    targets, valid = _np_valid(batch)
+    total = 0.0
+    for r, i in zip(*np.nonzero(valid)):
+        p, q = np.exp(lt[r, i]), np.exp(ls[r, i])
+        if cfg.teacher_logprobs == "topk":
+            head = np.argsort(-p, kind="stable")[:cfg.top_k]
+            rest = np.setdiff1d(np.arange(len(p)), head)
+            p = np.concatenate([p[head], [p[rest].sum()]])
+            q = np.concatenate([q[head], [q[rest].sum()]])
+        if cfg.divergence == "forward_kl":
+            d = _kl(p, q)
+        elif cfg.divergence == "jsd":
+            b = cfg.jsd_beta
+            m = b * p + (1 - b) * q
+            d = b * _kl(p, m) + (1 - b) * _kl(q, m)
+        else:
+            raise NotImplementedError(cfg.divergence)
+        loss = cfg.ce_weight * -ls1[r, i, targets[r, i]] + cfg.weight * tau**2 * d
+        if cfg.tpa_weight and i + 1 < valid.shape[1] and valid[r, i + 1]:
+            y = targets[r, i]
+            pn, qn = np.exp(lt[r, i + 1]), np.exp(ls[r, i + 1])
+            P = np.concatenate([np.exp(lt[r, i, y]) * pn, [1 - np.exp(lt[r, i, y])]])
+            Q = np.concatenate([np.exp(ls[r, i, y]) * qn, [1 - np.exp(ls[r, i, y])]])
+            loss += cfg.tpa_weight * tau**2 * _kl(P, Q)
+        total += loss
+    return total, float(valid.sum())
+
+
+CONFIGS = {
+    "forward_kl+ce+tpa": DistillConfig(teacher="t", divergence="forward_kl", ce_weight=0.3, tpa_weight=0.7,
+                                       temperature=2.0),
+    "jsd": DistillConfig(teacher="t", divergence="jsd", jsd_beta=0.3, temperature=0.7),
+    "topk_forward_kl": DistillConfig(teacher="t", divergence="forward_kl", teacher_logprobs="topk", top_k=5,
+                                     weight=0.5, ce_weight=1.0),
+    "topk_jsd": DistillConfig(teacher="t", divergence="jsd", teacher_logprobs="topk", top_k=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_loss_matches_numpy_reference(models, name):
+    s, t, (sg, sp), (tg, tp) = models
+    cfg = CONFIGS[name]
+    fn = make_distill_loss_fn(sg, sliding_window=None, distill=cfg, pear=None, teacher_graphdef=tg,
+                              vocab_size=STUDENT.vocab_size)
+    total, (count, sums) = jax.jit(fn)(sp, BATCH, tp)
+    want_total, want_count = np_reference(s, t, BATCH, cfg)
+    assert float(count) == want_count == float(sums["tokens"])
+    np.testing.assert_allclose(float(total), want_total, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["forward_kl+ce+tpa", "topk_jsd"])
+def test_row_chunks_give_the_same_loss_and_gradient(models, name, monkeypatch):
+    _, _, (sg, sp), (tg, tp) = models
+    cfg = CONFIGS[name]
+
+    def grads(chunked):
+        if chunked:  # every batch takes the chunked path, 7 rows (not dividing B * T) at a time
+            monkeypatch.setattr(distill_loss, "CHUNKED_LOSS_BYTES", 0)
+        c = DistillConfig(**{**cfg.__dict__, "chunk_rows": 7})
+        fn = make_distill_loss_fn(sg, sliding_window=None, distill=c, pear=None, teacher_graphdef=tg,
+                                  vocab_size=STUDENT.vocab_size)
+        out = jax.jit(jax.value_and_grad(lambda p: fn(p, BATCH, tp)[0]))(sp)
+        monkeypatch.undo()
+        return out
+
+    (whole, g_whole), (chunked, g_chunked) = grads(False), grads(True)
+    np.testing.assert_allclose(float(chunked), float(whole), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_whole), jax.tree.leaves(g_chunked)):
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-6)
+
+
+def test_transition_alignment_is_the_kl_of_two_step_joints():
+    rng = np.random.default_rng(0)
+    V = 9
+    for _ in range(5):
+        p_y, q_y = rng.uniform(0.05, 0.95, 2)
+        pn, qn = rng.dirichlet(np.ones(V)), rng.dirichlet(np.ones(V))
+        fkl = _kl(pn, qn)
+        P = np.concatenate([p_y * pn, [1 - p_y]])
+        Q = np.concatenate([q_y * qn, [1 - q_y]])
+        got = transition_alignment(jnp.log(p_y), jnp.log(q_y), jnp.asarray(fkl), form="joint_bucket")
+        np.testing.assert_allclose(float(got), _kl(P, Q), rtol=1e-5)
+        prod = transition_alignment(jnp.log(p_y), jnp.log(q_y), jnp.asarray(fkl), form="product")
+        np.testing.assert_allclose(float(prod), float(np.sum(P[:-1] * np.log(P[:-1] / Q[:-1]))), rtol=1e-5)
+    # a teacher certain of the data token: no bucket term, and no nan
+    got = transition_alignment(jnp.asarray(0.0), jnp.log(0.4), jnp.asarray(0.25), form="joint_bucket")
+    np.testing.assert_allclose(float(got), np.log(1 / 0.4) + 0.25, rtol=1e-6)
+
+
+def _sgd_step(sg, loss_fn, params, batch, side, accum):
+    tx = optax.sgd(1.0)
+    step = make_train_step(sg, tx, lambda s: 1.0, grad_accum=accum, loss_fn=loss_fn, donate=False)
+    new, metrics = step(init_state(params, tx, 0), (batch, side))
+    return new.params, metrics
+
+
+@pytest.mark.parametrize("with_pear", [False, True])
+def test_gradient_accumulation_is_exact_with_unequal_token_counts(models, with_pear):
+    """Rows 0, 2 (micro-batch 0) and 1, 3 (micro-batch 1) hold very different token counts;
+    two micro-batches give the update of one batch, PEAR's self-normalisation included."""
+    s, _, (sg, sp), (tg, tp) = models
+    cfg = CONFIGS["forward_kl+ce+tpa"]
+    batch = dict(BATCH)
+    pear = None
+    if with_pear:
+        rng = np.random.default_rng(0)
+        batch["behavior_logprobs"] = jnp.asarray(-rng.uniform(0, 4, batch["tokens"].shape), jnp.float32)
+        pear = PEARConfig(variant="block", gamma=0.8, block_size=2, clip=3.0)
+    fn = make_distill_loss_fn(sg, sliding_window=None, distill=cfg, pear=pear, teacher_graphdef=tg,
+                              vocab_size=STUDENT.vocab_size)
+    one, m1 = _sgd_step(sg, fn, sp, batch, tp, 1)
+    two, m2 = _sgd_step(sg, fn, sp, batch, tp, 2)
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-6)
+    for k in ("loss", "tokens", "ce", "distill", "tpa"):
+        np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-5)
+    _, valid = _np_valid(batch)
+    assert float(m1["tokens"]) == valid.sum()
+    if with_pear:
+        np.testing.assert_allclose(float(m2["pear_weight"]), float(m1["pear_weight"]), rtol=1e-5)
+
+
+def test_offline_topk_equals_the_online_teacher(models, tmp_path):
+    """Top-K log-probs written by `jaxlm logprobs` into the data rows give the loss the online
+    top-K teacher gives."""
+    from jaxlm.data.pipeline import DataConfig, train_dataset
+    from jaxlm.data.files import Files
+    from trainers.annotate import annotate_file
+
+    _, t, (sg, sp), (tg, tp) = models
+    t.tokenizer = TOK
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES))
+    annotate_file(t, data, tmp_path / "scored.jsonl", as_="teacher", top_k=4)
+    batch = next(iter(train_dataset(DataConfig(source=Files(path=str(tmp_path / "scored.jsonl"), eval_fraction=0.0),
+                                               seq_len=40, batch_size=4, pack=True), TOK)))
+    assert batch["teacher_topk_ids"].shape == (4, 40, 4)
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    online = DistillConfig(teacher="t", teacher_logprobs="topk", top_k=4, tpa_weight=0.5)
+    offline = DistillConfig(teacher_logprobs="offline", tpa_weight=0.5)
+    got = {}
+    for name, cfg in (("online", online), ("offline", offline)):
+        fn = make_distill_loss_fn(sg, sliding_window=None, distill=cfg, pear=None, teacher_graphdef=tg,
+                                  vocab_size=STUDENT.vocab_size)
+        got[name] = jax.jit(fn)(sp, batch, tp)
+    np.testing.assert_allclose(float(got["offline"][0]), float(got["online"][0]), rtol=1e-5)
+    for k in ("distill", "tpa"):
+        np.testing.assert_allclose(float(got["offline"][1][1][k]), float(got["online"][1][1][k]), rtol=1e-5)

@@ -1,0 +1,146 @@
+"""Distillation and PEAR through the run harness and the data pipeline: a teacher run beside
+the student, `jaxlm logprobs` columns carried through packing, and clear errors for a teacher
+with another vocabulary, missing behaviour log-probs and mis-sized columns."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm.data.files import DataError, Files, read_rows
+from jaxlm.data.pipeline import DataConfig, train_dataset
+from trainers.cli import main
+from trainers.config import ConfigError, ExperimentConfig, OptimizerConfig, SFTConfig, TrainerConfig
+from trainers.distill.config import DistillConfig
+from trainers.loop import train
+from trainers.pear import PEARConfig
+from trainers.recipes import apply_overrides
+from trainers.sft import load_teacher
+
+TOK = jaxlm.ByteTokenizer()
+SMALL = jaxlm.ModelConfig.tiny(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=1, max_seq_len=64)
+ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(7) for b in range(5)]
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("teacher")
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(d_model=48, n_heads=2, n_kv_heads=1, ffn_dim=96,
+                                                     max_seq_len=64), seed=3, tokenizer=TOK)
+    jaxlm.save_checkpoint(model, d / "model")
+    return d / "model"
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+def _experiment(out, data_path, algorithm, steps=3):
+    return ExperimentConfig(
+        model=SMALL,
+        data=DataConfig(source=Files(path=str(data_path), eval_fraction=0.1), seq_len=24, batch_size=8, pack=True,
+                        eval_examples=8),
+        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=1),
+        trainer=TrainerConfig(out_dir=str(out), steps=steps, progress=False, log_every=1, eval_every=0,
+                              save_every=100, eval_generate=0),
+        algorithm=algorithm,
+    )
+
+
+def _train_records(out):
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
+def test_distillation_and_pear_train_through_the_harness(tmp_path, teacher_dir, data_file):
+    scored = tmp_path / "scored.jsonl"
+    main(["logprobs", str(teacher_dir), "--data", str(data_file), "--out", str(scored), "--as", "behavior"])
+    rows = read_rows(scored)
+    assert len(rows) == len(ROWS) and all("behavior_logprobs" in r for r in rows)
+    algo = SFTConfig(distill=DistillConfig(teacher=str(teacher_dir), divergence="tail_aware", top_k=3, tail_beta=0.5,
+                                           ce_weight=0.5),
+                     pear=PEARConfig(variant="token", gamma=0.5))
+    result = train(_experiment(tmp_path / "run", scored, algo))
+    assert result.step == 3
+    recs = _train_records(tmp_path / "run")
+    assert len(recs) == 3
+    for r in recs:
+        assert np.isfinite(r["loss"]) and r["distill"] > 0 and r["pear_weight"] > 0 and r["ce"] > 0
+    assert jaxlm.load_checkpoint(tmp_path / "run" / "model").config == SMALL
+
+
+def test_overrides_reach_the_distillation_config(teacher_dir):
+    cfg = ExperimentConfig(algorithm=SFTConfig(distill=DistillConfig(teacher=str(teacher_dir))))
+    cfg = apply_overrides(cfg, ["algorithm.distill.divergence=jsd", "algorithm.distill.jsd_beta=0.25"])
+    assert cfg.algorithm.distill.divergence == "jsd" and cfg.algorithm.distill.jsd_beta == 0.25
+
+
+def test_teacher_with_another_vocabulary_is_refused(tmp_path):
+    other = jaxlm.build_model(jaxlm.ModelConfig.tiny(vocab_size=300), seed=0, tokenizer=TOK)
+    jaxlm.save_checkpoint(other, tmp_path / "t")
+    with pytest.raises(ConfigError, match="vocab_size=300 but the student has 259"):
+        load_teacher(str(tmp_path / "t"), jaxlm.build_model(SMALL), TOK)
+
+
+def test_pear_without_behaviour_logprobs_names_the_columns(tmp_path, data_file):
+    algo = SFTConfig(pear=PEARConfig())
+    with pytest.raises(ConfigError, match=r"algorithm.pear need\(s\) the data rows' per-token \['behavior_logprobs'\]"):
+        train(_experiment(tmp_path / "run", data_file, algo, steps=1))
+    fixed = SFTConfig(pear=PEARConfig(target="fixed"))
+    with pytest.raises(ConfigError, match="target_logprobs"):
+        train(_experiment(tmp_path / "run2", data_file, fixed, steps=1))
+
+
+def test_offline_distillation_without_stored_topk_is_refused(tmp_path, data_file):
+    algo = SFTConfig(distill=DistillConfig(teacher_logprobs="offline"))
+    with pytest.raises(ConfigError, match="teacher_topk_ids"):
+        train(_experiment(tmp_path / "run", data_file, algo, steps=1))
+
+
+def test_columns_pack_with_their_tokens(tmp_path, teacher_dir, data_file):
+    scored = tmp_path / "scored.jsonl"
+    main(["logprobs", str(teacher_dir), "--data", str(data_file), "--out", str(scored), "--as", "teacher",
+          "--top-k", "2"])
+    teacher = jaxlm.load_model(teacher_dir)
+    batch = next(iter(train_dataset(DataConfig(source=Files(path=str(scored), eval_fraction=0.0), seq_len=24,
+                                               batch_size=4, pack=True), TOK)))
+    # every packed document's column is the teacher's log-prob of that document's tokens
+    for r in range(4):
+        for doc in set(batch["segment_ids"][r][batch["segment_ids"][r] > 0].tolist()):
+            at = batch["segment_ids"][r] == doc
+            tokens = batch["tokens"][r][at]
+            logits = np.asarray(teacher(tokens[None], np.arange(len(tokens))[None]).logits[0], np.float64)
+            logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+                - logits.max(-1, keepdims=True)
+            want = [0.0] + [logp[i - 1, tokens[i]] for i in range(1, len(tokens))]
+            np.testing.assert_allclose(batch["teacher_logprobs"][r][at], want, rtol=1e-4, atol=1e-5)
+            top = np.argsort(-logp[:-1], axis=-1, kind="stable")[:, :2]
+            np.testing.assert_array_equal(batch["teacher_topk_ids"][r][at][1:], top)
+    assert batch["teacher_logprobs"][batch["segment_ids"] == 0].sum() == 0.0
+
+
+@pytest.mark.parametrize("row, match", [
+    ({"prompt": "1+1=", "completion": "2", "behavior_logprobs": [0.0, -1.0]},
+     r"rows.jsonl row 0 of the train split: a row's 'behavior_logprobs' has 2 entries but the row encodes to 7"),
+    ({"prompt": "1+1=", "completion": "2", "behavior_logprobs": "x"}, "list of finite numbers"),
+    ({"prompt": "1+1=", "completion": "2", "teacher_topk_ids": [[1]] * 7}, "come together"),
+    ({"prompt": "1+1=", "completion": "2", "teacher_topk_ids": [[1, 2]] * 7,
+      "teacher_topk_logprobs": [[-1.0, -2.0]] * 6}, "differ in shape"),
+])
+def test_bad_columns_name_the_row(tmp_path, row, match):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=match):
+        read_rows(path)
+        next(iter(train_dataset(DataConfig(source=Files(path=str(path), eval_fraction=0.0), seq_len=24, batch_size=1),
+                                TOK)))
+
+
+def test_rows_must_all_carry_a_column(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({**ROWS[1], "behavior_logprobs": [0.0] * 7}) + "\n")
+    with pytest.raises(DataError, match="row 0 has no 'behavior_logprobs' column but row 1 does"):
+        read_rows(path)

@@ -1,0 +1,124 @@
+"""Distillation divergences against numpy/scipy references written from their definitions,
+including the tail-aware identity KL = (head + bucket KL) + p_T * (renormalised-tail KL)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.spatial.distance import jensenshannon
+
+from trainers.distill.divergences import (
+    DIVERGENCES,
+    bucket_from_head,
+    bucketed,
+    forward_kl,
+    generalized_jsd,
+    reverse_kl,
+    tail_aware,
+    tail_aware_parts,
+)
+
+
+def _dists(seed, n=6, V=13, scale=2.3):
+    rng = np.random.default_rng(seed)
+    p = np.exp(rng.normal(size=(n, V)) * scale)
+    q = np.exp(rng.normal(size=(n, V)) * 1.7)
+    p[0, 3] = 0.0  # a zero-probability teacher bin
+    p[1, :] = 0.7  # a flat teacher: every top-K is a tie
+    p /= p.sum(-1, keepdims=True)
+    q /= q.sum(-1, keepdims=True)
+    return p, q
+
+
+@np.errstate(divide="ignore", invalid="ignore")
+def np_kl(p, q):
+    out = np.zeros(p.shape[0])
+    for i in range(p.shape[0]):
+        nz = p[i] > 0
+        out[i] = np.sum(p[i, nz] * np.log(p[i, nz] / q[i, nz]))
+    return out
+
+
+@np.errstate(divide="ignore", invalid="ignore")
+def np_tail_aware(p, q, k, beta):
+    """From the paper's definition: KL over the teacher's top-k and one tail bucket, plus beta
+    times the KL of the renormalised tails (ties by the lower index, as lax.top_k)."""
+    out = np.zeros(p.shape[0])
+    for i in range(p.shape[0]):
+        head = np.argsort(-p[i], kind="stable")[:k]
+        tail = np.setdiff1d(np.arange(p.shape[1]), head)
+        pT, qT = p[i, tail].sum(), q[i, tail].sum()
+        bins_p = np.concatenate([p[i, head], [pT]])
+        bins_q = np.concatenate([q[i, head], [qT]])
+        nz = bins_p > 0
+        bucket = np.sum(bins_p[nz] * np.log(bins_p[nz] / bins_q[nz]))
+        pt, qt = p[i, tail] / pT, q[i, tail] / qT
+        nz = pt > 0
+        out[i] = bucket + beta * np.sum(pt[nz] * np.log(pt[nz] / qt[nz]))
+    return out
+
+
+def _logs(p, q):
+    with np.errstate(divide="ignore"):
+        return jnp.asarray(np.log(p), jnp.float32), jnp.asarray(np.log(q), jnp.float32)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kl_directions_match_numpy(seed):
+    p, q = _dists(seed)
+    lp, lq = _logs(p, q)
+    np.testing.assert_allclose(forward_kl(lp, lq), np_kl(p, q), rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(reverse_kl(lp, lq), np_kl(q, p), rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(forward_kl(lp, lp), 0.0, atol=1e-6)
+
+
+def test_jsd_matches_scipy_and_the_generalized_definition():
+    p, q = _dists(2)
+    lp, lq = _logs(p, q)
+    # scipy's jensenshannon is the square root of the beta = 1/2 JSD (natural log)
+    want = np.array([jensenshannon(a, b) ** 2 for a, b in zip(p, q)])
+    np.testing.assert_allclose(generalized_jsd(lp, lq, jsd_beta=0.5), want, rtol=1e-4, atol=1e-6)
+    beta = 0.3
+    m = beta * p + (1 - beta) * q
+    np.testing.assert_allclose(generalized_jsd(lp, lq, jsd_beta=beta),
+                               beta * np_kl(p, m) + (1 - beta) * np_kl(q, m), rtol=1e-4, atol=1e-6)
+    assert float(jnp.max(generalized_jsd(lp, lq, jsd_beta=beta))) <= np.log(2) + 1e-6  # bounded
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 12, 13])
+def test_tail_aware_matches_numpy_and_decomposes_kl(k):
+    p, q = _dists(3)
+    lp, lq = _logs(p, q)
+    for beta in (0.0, 0.37, 2.0):
+        np.testing.assert_allclose(tail_aware(lp, lq, top_k=k, tail_beta=beta), np_tail_aware(p, q, k, beta),
+                                   rtol=5e-5, atol=2e-6)
+    bucket, tail, pT = tail_aware_parts(lp, lq, k)
+    # the exact identity: KL = KL over head + bucket + p_T * KL of the renormalised tails
+    np.testing.assert_allclose(bucket + pT * tail, np_kl(p, q), rtol=5e-5, atol=2e-6)
+    # beta = p_T reduces the tail-aware divergence to KL
+    np.testing.assert_allclose(tail_aware(lp, lq, top_k=k, tail_beta=pT), np_kl(p, q), rtol=5e-5, atol=2e-6)
+
+
+def test_tail_aware_with_k_zero_is_beta_kl():
+    p, q = _dists(4)
+    lp, lq = _logs(p, q)
+    np.testing.assert_allclose(tail_aware(lp, lq, top_k=0, tail_beta=0.6), 0.6 * np_kl(p, q), rtol=5e-5, atol=1e-6)
+
+
+def test_buckets_from_full_and_stored_head_agree():
+    p, q = _dists(5)
+    lp, _ = _logs(p, q)
+    idx = jax.lax.top_k(lp, 4)[1]
+    full = bucketed(lp, idx)
+    np.testing.assert_allclose(np.exp(full).sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(full, bucket_from_head(jnp.take_along_axis(lp, idx, -1)), rtol=1e-4, atol=1e-5)
+    # forward KL of the buckets is the tail-aware divergence with beta = 0
+    lq = _logs(p, _dists(6)[1])[1]
+    np.testing.assert_allclose(forward_kl(bucketed(lp, idx), bucketed(lq, idx)),
+                               tail_aware(lp, lq, top_k=4, tail_beta=0.0), rtol=1e-5, atol=1e-6)
+
+
+def test_registry_lists_the_divergences():
+    assert {"forward_kl", "reverse_kl", "jsd", "tail_aware"} <= set(DIVERGENCES)
+    with pytest.raises(KeyError, match="forward_kl"):
+        DIVERGENCES["forward-kl"]

@@ -1,0 +1,195 @@
+"""The SFT loss with a frozen teacher and/or PEAR importance weights (``SFTConfig.distill``,
+``SFTConfig.pear``), as a ``(sum, (count, sums))`` pair so gradient accumulation stays exact.
+
+Per trained position t (target ``y = tokens[t + 1]``), with ``p``/``q`` the teacher's and the
+student's next-token distributions at temperature tau:
+
+    loss_t = ce_weight CE_t + weight tau^2 D(p_t || q_t) + tpa_weight tau^2 TPA_t
+
+The student's LM head and the teacher's run over ``chunk_rows`` positions at a time when the
+float32 ``[B, T, V]`` logits exceed `trainers.step.CHUNKED_LOSS_BYTES` (each chunk under
+`jax.checkpoint`: the backward pass recomputes its logits), so no float32 ``[B, T, V]`` exists
+whole; with ``teacher_logprobs="topk"`` the teacher's side is only its top-K log-probs and a
+tail bucket ``[B, T, K + 1]`` (computed once, no gradient).
+
+Align-TI's TPA (Chen et al. 2026, method card B.9, [INFERRED] reading): the divergence of the
+two-step joints ``P(y, v) = p_t(y) p_{t+1}(v | y)`` along the data token ``y``;
+``joint_bucket`` lumps the pairs whose first token is not ``y`` into one bin, a proper KL:
+
+    TPA_t = p_t(y) log(p_t(y)/q_t(y)) + (1 - p_t(y)) log((1 - p_t(y))/(1 - q_t(y))) + p_t(y) KL(p_{t+1} || q_{t+1})
+
+``product`` drops the middle term (the card's formula as written). Only positions whose next
+position is trained too have a transition.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlm.models.logprobs import unembedding
+from trainers.distill.config import DistillConfig
+from trainers.distill.divergences import DIVERGENCES, bucket_from_head, bucketed, forward_kl
+from trainers.losses import next_token_targets
+from trainers.pear import PEARConfig, pear_weights, shifted
+from trainers.step import CHUNKED_LOSS_BYTES, forward
+
+Batch = dict[str, jax.Array]
+
+
+def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def _over_chunks(fn: Callable, args: tuple, n: int, chunk: int | None, *, remat: bool) -> dict[str, jax.Array]:
+    """``fn(*args)`` on rows ``[n, ...]``, ``chunk`` rows at a time (None: all at once)."""
+    if chunk is None or chunk >= n:
+        return fn(*args)
+    pad = (-n) % chunk
+
+    def split(x):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(-1, chunk, *x.shape[1:])
+
+    body = jax.checkpoint(lambda xs: fn(*xs)) if remat else (lambda xs: fn(*xs))
+    out = jax.lax.map(body, jax.tree.map(split, args))
+    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:n], out)
+
+
+def teacher_topk(h: jax.Array, w: jax.Array, targets: jax.Array, *, k: int, temperature: float,
+                 chunk: int | None) -> dict[str, jax.Array]:
+    """The teacher's top-``k`` bins and tail bucket ``bucket [n, k + 1]``, their token ids
+    ``idx [n, k]`` and the log-prob of each target ``target [n]``, at ``temperature``,
+    ``chunk`` rows of logits at a time (no gradient)."""
+    h, w = jax.lax.stop_gradient(h), jax.lax.stop_gradient(w)
+
+    def one(hc, tc):
+        logp = jax.nn.log_softmax(_logits(hc, w) / temperature, axis=-1)
+        _, idx = jax.lax.top_k(logp, k)
+        return {"bucket": bucketed(logp, idx), "idx": idx,
+                "target": jnp.take_along_axis(logp, tc[:, None], axis=-1)[:, 0]}
+
+    return _over_chunks(one, (h, targets), h.shape[0], chunk, remat=False)
+
+
+def position_terms(h: jax.Array, w: jax.Array, targets: jax.Array, teacher: dict[str, Any] | None,
+                   cfg: DistillConfig | None, *, chunk: int | None, need_fkl: bool) -> dict[str, jax.Array]:
+    """Per-row ``nll`` (at temperature 1) and, with a teacher, ``div`` (``cfg.divergence``),
+    ``fkl`` (forward KL, for TPA), ``q_target`` / ``p_target`` (the student's / teacher's
+    log-prob of the target at tau). ``teacher``: ``{"h", "w"}`` (full distributions) or
+    ``{"bucket", "idx", "target"}`` (top-K bins)."""
+    full = teacher is not None and "h" in teacher
+    tw = jax.lax.stop_gradient(teacher["w"]) if full else None
+    div_fn = DIVERGENCES[cfg.divergence] if cfg is not None else None
+
+    def one(hc, tc, tch):
+        logits = _logits(hc, w)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        out = {"nll": lse - jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]}
+        if teacher is None:
+            return out
+        tau = cfg.temperature
+        q = jax.nn.log_softmax(logits / tau, axis=-1)
+        if full:
+            p = jax.nn.log_softmax(jax.lax.stop_gradient(_logits(tch["h"], tw)) / tau, axis=-1)
+            p_target = jnp.take_along_axis(p, tc[:, None], axis=-1)[:, 0]
+        else:
+            p, p_target = tch["bucket"], tch["target"]
+            q_full, q = q, bucketed(q, tch["idx"])
+        kwargs = dict(jsd_beta=cfg.jsd_beta, top_k=cfg.top_k, tail_beta=cfg.tail_beta)
+        out["div"] = div_fn(p, q, **kwargs)
+        if need_fkl:
+            out["fkl"] = out["div"] if cfg.divergence == "forward_kl" else forward_kl(p, q)
+            out["p_target"] = p_target
+            out["q_target"] = jnp.take_along_axis(q if full else q_full, tc[:, None], axis=-1)[:, 0]
+        return out
+
+    tch = {} if teacher is None else ({"h": teacher["h"]} if full else
+                                      {k: teacher[k] for k in ("bucket", "idx", "target")})
+    return _over_chunks(one, (h, targets, tch), h.shape[0], chunk, remat=True)
+
+
+def _log1mexp(x: jax.Array) -> jax.Array:
+    """``log(1 - exp(x))`` for ``x <= 0`` (``-inf`` at 0)."""
+    x = jnp.minimum(x, 0.0)
+    return jnp.where(x > -0.693, jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
+
+
+def transition_alignment(p_target, q_target, fkl_next, *, form: str) -> jax.Array:
+    """TPA per position (module docstring), from the teacher's/student's log-prob of the data
+    token and the forward KL of the next position."""
+    pt = jnp.exp(p_target)
+    first = jnp.where(pt > 0, pt * (p_target - q_target), 0.0)
+    if form == "joint_bucket":
+        rest_p, rest_q = _log1mexp(p_target), _log1mexp(q_target)
+        first = first + jnp.where(pt < 1, (1 - pt) * (rest_p - rest_q), 0.0)
+    return first + pt * fkl_next
+
+
+def make_distill_loss_fn(graphdef, *, sliding_window: int | None, distill: DistillConfig | None,
+                         pear: PEARConfig | None, teacher_graphdef=None, vocab_size: int):
+    """``loss(params, batch, teacher_params) -> (sum, (count, sums))``: ``count`` is the
+    trained-token count (or PEAR's weight sum when self-normalised); ``sums`` holds the
+    trained-token count and the summed ``ce`` / ``distill`` / ``tpa`` / ``pear_weight`` terms."""
+    need_fkl = distill is not None and distill.tpa_weight > 0
+
+    def loss_fn(params, batch: Batch, teacher_params):
+        targets, valid = next_token_targets(batch)
+        B, T = targets.shape
+        big = 4 * B * T * vocab_size > CHUNKED_LOSS_BYTES
+        rows = distill.chunk_rows if (big and distill is not None) else (512 if big else None)
+        student = nnx.merge(graphdef, params)
+        out = forward(graphdef, params, batch, sliding_window=sliding_window, head=False)
+        h = out.hidden.reshape(B * T, -1)
+        flat_targets = targets.reshape(-1)
+        teacher = None
+        if distill is not None:
+            if distill.teacher_logprobs == "offline":
+                missing = [k for k in ("teacher_topk_ids", "teacher_topk_logprobs") + (
+                    ("teacher_logprobs",) if need_fkl else ()) if k not in batch]
+                if missing:
+                    raise ValueError(f"algorithm.distill.teacher_logprobs='offline' needs the data rows' {missing} "
+                                     "(write them with `jaxlm logprobs --as teacher --top-k K`)")
+                teacher = {"bucket": bucket_from_head(shifted(batch["teacher_topk_logprobs"])).reshape(B * T, -1),
+                           "idx": shifted(batch["teacher_topk_ids"]).reshape(B * T, -1),
+                           "target": shifted(batch.get("teacher_logprobs", jnp.zeros((B, T)))).reshape(-1)}
+            else:
+                t_out = forward(teacher_graphdef, teacher_params, batch, sliding_window=sliding_window, head=False)
+                th = jax.lax.stop_gradient(t_out.hidden).reshape(B * T, -1)
+                tw = unembedding(nnx.merge(teacher_graphdef, teacher_params))
+                if distill.teacher_logprobs == "full":
+                    teacher = {"h": th, "w": tw}
+                else:
+                    teacher = teacher_topk(th, tw, flat_targets, k=distill.top_k,
+                                           temperature=distill.temperature, chunk=rows)
+        terms = position_terms(h, unembedding(student), flat_targets, teacher, distill, chunk=rows,
+                               need_fkl=need_fkl)
+        terms = {k: v.reshape(B, T) for k, v in terms.items()}
+        per_token = jnp.zeros((B, T), jnp.float32)
+        sums: dict[str, jax.Array] = {"tokens": valid.sum(dtype=jnp.float32),
+                                      "ce": jnp.sum(jnp.where(valid, terms["nll"], 0.0))}
+        if distill is None:
+            per_token = terms["nll"]
+        else:
+            tau2 = distill.temperature**2
+            per_token = distill.ce_weight * terms["nll"] + distill.weight * tau2 * terms["div"]
+            sums["distill"] = jnp.sum(jnp.where(valid, terms["div"], 0.0))
+            if need_fkl:
+                nxt = jnp.concatenate([valid[:, 1:], jnp.zeros_like(valid[:, :1])], axis=1) & valid
+                fkl_next = jnp.concatenate([terms["fkl"][:, 1:], jnp.zeros_like(terms["fkl"][:, :1])], axis=1)
+                tpa = transition_alignment(terms["p_target"], terms["q_target"], fkl_next, form=distill.tpa_form)
+                tpa = jnp.where(nxt, tpa, 0.0)
+                per_token = per_token + distill.tpa_weight * tau2 * tpa
+                sums["tpa"] = jnp.sum(tpa)
+        weights = jnp.where(valid, 1.0, 0.0)
+        if pear is not None:
+            weights = jax.lax.stop_gradient(pear_weights(-terms["nll"], batch, valid, pear))
+            sums["pear_weight"] = jnp.sum(weights)
+        total = jnp.sum(jnp.where(valid, weights * per_token, 0.0))
+        count = sums["pear_weight"] if (pear is not None and pear.normalize) else sums["tokens"]
+        return total, (count, sums)
+
+    return loss_fn
