@@ -15,7 +15,6 @@ from flax import nnx
 import jaxlm
 from jaxlm.data.encoding import encode
 from jaxlm.models.masks import segment_mask
-from trainers.distill import loss as distill_loss
 from trainers.distill.config import DistillConfig
 from trainers.distill.loss import make_distill_loss_fn, transition_alignment
 from trainers.pear import PEARConfig
@@ -133,19 +132,15 @@ def test_loss_matches_numpy_reference(models, name):
 
 
 @pytest.mark.parametrize("name", ["forward_kl+ce+tpa", "topk_jsd"])
-def test_row_chunks_give_the_same_loss_and_gradient(models, name, monkeypatch):
+def test_row_chunks_give_the_same_loss_and_gradient(models, name):
     _, _, (sg, sp), (tg, tp) = models
     cfg = CONFIGS[name]
 
-    def grads(chunked):
-        if chunked:  # every batch takes the chunked path, 7 rows (not dividing B * T) at a time
-            monkeypatch.setattr(distill_loss, "CHUNKED_LOSS_BYTES", 0)
+    def grads(chunked):  # chunks of 7 rows, not dividing B * T
         c = DistillConfig(**{**cfg.__dict__, "chunk_rows": 7})
         fn = make_distill_loss_fn(sg, sliding_window=None, distill=c, pear=None, teacher_graphdef=tg,
-                                  vocab_size=STUDENT.vocab_size)
-        out = jax.jit(jax.value_and_grad(lambda p: fn(p, BATCH, tp)[0]))(sp)
-        monkeypatch.undo()
-        return out
+                                  vocab_size=STUDENT.vocab_size, chunked=chunked)
+        return jax.jit(jax.value_and_grad(lambda p: fn(p, BATCH, tp)[0]))(sp)
 
     (whole, g_whole), (chunked, g_chunked) = grads(False), grads(True)
     np.testing.assert_allclose(float(chunked), float(whole), rtol=1e-5)
@@ -230,3 +225,20 @@ def test_offline_topk_equals_the_online_teacher(models, tmp_path):
     np.testing.assert_allclose(float(got["offline"][0]), float(got["online"][0]), rtol=1e-5)
     for k in ("distill", "tpa"):
         np.testing.assert_allclose(float(got["offline"][1][1][k]), float(got["online"][1][1][k]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["full", "topk"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_fused_forward_kl_backward_equals_autodiff(models, mode, chunked):
+    """The hand-written backward pass of the forward KL (+ CE) == autodiff of the generic path."""
+    _, _, (sg, sp), (tg, tp) = models
+    cfg = DistillConfig(teacher="t", divergence="forward_kl", teacher_logprobs=mode, top_k=4, ce_weight=0.4,
+                        temperature=1.7, chunk_rows=7)
+    out = {}
+    for fused in (False, True):
+        fn = make_distill_loss_fn(sg, sliding_window=None, distill=cfg, pear=None, teacher_graphdef=tg,
+                                  vocab_size=STUDENT.vocab_size, chunked=chunked, fused=fused)
+        out[fused] = jax.jit(jax.value_and_grad(lambda p: fn(p, BATCH, tp)[0]))(sp)
+    np.testing.assert_allclose(float(out[True][0]), float(out[False][0]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[False][1]), jax.tree.leaves(out[True][1])):
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-6)

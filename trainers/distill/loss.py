@@ -24,10 +24,12 @@ position is trained too have a transition.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxlm.models.logprobs import unembedding
@@ -73,6 +75,81 @@ def teacher_topk(h: jax.Array, w: jax.Array, targets: jax.Array, *, k: int, temp
                 "target": jnp.take_along_axis(logp, tc[:, None], axis=-1)[:, 0]}
 
     return _over_chunks(one, (h, targets), h.shape[0], chunk, remat=False)
+
+
+def _zero_cotangent(x):
+    x = jnp.asarray(x)
+    return np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros_like(x)
+
+
+def _kd_forward(h, w, targets, teacher, tau):
+    z = _logits(h, w)
+    lse1 = jax.nn.logsumexp(z, axis=-1)
+    nll = lse1 - jnp.take_along_axis(z, targets[:, None], axis=-1)[:, 0]
+    lse_tau = jax.nn.logsumexp(z / tau, axis=-1)
+    logq = z / tau - lse_tau[:, None]
+    if "h" in teacher:
+        p = jax.nn.log_softmax(_logits(teacher["h"], teacher["w"]) / tau, axis=-1)
+        return nll, forward_kl(p, logq), (lse1, lse_tau, None)
+    q = bucketed(logq, teacher["idx"])
+    return nll, forward_kl(teacher["bucket"], q), (lse1, lse_tau, q[:, -1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_kd(h, w, targets, teacher, tau):
+    nll, kl, _ = _kd_forward(h, w, targets, teacher, tau)
+    return nll, kl
+
+
+def _fused_kd_fwd(h, w, targets, teacher, tau):
+    nll, kl, stats = _kd_forward(h, w, targets, teacher, tau)
+    return (nll, kl), (h, w, targets, teacher, stats)
+
+
+def _fused_kd_bwd(tau, res, g):
+    # d CE / dz = softmax(z) - onehot(y); d KL(p || softmax(z / tau)) / dz = (q - p^) / tau, where
+    # p^ = p on a full vocabulary and, over top-K bins, p_v on the head and p_T q_v / q_T on the tail
+    h, w, targets, teacher, (lse1, lse_tau, log_q_tail) = res
+    g_nll, g_kl = g
+    z = _logits(h, w)
+    rows = jnp.arange(z.shape[0])[:, None]
+    # every term an elementwise function of z, so XLA writes dz in one pass over the logits
+    q = jnp.exp(z / tau - lse_tau[:, None])
+    ce = g_nll[:, None] * jnp.exp(z - lse1[:, None])
+    if "h" in teacher:
+        p = jax.nn.softmax(_logits(teacher["h"], teacher["w"]) / tau, axis=-1)
+        dz = ce + (g_kl / tau)[:, None] * (q - p)
+    else:
+        # everywhere the tail's p^ = (p_T / q_T) q, then the head's entries corrected in place
+        idx, bucket = teacher["idx"], teacher["bucket"]
+        tail_scale = jnp.exp(bucket[:, -1] - log_q_tail)
+        tail_scale = jnp.where(jnp.isfinite(tail_scale), tail_scale, 0.0)
+        dz = ce + (g_kl / tau * (1.0 - tail_scale))[:, None] * q
+        q_head = jnp.exp(jnp.take_along_axis(z, idx, axis=-1) / tau - lse_tau[:, None])
+        dz = dz.at[rows, idx].add((g_kl / tau)[:, None] * (tail_scale[:, None] * q_head - jnp.exp(bucket[:, :-1])))
+    dz = dz.at[rows[:, 0], targets].add(-g_nll)
+    dh = jnp.dot(dz, w.astype(jnp.float32).T).astype(h.dtype)
+    dw = jnp.dot(h.astype(jnp.float32).T, dz).astype(w.dtype)
+    return dh, dw, _zero_cotangent(targets), jax.tree.map(_zero_cotangent, teacher)
+
+
+_fused_kd.defvjp(_fused_kd_fwd, _fused_kd_bwd)
+
+
+def fused_forward_kl_terms(h, w, targets, teacher: dict[str, Any], *, tau: float, chunk: int | None):
+    """``{"nll", "div"}`` per row for the forward KL, with a hand-written backward pass (one
+    elementwise pass over each chunk's recomputed logits): the same values and gradients as
+    `position_terms`, fewer passes over ``[rows, V]``."""
+    full = "h" in teacher
+    tw = jax.lax.stop_gradient(teacher["w"]) if full else None
+
+    def one(hc, tc, tch):
+        tch = {"h": jax.lax.stop_gradient(tch["h"]), "w": tw} if full else jax.lax.stop_gradient(tch)
+        nll, kl = _fused_kd(hc, w, tc, tch, tau)
+        return {"nll": nll, "div": kl}
+
+    tch = {"h": teacher["h"]} if full else {k: teacher[k] for k in ("bucket", "idx")}
+    return _over_chunks(one, (h, targets, tch), h.shape[0], chunk, remat=False)
 
 
 def position_terms(h: jax.Array, w: jax.Array, targets: jax.Array, teacher: dict[str, Any] | None,
@@ -130,16 +207,20 @@ def transition_alignment(p_target, q_target, fkl_next, *, form: str) -> jax.Arra
 
 
 def make_distill_loss_fn(graphdef, *, sliding_window: int | None, distill: DistillConfig | None,
-                         pear: PEARConfig | None, teacher_graphdef=None, vocab_size: int):
+                         pear: PEARConfig | None, teacher_graphdef=None, vocab_size: int,
+                         chunked: bool | None = None, fused: bool = True):
     """``loss(params, batch, teacher_params) -> (sum, (count, sums))``: ``count`` is the
     trained-token count (or PEAR's weight sum when self-normalised); ``sums`` holds the
-    trained-token count and the summed ``ce`` / ``distill`` / ``tpa`` / ``pear_weight`` terms."""
+    trained-token count and the summed ``ce`` / ``distill`` / ``tpa`` / ``pear_weight`` terms.
+    ``chunked``: run the LM heads in row chunks (None: when the float32 ``[B, T, V]`` logits
+    exceed `CHUNKED_LOSS_BYTES`). ``fused``: the forward KL without TPA takes the hand-written
+    backward pass (`fused_forward_kl_terms`)."""
     need_fkl = distill is not None and distill.tpa_weight > 0
 
     def loss_fn(params, batch: Batch, teacher_params):
         targets, valid = next_token_targets(batch)
         B, T = targets.shape
-        big = 4 * B * T * vocab_size > CHUNKED_LOSS_BYTES
+        big = 4 * B * T * vocab_size > CHUNKED_LOSS_BYTES if chunked is None else chunked
         rows = distill.chunk_rows if (big and distill is not None) else (512 if big else None)
         student = nnx.merge(graphdef, params)
         out = forward(graphdef, params, batch, sliding_window=sliding_window, head=False)
@@ -163,10 +244,15 @@ def make_distill_loss_fn(graphdef, *, sliding_window: int | None, distill: Disti
                 if distill.teacher_logprobs == "full":
                     teacher = {"h": th, "w": tw}
                 else:
+                    # no gradient flows here: chunking the teacher's logits costs nothing
                     teacher = teacher_topk(th, tw, flat_targets, k=distill.top_k,
-                                           temperature=distill.temperature, chunk=rows)
-        terms = position_terms(h, unembedding(student), flat_targets, teacher, distill, chunk=rows,
-                               need_fkl=need_fkl)
+                                           temperature=distill.temperature, chunk=distill.chunk_rows)
+        if fused and teacher is not None and distill.divergence == "forward_kl" and not need_fkl:
+            terms = fused_forward_kl_terms(h, unembedding(student), flat_targets, teacher,
+                                           tau=distill.temperature, chunk=rows)
+        else:
+            terms = position_terms(h, unembedding(student), flat_targets, teacher, distill, chunk=rows,
+                                   need_fkl=need_fkl)
         terms = {k: v.reshape(B, T) for k, v in terms.items()}
         per_token = jnp.zeros((B, T), jnp.float32)
         sums: dict[str, jax.Array] = {"tokens": valid.sum(dtype=jnp.float32),
