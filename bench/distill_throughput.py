@@ -1,7 +1,8 @@
 """Distillation step vs the plain SFT step: tokens/s and XLA's peak memory, same run.
 
 The student and batch are the same in every row; the distillation rows add a frozen teacher's
-forward and the divergence (`trainers.distill.loss`). Peak memory is XLA's buffer assignment
+forward and the divergence (`trainers.distill.loss`); "autodiff" is the forward KL differentiated by JAX
+instead of its hand-written backward pass. Peak memory is XLA's buffer assignment
 of the compiled step (``memory_analysis()``: arguments, i.e. parameters, optimizer state,
 teacher and batch, plus temporaries; a donated state is not counted twice). Timed calls
 alternate between the variants so machine drift hits all of them; medians are compared.
@@ -60,14 +61,16 @@ def main() -> None:
         teacher = jaxlm.build_model(tcfg, seed=1)
         tg, ts = nnx.split(teacher)
         tp = nnx.to_pure_dict(ts)
-        for mode, chunked in (("full", False), ("full", True), ("topk", False), ("topk", True)):
-            if tname == "larger" and mode == "full":
+        for mode, chunked, fused in (("full", False, True), ("full", True, True), ("topk", False, True),
+                                     ("topk", True, True), ("topk", False, False)):
+            if tname == "larger" and (mode == "full" or not fused):
                 continue
             cfg = DistillConfig(teacher="bench", divergence="forward_kl", teacher_logprobs=mode, top_k=args.top_k,
                                 chunk_rows=args.chunk_rows)
             fn = make_distill_loss_fn(graphdef, sliding_window=None, distill=cfg, pear=None, teacher_graphdef=tg,
-                                      vocab_size=V, chunked=chunked)
-            name = f"distill {mode}{', chunked' if chunked else ''}, {tname} teacher"
+                                      vocab_size=V, chunked=chunked, fused=fused)
+            name = (f"distill {mode}{', chunked' if chunked else ''}{', autodiff' if not fused else ''}, "
+                    f"{tname} teacher")
             variants[name] = (make_train_step(graphdef, tx, lambda s: 1e-4, loss_fn=fn), tp)
 
     states, memory, times = {}, {}, {k: [] for k in variants}
