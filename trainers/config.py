@@ -19,6 +19,7 @@ from jaxlm.models.config import ModelConfig
 from trainers.distill.config import DistillConfig
 from trainers.losses import TOKEN_WEIGHTS
 from trainers.pear import PEARConfig
+from trainers.schedule.config import ScheduleConfig
 from trainers.rl.environments import RPSConfig
 from trainers.rl.registries import check_grpo_config
 
@@ -162,13 +163,15 @@ class SFTConfig:
     """Distil a frozen teacher in the same step (`trainers.distill`; None: off)."""
     pear: PEARConfig | None = None
     """PEAR importance weights toward the RL policy (`trainers.pear`; None: off)."""
+    schedule: ScheduleConfig | None = None
+    """Reorder upcoming batches with the live model (D^3 and baselines, `trainers.schedule`; None: data order)."""
 
     def __post_init__(self):
         if not self.sem_lambda >= 0:
             raise ValueError(f"algorithm.sem_lambda={self.sem_lambda!r} is invalid: must be >= 0")
         if not 0 < self.sem_threshold <= 1:
             raise ValueError(f"algorithm.sem_threshold={self.sem_threshold!r} is invalid: must be in (0, 1]")
-        for name, kind in (("distill", DistillConfig), ("pear", PEARConfig)):
+        for name, kind in (("distill", DistillConfig), ("pear", PEARConfig), ("schedule", ScheduleConfig)):
             v = getattr(self, name)
             if v is not None and not isinstance(v, kind):
                 raise ValueError(f"algorithm.{name} must be a {kind.__name__} or None, got {type(v).__name__}")

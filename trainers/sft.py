@@ -31,8 +31,9 @@ from trainers.distill.loss import make_distill_loss_fn
 from trainers.evaluate import heldout_metrics
 from trainers.losses import TOKEN_WEIGHTS
 from trainers.optim import make_optimizer, param_names
+from trainers.schedule.scheduler import UnitScheduler
 from trainers.setup import check_trainable
-from trainers.step import TrainState, init_state, make_eval_loss, make_train_step
+from trainers.step import TrainState, init_state, make_eval_loss, make_loss_fn, make_train_step
 
 
 def required_fields(algo) -> tuple[str, ...]:
@@ -110,6 +111,13 @@ class SFT:
             loss_fn = make_distill_loss_fn(self.graphdef, sliding_window=window, distill=d, pear=a.pear,
                                            teacher_graphdef=teacher_graphdef, vocab_size=setup.model.config.vocab_size)
         self._fields = required_fields(a)
+        self.scheduler = None
+        if a.schedule is not None:
+            if jax.process_count() > 1:
+                raise ConfigError("algorithm.schedule runs on one process (trainer.multihost=false)")
+            o = cfg.optimizer
+            self.scheduler = UnitScheduler(self.batches, a.schedule, make_loss_fn(self.graphdef, sliding_window=window),
+                                           self._params, adam=(o.b2, o.eps))
         self._step = make_train_step(
             self.graphdef, self.tx, schedule, grad_accum=t.grad_accum, sliding_window=window,
             weight_fn=TOKEN_WEIGHTS[a.token_weights], beta_l1=a.beta_l1, sem_lambda=a.sem_lambda,
@@ -131,14 +139,18 @@ class SFT:
                              rng=jax.device_put(state.rng, self._replicated))
 
     def batch(self, state: TrainState, k: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        batch = next(self.batches)
+        info: dict[str, float] = {}
+        if self.scheduler is not None:
+            batch, info = self.scheduler.next(state.params, state.opt_state)
+        else:
+            batch = next(self.batches)
         missing = [f for f in self._fields if f not in batch]
         if missing:
             raise ConfigError(
                 f"{' and '.join(self._fields_for(missing))} need(s) the data rows' per-token {missing} columns, which "
                 f"{type(self.cfg.data.source).__name__} rows do not carry: write them with `jaxlm logprobs MODEL "
                 f"--data FILE --out FILE --as {missing[0].split('_')[0]}` and train on data.source=Files(path=...)")
-        return batch, {}
+        return batch, info
 
     def _fields_for(self, missing: list[str]) -> list[str]:
         a = self.cfg.algorithm
@@ -186,10 +198,16 @@ class SFT:
         return result, samples
 
     def data_state(self) -> dict[str, Any]:
+        if getattr(self, "scheduler", None) is not None:
+            return {"scheduler": self.scheduler.get_state(), "iterator": self.batches.get_state()}
         return self.batches.get_state()
 
     def load_data_state(self, data_state: dict[str, Any]) -> None:
-        self.batches.set_state(data_state)
+        if getattr(self, "scheduler", None) is not None:
+            self.batches.set_state(data_state["iterator"])
+            self.scheduler.set_state(data_state["scheduler"])
+        else:
+            self.batches.set_state(data_state)
 
     def final_model(self, state: TrainState):
         model = nnx.merge(self.graphdef, state.params)

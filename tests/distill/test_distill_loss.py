@@ -242,3 +242,19 @@ def test_fused_forward_kl_backward_equals_autodiff(models, mode, chunked):
     np.testing.assert_allclose(float(out[True][0]), float(out[False][0]), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(out[False][1]), jax.tree.leaves(out[True][1])):
         np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-6)
+
+
+def test_a_quantized_teacher_distils_from_its_own_logits(models):
+    """A 4-bit teacher (`jaxlm.quant.quantize_model`, LM head kept dense) runs in the step:
+    the loss is the numpy reference on the quantized teacher's own logits."""
+    from jaxlm.quant import QuantRecipe, quantize_model
+
+    s, t, (sg, sp), _ = models
+    qt = quantize_model(t, QuantRecipe(format="nvfp4"))
+    qg, qs = nnx.split(qt)
+    cfg = DistillConfig(teacher="t", divergence="forward_kl", ce_weight=0.2, temperature=1.3)
+    fn = make_distill_loss_fn(sg, sliding_window=None, distill=cfg, pear=None, teacher_graphdef=qg,
+                              vocab_size=STUDENT.vocab_size)
+    total, _ = jax.jit(fn)(sp, BATCH, nnx.to_pure_dict(qs))
+    np.testing.assert_allclose(float(total), np_reference(s, qt, BATCH, cfg)[0], rtol=2e-5)
+    assert abs(np_reference(s, qt, BATCH, cfg)[0] - np_reference(s, t, BATCH, cfg)[0]) > 1e-3  # really quantized

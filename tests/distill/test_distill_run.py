@@ -144,3 +144,21 @@ def test_rows_must_all_carry_a_column(tmp_path):
     path.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({**ROWS[1], "behavior_logprobs": [0.0] * 7}) + "\n")
     with pytest.raises(DataError, match="row 0 has no 'behavior_logprobs' column but row 1 does"):
         read_rows(path)
+
+
+def test_the_distill_recipe_loads():
+    from trainers.recipes import load_config
+
+    cfg = load_config("distill", ["algorithm.distill.top_k=8"])
+    assert cfg.algorithm.distill.teacher == "runs/quickstart/model" and cfg.algorithm.distill.top_k == 8
+    assert cfg.model.d_model < load_config("quickstart", []).model.d_model
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--as", "behavior", "--top-k", "4"], "--top-k is for a teacher"),
+    (["--as", "teacher", "--top-k", "1000"], "exceeds the model's vocab_size=259"),
+])
+def test_logprobs_command_errors(teacher_dir, data_file, tmp_path, capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        main(["logprobs", str(teacher_dir), "--data", str(data_file), "--out", str(tmp_path / "o.jsonl"), *argv])
+    assert e.value.code == 2 and match in capsys.readouterr().err

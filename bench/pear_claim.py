@@ -1,0 +1,114 @@
+"""PEAR in miniature ("Good SFT Optimizes for SFT, Better SFT Prepares for RL", Zhang et al.
+2026): SFT on off-policy teacher data, with and without PEAR's importance weights, each
+followed by the same GRPO; the claim is about accuracy after RL.
+
+1. teacher: the quickstart model trained on clean 2-digit addition; base policy: the same
+   shape trained on the quickstart's flawed demonstrations (drops the ones carry);
+2. off-policy data: the teacher's samples (temperature 1) on training prompts, with its
+   per-token log-probs as the behaviour policy (`trainers.annotate`, ``jaxlm logprobs``);
+3. from the base policy: SFT on that data (plain, or PEAR with the current model as target),
+   then the identical GRPO recipe (`configs/grpo_arithmetic.py`'s settings);
+4. held-out greedy accuracy after SFT and after RL.
+
+    python bench/pear_claim.py --out runs/pear_claim
+    python bench/pear_claim.py --out runs/pear_claim --seed 1      # the teacher and base policy are reused
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+import jaxlm
+from jaxlm.data.files import Files
+from jaxlm.data.pipeline import DataConfig
+from jaxlm.data.tasks import Arithmetic
+from jaxlm.eval import heldout_accuracy
+from trainers.annotate import annotate_file
+from trainers.config import ExperimentConfig, GRPOConfig, OptimizerConfig, SFTConfig, TrainerConfig
+from trainers.loop import train
+from trainers.pear import PEARConfig
+
+MODEL = jaxlm.ModelConfig.tiny(d_model=128, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=64)
+TASK = Arithmetic(digits=2, ops=("+",))
+
+
+def sft(out: Path, source, steps: int, *, lr=3e-3, warmup=50, init_from=None, algorithm=SFTConfig(), seed=0) -> Path:
+    if not (out / "model").exists():
+        train(ExperimentConfig(
+            model=MODEL, data=DataConfig(source=source, seq_len=32, batch_size=64, pack=True, eval_examples=64),
+            optimizer=OptimizerConfig(lr=lr, warmup_steps=warmup, min_lr_ratio=0.05),
+            trainer=TrainerConfig(steps=steps, out_dir=str(out), progress=False, log_every=1000, eval_every=0,
+                                  save_every=100_000, eval_generate=0, seed=seed),
+            algorithm=algorithm, tokenizer="byte", init_from=None if init_from is None else str(init_from)))
+    return out / "model"
+
+
+def grpo(out: Path, init_from: Path, iterations: int, seed: int) -> Path:
+    if not (out / "model").exists():
+        train(ExperimentConfig(
+            model=MODEL, data=DataConfig(source=TASK, seq_len=24, batch_size=32, pack=False, eval_examples=200),
+            optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, schedule="constant", weight_decay=0.0),
+            trainer=TrainerConfig(steps=iterations, out_dir=str(out), progress=False, log_every=1000, eval_every=0,
+                                  save_every=100_000, eval_generate=0, seed=seed),
+            algorithm=GRPOConfig(num_generations=8, max_new_tokens=6, temperature=1.0, mu=2, minibatches=2),
+            tokenizer="byte", init_from=str(init_from)))
+    return out / "model"
+
+
+def accuracy(path: Path) -> float:
+    return heldout_accuracy(jaxlm.load_model(path), TASK, 400, max_new_tokens=6, batch_size=200).accuracy
+
+
+def teacher_data(teacher_dir: Path, out: Path, n: int) -> Path:
+    """The teacher's samples on training prompts 0..n-1, with their behaviour log-probs."""
+    if out.exists():
+        return out
+    teacher = jaxlm.load_model(teacher_dir)
+    prompts = [TASK.example(i, "train")["prompt"] for i in range(n)]
+    texts = []
+    for start in range(0, n, 256):
+        texts += jaxlm.generate(teacher, prompts[start:start + 256], max_new_tokens=6, temperature=1.0,
+                                rng=start).texts
+    raw = out.with_suffix(".raw.jsonl")
+    raw.write_text("".join(json.dumps({"prompt": p, "completion": t}) + "\n" for p, t in zip(prompts, texts)))
+    return annotate_file(teacher, raw, out, as_="behavior")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the SFT and GRPO stages")
+    ap.add_argument("--base-steps", type=int, default=600)
+    ap.add_argument("--sft-steps", type=int, default=100)
+    ap.add_argument("--rl-iterations", type=int, default=20)
+    ap.add_argument("--gamma", type=float, default=0.9)
+    args = ap.parse_args(argv)
+    root = args.out or Path(tempfile.mkdtemp(prefix="pear_claim_"))
+    teacher = sft(root / "teacher", TASK, 600)
+    base = sft(root / f"base{args.base_steps}", dataclasses.replace(TASK, carry_slip=0.6), args.base_steps)
+    data = teacher_data(teacher, root / "teacher_samples.jsonl", 4096)
+    files = Files(path=str(data), eval_fraction=0.02)
+    arms = {"SFT": SFTConfig(), f"PEAR token gamma={args.gamma}": SFTConfig(pear=PEARConfig(gamma=args.gamma))}
+    results = {"teacher": accuracy(teacher), "base": accuracy(base)}
+    for name, algo in arms.items():
+        tag = name.split()[0].lower()
+        run_dir = root / f"base{args.base_steps}_seed{args.seed}"
+        after_sft = sft(run_dir / f"{tag}_sft", files, args.sft_steps, lr=1e-3, warmup=10,
+                        init_from=base, algorithm=algo, seed=args.seed)
+        after_rl = grpo(run_dir / f"{tag}_grpo", after_sft, args.rl_iterations, args.seed)
+        results[name] = {"after_sft": accuracy(after_sft), "after_rl": accuracy(after_rl)}
+    print(f"teacher {results['teacher']:.1%}, base policy {results['base']:.1%} (held-out greedy, 400 problems); "
+          f"SFT {args.sft_steps} steps on the teacher's samples, then GRPO {args.rl_iterations} iterations, seed {args.seed}")
+    for name in arms:
+        r = results[name]
+        print(f"  {name:<22} after SFT {r['after_sft']:6.1%}   after RL {r['after_rl']:6.1%}")
+    print(json.dumps(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
