@@ -86,16 +86,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--sft-steps", type=int, default=100)
     ap.add_argument("--rl-iterations", type=int, default=20)
     ap.add_argument("--gamma", type=float, default=0.9)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--variant", default="token", choices=["sequence", "token", "block"])
     args = ap.parse_args(argv)
     root = args.out or Path(tempfile.mkdtemp(prefix="pear_claim_"))
     teacher = sft(root / "teacher", TASK, 600)
     base = sft(root / f"base{args.base_steps}", dataclasses.replace(TASK, carry_slip=0.6), args.base_steps)
     data = teacher_data(teacher, root / "teacher_samples.jsonl", 4096)
     files = Files(path=str(data), eval_fraction=0.02)
-    arms = {"SFT": SFTConfig(), f"PEAR token gamma={args.gamma}": SFTConfig(pear=PEARConfig(gamma=args.gamma))}
+    pear = PEARConfig(variant=args.variant, gamma=args.gamma, clip=args.clip)
+    arms = {"SFT": SFTConfig(), f"PEAR {args.variant} gamma={args.gamma} clip={args.clip}": SFTConfig(pear=pear)}
     results = {"teacher": accuracy(teacher), "base": accuracy(base)}
     for name, algo in arms.items():
-        tag = name.split()[0].lower()
+        tag = "sft" if algo.pear is None else f"pear_{args.variant}_g{args.gamma}_c{args.clip}"
         run_dir = root / f"base{args.base_steps}_seed{args.seed}"
         after_sft = sft(run_dir / f"{tag}_sft", files, args.sft_steps, lr=1e-3, warmup=10,
                         init_from=base, algorithm=algo, seed=args.seed)
@@ -105,7 +108,7 @@ def main(argv=None) -> dict:
           f"SFT {args.sft_steps} steps on the teacher's samples, then GRPO {args.rl_iterations} iterations, seed {args.seed}")
     for name in arms:
         r = results[name]
-        print(f"  {name:<22} after SFT {r['after_sft']:6.1%}   after RL {r['after_rl']:6.1%}")
+        print(f"  {name:<34} after SFT {r['after_sft']:6.1%}   after RL {r['after_rl']:6.1%}")
     print(json.dumps(results))
     return results
 

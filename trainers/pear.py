@@ -37,8 +37,9 @@ class PEARConfig:
     """Suffix discount in [0, 1] (token and block) [INFERRED: the paper's value is not public]."""
     block_size: int = 16
     """Trained tokens per block (block) [INFERRED]."""
-    clip: float = 5.0
-    """log w is clipped to [-clip, clip] [INFERRED]."""
+    clip: float = 1.0
+    """log w is clipped to [-clip, clip] [INFERRED]; with 5.0 the self-normalised weights
+    concentrated on few tokens and SFT collapsed in `bench/pear_claim.py` (docs/benchmarks.md)."""
     normalize: bool = True
     """Self-normalise over the batch: the loss is sum w CE / sum w (else sum w CE / tokens)."""
     target: Literal["current", "fixed"] = "current"
