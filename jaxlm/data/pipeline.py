@@ -29,6 +29,7 @@ from jaxlm.data.encoding import encode
 from jaxlm.data.facts import FactWorld
 from jaxlm.data.files import TOKEN_FIELDS, TOPK_FIELDS, DataError, Files, read_rows
 from jaxlm.data.graphs import GraphLabels
+from jaxlm.data.mixture import Mixture
 from jaxlm.data.polarity import Polarity
 from jaxlm.data.regression import LongTailedRegression
 from jaxlm.data.tasks import Arithmetic, Countdown, MarkovText, Sorting, Task
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 Source = (
     Arithmetic | Countdown | Sorting | MarkovText | GraphLabels | ConditionedDigits | LongTailedRegression
-    | FactWorld | Polarity | Files
+    | FactWorld | Polarity | Mixture | Files
 )
 _ENDLESS = 2**31 - 1
 

@@ -1,0 +1,52 @@
+"""A stage schedule runs each stage from the previous stage's model and reports every
+domain's retention after each stage."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm.data.mixture import mixture_of
+from jaxlm.data.pipeline import DataConfig
+from jaxlm.data.tasks import Arithmetic, MarkovText
+from trainers.config import ExperimentConfig, OptimizerConfig, SFTConfig, TrainerConfig
+from trainers.stages import Stage, retention, run_stages
+
+MODEL = jaxlm.ModelConfig.tiny(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=1, max_seq_len=64)
+DOMAINS = {"math": Arithmetic(digits=1), "general": MarkovText()}
+
+
+def _stage(name, source, lr):
+    return Stage(name, ExperimentConfig(
+        model=MODEL, data=DataConfig(source=source, seq_len=64, batch_size=8, pack=True, eval_examples=8),
+        optimizer=OptimizerConfig(lr=lr, warmup_steps=1, schedule="constant", weight_decay=0.0),
+        trainer=TrainerConfig(steps=3, progress=False, log_every=1, eval_every=0, save_every=100, eval_generate=0),
+        algorithm=SFTConfig()))
+
+
+def test_stages_chain_and_report_retention(tmp_path):
+    stages = [_stage("pretrain", mixture_of(DOMAINS, {"general": 0.7, "math": 0.3}), 3e-3),
+              _stage("frozen", DOMAINS["math"], 1e-12)]  # lr ~0: the second stage keeps the first's weights
+    report = run_stages(stages, tmp_path, domains=DOMAINS, eval_n=16, max_new_tokens=3)
+    assert [r["stage"] for r in report] == ["pretrain", "frozen"]
+    assert json.loads((tmp_path / "retention.json").read_text()) == report
+    a, b = (jaxlm.load_checkpoint(tmp_path / s / "model") for s in ("pretrain", "frozen"))
+    for x, y in zip(jax.tree.leaves(jaxlm.models.params.flat_params(a)),
+                    jax.tree.leaves(jaxlm.models.params.flat_params(b))):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=0, atol=1e-8)
+    for d in DOMAINS:
+        assert report[1]["domains"][d]["loss"] == pytest.approx(report[0]["domains"][d]["loss"], abs=1e-5)
+    assert set(report[0]["domains"]["math"]) == {"loss", "accuracy"}
+    assert set(report[0]["domains"]["general"]) == {"loss"}  # no generative verifier
+    assert report[0]["domains"] == retention(a, DOMAINS, n=16, max_new_tokens=3)
+
+
+def test_bad_stage_lists_are_refused(tmp_path):
+    s = _stage("a", DOMAINS["math"], 1e-3)
+    with pytest.raises(ValueError, match="repeat"):
+        run_stages([s, dataclasses.replace(s)], tmp_path, domains=DOMAINS)
+    with pytest.raises(ValueError, match="Stage.name='a/b'"):
+        Stage("a/b", s.config)

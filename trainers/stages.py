@@ -1,0 +1,95 @@
+"""A stage schedule (pretrain -> mid-train -> SFT -> RL, PRISM-style) run back to back, each
+stage starting from the previous stage's model, with a retention evaluation of every domain
+after each stage.
+
+    report = run_stages([Stage("pretrain", cfg_a), Stage("midtrain", cfg_b), ...], "runs/prism",
+                        domains={"math": Arithmetic(), "general": MarkovText()})
+
+Each stage is an `ExperimentConfig` run by the harness (`trainers.loop.train`) in
+``out_dir/<stage name>``, so a re-run resumes or skips finished stages. The report (also
+``out_dir/retention.json``) has, per stage and domain, the held-out loss (nats per trained
+token, teacher-forced) and, for domains with a verifier, greedy accuracy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlm.checkpoint import load_model
+from jaxlm.data.pipeline import DataConfig, eval_batches
+from jaxlm.data.tasks import Task
+from jaxlm.eval import heldout_accuracy
+from jaxlm.fileio import atomic_write_text
+from trainers.config import ExperimentConfig
+from trainers.loop import train
+from trainers.step import make_eval_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage: a name (its directory) and the experiment it runs."""
+
+    name: str
+    config: ExperimentConfig
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise ValueError(f"Stage.name={self.name!r} must be a non-empty file name ([A-Za-z0-9_.-])")
+        if not isinstance(self.config, ExperimentConfig):
+            raise ValueError(f"Stage {self.name!r}: config must be an ExperimentConfig, got {type(self.config).__name__}")
+
+
+def retention(model, domains: Mapping[str, Task], *, n: int = 100, seq_len: int = 64,
+              max_new_tokens: int = 8) -> dict[str, dict[str, float]]:
+    """Per domain: held-out ``loss`` and (where the task has a generative verifier) ``accuracy``."""
+    tok = model.tokenizer
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    eval_fn = make_eval_loss(graphdef, sliding_window=model.config.sliding_window)
+    out: dict[str, dict[str, float]] = {}
+    for name, task in domains.items():
+        sums = {"loss": 0.0, "tokens": 0.0}
+        for b in eval_batches(DataConfig(source=task, seq_len=seq_len, batch_size=min(n, 64), eval_examples=n), tok):
+            got = jax.device_get(eval_fn(params, {k: jnp.asarray(v) for k, v in b.items()}))
+            sums["loss"] += float(got["loss"])
+            sums["tokens"] += float(got["tokens"])
+        scores = {"loss": sums["loss"] / max(sums["tokens"], 1.0)}
+        if getattr(task, "generative_eval", True):
+            scores["accuracy"] = heldout_accuracy(model, task, n, max_new_tokens=max_new_tokens,
+                                                  batch_size=min(n, 200)).accuracy
+        out[name] = scores
+    return out
+
+
+def run_stages(stages: Sequence[Stage], out_dir: str | Path, *, domains: Mapping[str, Task], eval_n: int = 100,
+               eval_seq_len: int = 64, max_new_tokens: int = 8) -> list[dict[str, Any]]:
+    """Run ``stages`` in order (each ``init_from`` the previous stage's model; the first keeps
+    its own), evaluating every domain after each; returns and writes the retention report."""
+    if not stages:
+        raise ValueError("run_stages needs at least one Stage")
+    names = [s.name for s in stages]
+    if len(set(names)) != len(names):
+        raise ValueError(f"stage names {names} repeat: each stage needs its own directory")
+    out_dir = Path(out_dir)
+    report: list[dict[str, Any]] = []
+    previous: Path | None = None
+    for stage in stages:
+        cfg = stage.config
+        cfg = dataclasses.replace(
+            cfg, trainer=dataclasses.replace(cfg.trainer, out_dir=str(out_dir / stage.name)),
+            init_from=str(previous) if previous is not None else cfg.init_from)
+        result = train(cfg)
+        previous = out_dir / stage.name / "model"
+        scores = retention(load_model(previous), domains, n=eval_n, seq_len=eval_seq_len,
+                           max_new_tokens=max_new_tokens)
+        report.append({"stage": stage.name, "algorithm": cfg.algorithm.name, "steps": result.step, "domains": scores})
+    atomic_write_text(out_dir / "retention.json", json.dumps(report, indent=1))
+    return report
