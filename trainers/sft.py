@@ -110,6 +110,7 @@ class SFT:
         if d is not None or a.pear is not None:
             loss_fn = make_distill_loss_fn(self.graphdef, sliding_window=window, distill=d, pear=a.pear,
                                            teacher_graphdef=teacher_graphdef, vocab_size=setup.model.config.vocab_size)
+        self._side_input = loss_fn is not None
         self._fields = required_fields(a)
         self.scheduler = None
         if a.schedule is not None:
@@ -170,14 +171,9 @@ class SFT:
 
     def step(self, state: TrainState, batch: dict[str, np.ndarray]) -> tuple[TrainState, dict[str, Any]]:
         placed = self.place(batch)
-        inputs = (placed, self._teacher) if self._uses_side else placed
+        inputs = (placed, self._teacher) if self._side_input else placed  # the teacher rides unsplit
         state, metrics = self._step(state, inputs)
         return state, to_host(metrics)
-
-    @property
-    def _uses_side(self) -> bool:
-        a = self.cfg.algorithm
-        return a.distill is not None or a.pear is not None
 
     def _place_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """A global batch (every process holds all rows, e.g. the held-out set) -> this
