@@ -13,12 +13,13 @@ import pytest
 from flax import nnx
 
 import jaxlm
-from jaxlm.data.encoding import encode
 from jaxlm.models.masks import segment_mask
 from trainers.distill.config import DistillConfig
 from trainers.distill.loss import make_distill_loss_fn, transition_alignment
 from trainers.pear import PEARConfig
 from trainers.step import init_state, make_train_step
+
+from packed_rows import packed_row, stacked
 
 TOK = jaxlm.ByteTokenizer()
 STUDENT = jaxlm.ModelConfig.tiny(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=1, init_std=0.3)
@@ -28,21 +29,7 @@ EXAMPLES = [{"prompt": "12+30=", "completion": "42"}, {"prompt": "7+8=", "comple
 
 
 def _batch(groups, T=40):
-    rows = []
-    for group in groups:
-        tokens, mask, seg, pos = [], [], [], []
-        for i, ex in enumerate(group, 1):
-            enc = encode(ex, TOK)
-            n = len(enc["tokens"])
-            tokens += enc["tokens"].tolist()
-            mask += enc["loss_mask"].tolist()
-            seg += [i] * n
-            pos += list(range(n))
-        pad = T - len(tokens)
-        rows.append({"tokens": tokens + [0] * pad, "loss_mask": mask + [False] * pad,
-                     "segment_ids": seg + [0] * pad, "positions": pos + [0] * pad})
-    return {k: jnp.asarray(np.array([r[k] for r in rows]), jnp.bool_ if k == "loss_mask" else jnp.int32)
-            for k in rows[0]}
+    return stacked([packed_row(group, TOK, T) for group in groups])
 
 
 BATCH = _batch([[EXAMPLES[0], EXAMPLES[1]], [EXAMPLES[3]], [EXAMPLES[2], EXAMPLES[0]], [EXAMPLES[1]]])

@@ -9,35 +9,22 @@ import pytest
 from flax import nnx
 
 import jaxlm
-from jaxlm.data.encoding import encode
 from jaxlm.models.masks import segment_mask
 from trainers.optim import make_optimizer
 from trainers.config import OptimizerConfig
 from trainers.step import init_state, make_loss_fn, make_train_step
+
+from packed_rows import packed_row, stacked
 
 CFG = jaxlm.ModelConfig.tiny(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, init_std=0.1)
 TOK = jaxlm.ByteTokenizer()
 
 
 def _row(examples, T=48):
-    """Pack encoded examples into one row (segments 1, 2, ...), pad the rest."""
-    tokens, mask, seg, pos = [], [], [], []
-    for i, ex in enumerate(examples, 1):
-        enc = encode(ex, TOK)
-        n = len(enc["tokens"])
-        tokens += enc["tokens"].tolist()
-        mask += enc["loss_mask"].tolist()
-        seg += [i] * n
-        pos += list(range(n))
-    pad = T - len(tokens)
-    return {
-        "tokens": np.array(tokens + [0] * pad, np.int32), "loss_mask": np.array(mask + [False] * pad),
-        "segment_ids": np.array(seg + [0] * pad, np.int32), "positions": np.array(pos + [0] * pad, np.int32),
-    }
+    return packed_row(examples, TOK, T)
 
 
-def _batch(rows):
-    return {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
+_batch = stacked
 
 
 EXAMPLES = [
