@@ -57,8 +57,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-steps", type=int, default=400)
     ap.add_argument("--mid-steps", type=int, default=200)
-    ap.add_argument("--sft-steps", type=int, default=60)
+    ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--rl-iterations", type=int, default=20)
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
     root = args.out or Path(tempfile.mkdtemp(prefix="prism_claim_"))
     kw = dict(domains=DOMAINS, eval_n=200, eval_seq_len=96, max_new_tokens=6)
@@ -87,8 +88,11 @@ def main(argv=None) -> dict:
     for name in arms:
         rep = {r["stage"]: r["domains"] for r in results[name]}
         gain = rep["grpo"]["math"]["accuracy"] - rep["sft"]["math"]["accuracy"]
+        results[f"rl_gain {name}"] = gain
         print(f"RL gain {name}: {gain:+.1%}")
     print(json.dumps(results))
+    if args.json is not None:
+        args.json.write_text(json.dumps(results))
     return results
 
 
