@@ -55,13 +55,23 @@ class ChatTemplateError(ValueError):
 # The built-in format
 
 
+def render_tool_call(call: dict) -> str:
+    """A tool call in the built-in format: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``."""
+    fn = call.get("function", call)
+    return "<tool_call>" + json.dumps({"name": fn["name"], "arguments": fn.get("arguments", {})}) + "</tool_call>"
+
+
 def builtin_segments(messages: Sequence[dict], *, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
     """``[(text, trainable), ...]``: ``<|role|>\\n`` (not trained) and content + ``\\n``
-    (trained for the assistant); the generation prompt is ``<|assistant|>\\n``."""
+    (trained for the assistant, whose tool calls follow its content, one `render_tool_call`
+    + ``\\n`` each); tool results are a ``<|tool|>`` turn, not trained. The generation prompt
+    is ``<|assistant|>\\n``."""
     out = []
     for m in messages:
         out.append((f"<|{m['role']}|>\n", False))
-        out.append((m["content"] + "\n", m["role"] == "assistant"))
+        calls = "".join(render_tool_call(c) + "\n" for c in m.get("tool_calls") or ())
+        text = (m["content"] + "\n" if m["content"] or not calls else "") + calls
+        out.append((text, m["role"] == "assistant"))
     if add_generation_prompt:
         out.append(("<|assistant|>\n", False))
     return out

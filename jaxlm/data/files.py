@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 #: Optional per-token columns a row may carry, one entry per token of the row's encoding
 #: (`jaxlm.data.encoding.encode`; entry i scores token i given the tokens before it; ``jaxlm
@@ -63,6 +63,34 @@ def _token_fields(row: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def tool_call(call: Any, where: str) -> dict[str, Any]:
+    """A tool call as chat templates take it, ``{"type": "function", "function": {"name",
+    "arguments"}}``, from that form or the short ``{"name", "arguments"}``."""
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"] \
+            or not isinstance(fn.get("arguments", {}), dict):
+        raise DataError(f"{where}: a tool call must be {{'name': str, 'arguments': {{...}}}} (or HF's "
+                        f"{{'type': 'function', 'function': {{...}}}}), got {call!r}")
+    return {"type": "function", "function": {"name": fn["name"], "arguments": dict(fn.get("arguments", {}))}}
+
+
+def check_message(m: Any, where: str) -> dict[str, Any]:
+    """One chat message, validated: ``role`` (system | user | assistant | tool) and ``content``;
+    an assistant message may carry ``tool_calls``, a tool message the tool's ``name``."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        raise DataError(f"{where} must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}")
+    out = {"role": m["role"], "content": m["content"]}
+    if "tool_calls" in m:
+        if m["role"] != "assistant" or not isinstance(m["tool_calls"], list):
+            raise DataError(f"{where}: 'tool_calls' is a list on an assistant message")
+        out["tool_calls"] = [tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])]
+    if m["role"] == "tool" and "name" in m:
+        if not isinstance(m["name"], str):
+            raise DataError(f"{where}: a tool message's 'name' must be a string")
+        out["name"] = m["name"]
+    return out
+
+
 def _check_row(row: Any, where: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected an object, got {type(row).__name__}")
@@ -70,14 +98,10 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise DataError(f"{where}: 'messages' must be a non-empty list")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise DataError(
-                    f"{where}: messages[{i}] must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}"
-                )
-        if not any(m["role"] == "assistant" for m in msgs):
+        checked = [check_message(m, f"{where}: messages[{i}]") for i, m in enumerate(msgs)]
+        if not any(m["role"] == "assistant" for m in checked):
             raise DataError(f"{where}: 'messages' has no assistant turn (nothing to train on)")
-        return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs], **_token_fields(row, where)}
+        return {"messages": checked, **_token_fields(row, where)}
     missing = [k for k in ("prompt", "completion") if k not in row]
     if missing:
         raise DataError(

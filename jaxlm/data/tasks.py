@@ -129,6 +129,13 @@ class Arithmetic(Task):
         return 1.0 / max(span[o] for o in self.ops)
 
 
+def safe_arithmetic(expr: str) -> int | None:
+    """The value of an expression of integers, + - * and parentheses, or None (anything else;
+    never `eval`)."""
+    out = _safe_eval(expr)
+    return None if out is None else out[0]
+
+
 def _safe_eval(expr: str) -> tuple[int, list[int]] | None:
     """Value and literals of an expression of integers, + - * and parentheses; else None.
     Parsed with `ast` and evaluated by hand: never `eval`."""

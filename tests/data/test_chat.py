@@ -90,6 +90,26 @@ CHATML_TOOLS = """\
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
 """
+# Qwen2.5's tool-call rendering: an assistant message with tool_calls writes each as a
+# <tool_call> block after its content.
+CHATML_TOOL_CALLS = CHATML_TOOLS.replace("""    {%- elif message.role == "tool" %}""", """\
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}""")
 # Qwen3-style: earlier assistant turns (before the last user message) lose their <think> block.
 STRIP_THINKING = """\
 {%- set ns = namespace(last_query=-1) %}
@@ -288,6 +308,26 @@ def test_tools_and_tojson_match_transformers(chatml):
     assert ids == ours.apply_chat_template(messages, tools=[tool])
     assert tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) == (
         '<tool_call>\n{"name": "get_weather"}\n</tool_call><|im_end|>21°C, sunny.<|im_end|>')
+
+
+def test_structured_tool_calls_match_transformers_and_train_only_the_actions(chatml):
+    """An agentic trajectory (assistant tool_calls, tool results) in a Qwen2.5-style template:
+    the text is transformers', and the trained tokens are the tool-call blocks and the answer."""
+    tok, hf = chatml
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}}
+    messages = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "6*7?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "calculator", "content": "42"},
+                {"role": "assistant", "content": "42"}]
+    ours = HFTokenizer.from_dir(tok._source.parent)
+    ours.set_chat_template(CHATML_TOOL_CALLS)
+    text = ours.apply_chat_template(messages, tokenize=False)
+    assert text == hf.apply_chat_template(messages, tokenize=False, chat_template=CHATML_TOOL_CALLS)
+    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>' in text
+    ids, mask = encode_chat(ours, messages)
+    assert ids == hf_ids(hf, messages, chat_template=CHATML_TOOL_CALLS)
+    assert tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) == (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call><|im_end|>42<|im_end|>')
 
 
 def test_template_that_rewrites_earlier_turns(chatml):

@@ -1,0 +1,110 @@
+"""Sandboxed tools, the tool-use environment and agentic trajectories: tool outputs, the
+environment's protocol, and loss masks that cover exactly the agent's actions."""
+
+import json
+
+import pytest
+
+import jaxlm
+from jaxlm.data.chat import render_tool_call
+from jaxlm.data.encoding import encode
+from jaxlm.data.files import DataError, read_rows
+from trainers.rl.environments import Environment
+from trainers.rl.tools import (
+    ToolEnvironment,
+    ToolProblems,
+    ToolState,
+    context_trajectory,
+    environment_trajectory,
+    parse_tool_call,
+    run_tool,
+)
+
+TOK = jaxlm.ByteTokenizer()
+
+
+def test_tools_compute_store_and_search():
+    state = ToolState(files={"a.txt": "apple 3\nPear 4", "b.txt": "pear 9"})
+    assert run_tool(state, {"name": "calculator", "arguments": {"expression": "(2+3)*7-1"}}) == "34"
+    assert run_tool(state, {"name": "calculator", "arguments": {"expression": "__import__('os')"}}).startswith("error")
+    assert run_tool(state, {"name": "kv_get", "arguments": {"key": "x"}}) == "error: no key 'x'"
+    assert run_tool(state, {"name": "kv_set", "arguments": {"key": "x", "value": 5}}) == "ok"
+    assert run_tool(state, {"name": "kv_get", "arguments": {"key": "x"}}) == "5"
+    assert run_tool(state, {"name": "file_search", "arguments": {"query": "pear"}}) == "a.txt:2: Pear 4\nb.txt:1: pear 9"
+    assert run_tool(state, {"name": "file_search", "arguments": {"query": "kiwi"}}) == "no match"
+    assert "unknown tool 'shell'" in run_tool(state, {"name": "shell", "arguments": {}})
+    assert run_tool(state, {"name": "kv_get", "arguments": {"nope": 1}}).startswith("error:")
+
+
+def test_tool_calls_parse_from_the_agents_text():
+    assert parse_tool_call('ok <tool_call>{"name": "kv_get", "arguments": {"key": "k"}}</tool_call> x') == {
+        "name": "kv_get", "arguments": {"key": "k"}}
+    assert parse_tool_call("42") is None
+    assert "not JSON" in parse_tool_call("<tool_call>{oops</tool_call>")["error"]
+    assert "error" in parse_tool_call('<tool_call>["kv_get"]</tool_call>')
+
+
+def test_environment_follows_the_protocol_and_scores_the_answer():
+    env = ToolEnvironment(ToolProblems(), max_calls=2)
+    assert isinstance(env, Environment)
+    question = env.reset(5)
+    p = env.problem
+    assert p["target"] in question
+    obs, reward, done = env.step(render_tool_call({"name": "kv_get", "arguments": {"key": f"price:{p['target']}"}}))
+    assert (obs, reward, done) == (str(p["price"]), 0.0, False)
+    assert env.step(p["answer"]) == ("", 1.0, True)
+    env.reset(5)
+    assert env.step(p["answer"] + "0")[1] == 0.0
+    env.step(render_tool_call({"name": "calculator", "arguments": {"expression": "1"}}))
+    assert env.step(render_tool_call({"name": "calculator", "arguments": {"expression": "1"}}))[2]  # call budget
+
+
+@pytest.mark.parametrize("native", ["environment", "context"])
+def test_trajectory_masks_cover_exactly_the_actions(native):
+    problems = ToolProblems(seed=1)
+    msgs = environment_trajectory(ToolEnvironment(problems), 7) if native == "environment" else \
+        context_trajectory(problems, 7)
+    enc = encode({"messages": msgs}, TOK)
+    trained = [t for t, m in zip(enc["tokens"], enc["loss_mask"]) if m]
+    assert trained[-1] == TOK.eos_id
+    calls = [c for m in msgs if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+    actions = "".join(render_tool_call(c) + "\n" for c in calls) + problems.problem(7)["answer"] + "\n"
+    assert TOK.decode(trained[:-1]) == actions  # and nothing of the system, user or tool turns
+
+
+def test_environment_observations_are_the_tools_outputs_and_context_ones_are_prose():
+    problems = ToolProblems(seed=2)
+    env_msgs = environment_trajectory(ToolEnvironment(problems), 4)
+    ctx_msgs = context_trajectory(problems, 4)
+    p = problems.problem(4)
+    env_obs = [m["content"] for m in env_msgs if m["role"] == "tool"]
+    ctx_obs = [m["content"] for m in ctx_msgs if m["role"] == "tool"]
+    state = ToolState(store=dict(p["store"]), files=dict(p["files"]))
+    assert env_obs == [run_tool(state, {"name": n, "arguments": a}) for n, a in p["plan"]]
+    assert env_obs != ctx_obs and all(str(v) in o for v, o in zip((p["price"], p["count"], p["answer"]), ctx_obs))
+    # same actions in both: only the observations differ
+    assert [m for m in env_msgs if m["role"] != "tool"] == [m for m in ctx_msgs if m["role"] != "tool"]
+
+
+def test_trajectory_rows_load_from_files(tmp_path):
+    path = tmp_path / "traj.jsonl"
+    short = {"messages": [{"role": "user", "content": "2*3?"},
+                          {"role": "assistant", "content": "", "tool_calls": [{"name": "calculator",
+                                                                               "arguments": {"expression": "2*3"}}]},
+                          {"role": "tool", "name": "calculator", "content": "6"},
+                          {"role": "assistant", "content": "6"}]}
+    path.write_text(json.dumps(short) + "\n")
+    (row,) = read_rows(path)
+    assert row["messages"][1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2*3"}}}]
+    assert row["messages"][2] == {"role": "tool", "name": "calculator", "content": "6"}
+    bad = json.loads(json.dumps(short))
+    bad["messages"][0]["tool_calls"] = []
+    path.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(DataError, match=r"traj.jsonl:1: messages\[0\]: 'tool_calls' is a list on an assistant"):
+        read_rows(path)
+    bad = json.loads(json.dumps(short))
+    bad["messages"][1]["tool_calls"] = [{"arguments": {}}]
+    path.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(DataError, match=r"messages\[1\].tool_calls\[0\]: a tool call must be"):
+        read_rows(path)
