@@ -92,8 +92,7 @@ def main(argv=None) -> dict:
                 model=MODEL, data=DataConfig(source=Files(path=str(data), eval_fraction=0.01), seq_len=768,
                                              batch_size=16, pack=True, eval_examples=16),
                 optimizer=OptimizerConfig(lr=2e-3, warmup_steps=30, min_lr_ratio=0.05),
-                trainer=TrainerConfig(steps=args.steps, out_dir=str(out), progress=False, log_every=1000,
-                                      eval_every=0, save_every=100_000, eval_generate=0, seed=args.seed),
+                trainer=TrainerConfig.quiet(args.steps, str(out), seed=args.seed),
                 algorithm=SFTConfig(), tokenizer="byte"))
         results[kind] = tool_use_success(jaxlm.load_model(out / "model"), args.eval)
     print(f"{args.steps} SFT steps of 16 x 768 packed tokens each (equal tokens), {args.eval} held-out problems")

@@ -37,8 +37,7 @@ DATA = DataConfig(source=SOURCE, seq_len=96, batch_size=16, pack=True, eval_exam
 def run(out: Path, model, algorithm, steps: int, lr: float, seed: int = 0) -> Path:
     train(ExperimentConfig(
         model=model, data=DATA, optimizer=OptimizerConfig(lr=lr, warmup_steps=10, min_lr_ratio=0.1),
-        trainer=TrainerConfig(steps=steps, out_dir=str(out), progress=False, log_every=1000, eval_every=0,
-                              save_every=100_000, eval_generate=0, seed=seed),
+        trainer=TrainerConfig.quiet(steps, str(out), seed=seed),
         algorithm=algorithm, tokenizer="byte"))
     return out / "model"
 

@@ -41,8 +41,7 @@ def sft(out: Path, source, steps: int, *, lr=3e-3, warmup=50, init_from=None, al
         train(ExperimentConfig(
             model=MODEL, data=DataConfig(source=source, seq_len=32, batch_size=64, pack=True, eval_examples=64),
             optimizer=OptimizerConfig(lr=lr, warmup_steps=warmup, min_lr_ratio=0.05),
-            trainer=TrainerConfig(steps=steps, out_dir=str(out), progress=False, log_every=1000, eval_every=0,
-                                  save_every=100_000, eval_generate=0, seed=seed),
+            trainer=TrainerConfig.quiet(steps, str(out), seed=seed),
             algorithm=algorithm, tokenizer="byte", init_from=None if init_from is None else str(init_from)))
     return out / "model"
 
@@ -52,8 +51,7 @@ def grpo(out: Path, init_from: Path, iterations: int, seed: int) -> Path:
         train(ExperimentConfig(
             model=MODEL, data=DataConfig(source=TASK, seq_len=24, batch_size=32, pack=False, eval_examples=200),
             optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, schedule="constant", weight_decay=0.0),
-            trainer=TrainerConfig(steps=iterations, out_dir=str(out), progress=False, log_every=1000, eval_every=0,
-                                  save_every=100_000, eval_generate=0, seed=seed),
+            trainer=TrainerConfig.quiet(iterations, str(out), seed=seed),
             algorithm=GRPOConfig(num_generations=8, max_new_tokens=6, temperature=1.0, mu=2, minibatches=2),
             tokenizer="byte", init_from=str(init_from)))
     return out / "model"

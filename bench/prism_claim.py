@@ -36,8 +36,7 @@ def sft_stage(name, source, steps, lr, seed):
     return Stage(name, ExperimentConfig(
         model=MODEL, data=DataConfig(source=source, seq_len=96, batch_size=32, pack=True, eval_examples=64),
         optimizer=OptimizerConfig(lr=lr, warmup_steps=20, min_lr_ratio=0.1),
-        trainer=TrainerConfig(steps=steps, progress=False, log_every=1000, eval_every=0, save_every=100_000,
-                              eval_generate=0, seed=seed),
+        trainer=TrainerConfig.quiet(steps, seed=seed),
         algorithm=SFTConfig(), tokenizer="byte"))
 
 
@@ -45,8 +44,7 @@ def rl_stage(iterations, seed):
     return Stage("grpo", ExperimentConfig(
         model=MODEL, data=DataConfig(source=DOMAINS["math"], seq_len=24, batch_size=32, eval_examples=64),
         optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, schedule="constant", weight_decay=0.0),
-        trainer=TrainerConfig(steps=iterations, progress=False, log_every=1000, eval_every=0, save_every=100_000,
-                              eval_generate=0, seed=seed),
+        trainer=TrainerConfig.quiet(iterations, seed=seed),
         algorithm=GRPOConfig(num_generations=8, max_new_tokens=6, temperature=1.0, mu=2, minibatches=2),
         tokenizer="byte"))
 

@@ -134,6 +134,13 @@ class TrainerConfig:
     stop_after: int | None = None
     """End this invocation after N steps without a final checkpoint (a preemption, for tests)."""
 
+    @classmethod
+    def quiet(cls, steps: int, out_dir: str = "runs/default", **overrides: Any) -> "TrainerConfig":
+        """A run that only trains and saves its final model: no progress bar, no periodic
+        logging, evaluation, generation or checkpoints (benchmarks, claim miniatures)."""
+        return cls(**{"steps": steps, "out_dir": out_dir, "progress": False, "log_every": 1000, "eval_every": 0,
+                      "save_every": 100_000, "eval_generate": 0, **overrides})
+
     def __post_init__(self):
         _positive("TrainerConfig", steps=self.steps, grad_accum=self.grad_accum,
                   log_every=self.log_every, save_every=self.save_every,

@@ -76,3 +76,13 @@ def test_optional_sections_switch_on_and_off_from_the_command_line():
         apply_overrides(load_config("grpo_arithmetic"), ["algorithm.prefix.problems=-1"])
     with pytest.raises(ConfigError, match="algorithm.prefix.problems"):
         apply_overrides(load_config("grpo_arithmetic"), ["algorithm.prefix.problemz=32"])
+
+
+def test_quiet_trainer_preset_only_trains_and_saves_the_final_model():
+    from trainers.config import TrainerConfig
+
+    q = TrainerConfig.quiet(5, "runs/x", seed=2)
+    assert q == TrainerConfig(steps=5, out_dir="runs/x", seed=2, progress=False, log_every=1000, eval_every=0,
+                              save_every=100_000, eval_generate=0)
+    with pytest.raises(ValueError, match="TrainerConfig.steps=0"):
+        TrainerConfig.quiet(0)
