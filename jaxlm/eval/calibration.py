@@ -1,30 +1,100 @@
-"""Calibration of next-token predictions: expected calibration error (Guo et al. 2017) of the
-top-1 prediction, and the "full" ECE over every class's probability (Kull et al. 2019's
-classwise ECE summed over classes, the Full-ECE of the tail-aware distillation paper's
-summary [INFERRED])."""
+"""Calibration errors of predicted probabilities.
+
+Binary (a confidence against a 0/1 outcome, as a correctness model or the top-1 token
+prediction gives): the expected calibration error (Guo et al. 2017) over equal-width bins,
+its signed form (positive = over-confident), the root-mean-square error over the same bins
+(RMSCE), and the adaptive calibration error over equal-mass bins (ACE, Nixon et al. 2019).
+The Generalized Correctness Models paper (Xiao et al. 2025) reports all four with 30 bins.
+Multiclass: the "full" ECE over every class's probability (Kull et al. 2019's classwise ECE
+summed over classes, the Full-ECE of the tail-aware distillation paper's summary [INFERRED]).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 
-def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, *, n_bins: int = 15) -> float:
-    """``sum_b (n_b / N) |acc_b - conf_b|`` over ``n_bins`` equal-width confidence bins
-    ``(b/n, (b+1)/n]`` (confidence 0 falls in the first bin); 0 for no predictions."""
+def _binary(confidence, correct) -> tuple[np.ndarray, np.ndarray]:
     confidence = np.asarray(confidence, np.float64).ravel()
     correct = np.asarray(correct, np.float64).ravel()
     if confidence.shape != correct.shape:
         raise ValueError(f"confidence {confidence.shape} and correct {correct.shape} differ in size")
-    if n_bins < 1:
-        raise ValueError(f"n_bins={n_bins} must be >= 1")
+    if confidence.size and not (np.all(confidence >= 0.0) and np.all(confidence <= 1.0)):
+        raise ValueError("confidence must lie in [0, 1] (probabilities, not logits)")
+    if correct.size and not np.all((correct == 0.0) | (correct == 1.0)):
+        raise ValueError("correct must be 0/1 (or boolean)")
+    return confidence, correct
+
+
+def _check_bins(n_bins: int) -> None:
+    if int(n_bins) != n_bins or n_bins < 1:
+        raise ValueError(f"n_bins={n_bins} must be an integer >= 1")
+
+
+def _width_bins(confidence: np.ndarray, correct: np.ndarray, n_bins: int):
+    """Per equal-width bin ``(b/n, (b+1)/n]`` (0 in the first): count, confidence sum, hits."""
+    _check_bins(n_bins)
+    bins = np.clip(np.ceil(confidence * n_bins).astype(int) - 1, 0, n_bins - 1)
+    return (np.bincount(bins, minlength=n_bins), np.bincount(bins, weights=confidence, minlength=n_bins),
+            np.bincount(bins, weights=correct, minlength=n_bins))
+
+
+def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, *, n_bins: int = 15) -> float:
+    """``sum_b (n_b / N) |acc_b - conf_b|`` over ``n_bins`` equal-width confidence bins
+    ``(b/n, (b+1)/n]`` (confidence 0 falls in the first bin); 0 for no predictions."""
+    confidence, correct = _binary(confidence, correct)
+    _, conf_sum, acc_sum = _width_bins(confidence, correct, n_bins)
+    return float(np.abs(acc_sum - conf_sum).sum() / confidence.size) if confidence.size else 0.0
+
+
+def signed_calibration_error(confidence: np.ndarray, correct: np.ndarray, *, n_bins: int = 30) -> float:
+    """``sum_b (n_b / N) (conf_b - acc_b)`` over the ECE's bins: positive when the predictor is
+    over-confident on balance (it equals ``mean(confidence) - mean(correct)``)."""
+    confidence, correct = _binary(confidence, correct)
+    _, conf_sum, acc_sum = _width_bins(confidence, correct, n_bins)
+    return float((conf_sum - acc_sum).sum() / confidence.size) if confidence.size else 0.0
+
+
+def rms_calibration_error(confidence: np.ndarray, correct: np.ndarray, *, n_bins: int = 30) -> float:
+    """``sqrt(sum_b (n_b / N) (acc_b - conf_b)^2)`` over the ECE's equal-width bins."""
+    confidence, correct = _binary(confidence, correct)
+    count, conf_sum, acc_sum = _width_bins(confidence, correct, n_bins)
+    if not confidence.size:
+        return 0.0
+    full = count > 0
+    gap = (acc_sum[full] - conf_sum[full]) / count[full]
+    return float(np.sqrt(np.sum(count[full] / confidence.size * gap * gap)))
+
+
+def adaptive_calibration_error(confidence: np.ndarray, correct: np.ndarray, *, n_bins: int = 30) -> float:
+    """ACE: ``(1/B) sum_b |acc_b - conf_b|`` over ``B = min(n_bins, N)`` equal-mass bins of the
+    predictions sorted by confidence (bin ``b`` holds sorted ranks ``[b N / B, (b+1) N / B)``,
+    ties broken by input order)."""
+    confidence, correct = _binary(confidence, correct)
+    _check_bins(n_bins)
     n = confidence.size
     if n == 0:
         return 0.0
-    bins = np.clip(np.ceil(confidence * n_bins).astype(int) - 1, 0, n_bins - 1)
-    count = np.bincount(bins, minlength=n_bins)
-    conf_sum = np.bincount(bins, weights=confidence, minlength=n_bins)
-    acc_sum = np.bincount(bins, weights=correct, minlength=n_bins)
-    return float(np.abs(acc_sum - conf_sum).sum() / n)
+    order = np.argsort(confidence, kind="stable")
+    B = min(int(n_bins), n)
+    bins = (np.arange(n) * B) // n  # rank -> bin, every bin non-empty
+    count = np.bincount(bins, minlength=B)
+    conf_sum = np.bincount(bins, weights=confidence[order], minlength=B)
+    acc_sum = np.bincount(bins, weights=correct[order], minlength=B)
+    return float(np.mean(np.abs(acc_sum - conf_sum) / count))
+
+
+CALIBRATION_METRICS = {
+    "ece": expected_calibration_error,
+    "signed_ece": signed_calibration_error,
+    "rmsce": rms_calibration_error,
+    "ace": adaptive_calibration_error,
+}
+
+
+def calibration_report(confidence: np.ndarray, correct: np.ndarray, *, n_bins: int = 30) -> dict[str, float]:
+    """Every binary calibration metric above with ``n_bins`` bins, keyed by its short name."""
+    return {name: fn(confidence, correct, n_bins=n_bins) for name, fn in CALIBRATION_METRICS.items()}
 
 
 def full_calibration_error(probs: np.ndarray, labels: np.ndarray, *, n_bins: int = 15) -> float:
@@ -34,6 +104,7 @@ def full_calibration_error(probs: np.ndarray, labels: np.ndarray, *, n_bins: int
     labels = np.asarray(labels).ravel()
     if probs.ndim != 2 or probs.shape[0] != labels.size:
         raise ValueError(f"probs must be [N, V] with N = len(labels), got {probs.shape} and {labels.shape}")
+    _check_bins(n_bins)
     n, V = probs.shape
     if n == 0:
         return 0.0

@@ -1,10 +1,12 @@
-"""Calibration errors against a loop written from the definitions (Guo et al. 2017; classwise
-ECE, Kull et al. 2019), with bin edges, empty input and perfectly calibrated cases."""
+"""Calibration errors against loops written from the definitions (ECE, Guo et al. 2017; signed
+ECE and RMSCE over the same bins; ACE over equal-mass bins, Nixon et al. 2019; classwise ECE,
+Kull et al. 2019), with bin edges, empty input and perfectly calibrated cases."""
 
 import numpy as np
 import pytest
 
-from jaxlm.eval import expected_calibration_error, full_calibration_error
+from jaxlm.eval.calibration import (adaptive_calibration_error, calibration_report, expected_calibration_error,
+                                    full_calibration_error, rms_calibration_error, signed_calibration_error)
 
 
 def loop_ece(conf, correct, n_bins):
@@ -46,3 +48,55 @@ def test_full_ece_is_the_classwise_sum():
     np.testing.assert_allclose(full_calibration_error(probs, labels), want, rtol=1e-10, atol=1e-12)
     # one-hot predictions that are always right are perfectly calibrated
     assert full_calibration_error(np.eye(4)[[0, 1, 2, 3]], np.array([0, 1, 2, 3])) == 0.0
+
+
+def loop_bins(conf, correct, n_bins):
+    """(n_b, acc_b, conf_b) for each non-empty equal-width bin, written from the definition."""
+    out = []
+    for b in range(n_bins):
+        lo, hi = b / n_bins, (b + 1) / n_bins
+        members = [i for i in range(len(conf)) if (lo < conf[i] <= hi) or (b == 0 and conf[i] == 0.0)]
+        if members:
+            out.append((len(members), np.mean([correct[i] for i in members]), np.mean([conf[i] for i in members])))
+    return out
+
+
+def test_signed_and_rms_errors_match_the_definition():
+    rng = np.random.default_rng(2)
+    conf = rng.uniform(0, 1, 400)
+    conf[:3] = [0.0, 1.0, 0.1]
+    correct = rng.uniform(0, 1, 400) < conf ** 2
+    for n_bins in (1, 7, 30):
+        cells = loop_bins(conf, correct, n_bins)
+        signed = sum(n / 400 * (c - a) for n, a, c in cells)
+        rms = np.sqrt(sum(n / 400 * (a - c) ** 2 for n, a, c in cells))
+        np.testing.assert_allclose(signed_calibration_error(conf, correct, n_bins=n_bins), signed, atol=1e-12)
+        np.testing.assert_allclose(rms_calibration_error(conf, correct, n_bins=n_bins), rms, atol=1e-12)
+    # over-confident predictor: positive signed error equal to mean(conf) - accuracy
+    assert signed_calibration_error([0.9] * 4, [1, 0, 0, 1]) == pytest.approx(0.4)
+    assert rms_calibration_error([0.9] * 4, [1, 0, 0, 1]) == pytest.approx(0.4)
+
+
+def test_adaptive_error_uses_equal_mass_bins():
+    # six predictions, three bins of two sorted predictions each
+    conf = [0.9, 0.1, 0.5, 0.3, 0.7, 0.2]
+    correct = [1, 0, 1, 0, 0, 1]
+    # sorted: (0.1,0) (0.2,1) | (0.3,0) (0.5,1) | (0.7,0) (0.9,1)
+    want = (abs(0.5 - 0.15) + abs(0.5 - 0.4) + abs(0.5 - 0.8)) / 3
+    assert adaptive_calibration_error(conf, correct, n_bins=3) == pytest.approx(want)
+    # more bins than predictions: one bin each
+    want_each = np.mean([abs(c - k) for c, k in zip(conf, correct)])
+    assert adaptive_calibration_error(conf, correct, n_bins=30) == pytest.approx(want_each)
+    assert adaptive_calibration_error([], []) == 0.0
+
+
+def test_report_and_bad_inputs():
+    report = calibration_report([0.2, 0.8], [0, 1])
+    assert set(report) == {"ece", "signed_ece", "rmsce", "ace"}
+    assert report["ece"] == pytest.approx(0.2) and report["signed_ece"] == pytest.approx(0.0)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        expected_calibration_error([1.5], [1])
+    with pytest.raises(ValueError, match="0/1"):
+        rms_calibration_error([0.5], [2])
+    with pytest.raises(ValueError, match="n_bins"):
+        adaptive_calibration_error([0.5], [1], n_bins=0)
