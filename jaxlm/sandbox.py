@@ -1,0 +1,255 @@
+"""Run untrusted Python (model-written programs, tool code) in a child process with limits.
+
+Each run gets a fresh temporary directory as its working directory and home, a minimal
+environment, and POSIX resource limits: address space (``memory_mb``), CPU seconds, file
+size and open files; a wall-clock timeout kills its whole process group. Inside the child,
+an audit hook (PEP 578) installed before the program runs ends the process at once, with
+exit status `VIOLATION_EXIT`, when the program tries to write, delete, rename or create a
+file outside its directory, start a process, open a network socket or load a C library via
+ctypes. The program is stopped, not merely refused, so catching the error cannot hide it.
+
+This contains mistakes and naive misuse (infinite loops, memory blow-ups, stray writes);
+it is not a security boundary against a determined adversary (use a container or a VM).
+
+Two entry points: `run_python` (a script, stdin -> stdout) and `call_function` (a function
+defined by the program called on many inputs in one process, each call with its own time
+limit; results come back as JSON), which is what executing candidates on test suites uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+VIOLATION_EXIT = 113
+_RESULT_MARK = "\x1e__sandbox_results__"
+
+_GUARD = r'''
+import os as _os, sys as _sys
+_ROOT = _os.path.realpath(_os.getcwd())
+_WRITE = _os.O_WRONLY | _os.O_RDWR | _os.O_CREAT | _os.O_APPEND | _os.O_TRUNC
+
+def _inside(path):
+    try:
+        if isinstance(path, int):
+            return True
+        p = _os.path.realpath(_os.fsdecode(path))
+    except Exception:
+        return False
+    return p == _ROOT or p.startswith(_ROOT + _os.sep)
+
+def _stop(what):
+    _os.write(2, ("sandbox violation: " + what + "\n").encode())
+    _os._exit(%(exit)d)
+
+_PATH_EVENTS = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.symlink",
+                "os.link", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "os.replace"}
+_DENIED = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+           "os.kill", "os.killpg", "socket.connect", "socket.bind", "socket.sendto", "ctypes.dlopen",
+           "ctypes.dlsym", "os.startfile", "pty.spawn"}
+
+def _hook(event, args):
+    if event == "open":
+        path, mode, flags = (list(args) + [None, None, None])[:3]
+        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+            isinstance(flags, int) and flags & _WRITE)
+        if writing and not _inside(path):
+            _stop("write to %%r outside the sandbox directory" %% (path,))
+    elif event in _PATH_EVENTS:
+        for a in args[:2]:
+            if isinstance(a, (str, bytes, _os.PathLike)) and not _inside(a):
+                _stop("%%s on %%r outside the sandbox directory" %% (event, a))
+    elif event in _DENIED:
+        _stop(event + " is not allowed")
+
+_sys.addaudithook(_hook)
+del _hook
+''' % {"exit": VIOLATION_EXIT}
+
+_CALLER = r'''
+import json as _json, signal as _signal, sys as _sys, traceback as _tb
+
+class _TimeUp(BaseException):
+    pass
+
+def _alarm(signum, frame):
+    raise _TimeUp()
+
+_signal.signal(_signal.SIGALRM, _alarm)
+_spec = _json.loads(_sys.stdin.read())
+_namespace = {"__name__": "candidate"}
+_out = []
+try:
+    exec(compile(open("program.py").read(), "program.py", "exec"), _namespace)
+    _fn = _namespace.get(_spec["function"])
+    _missing = None if callable(_fn) else "the program defines no function %r" % _spec["function"]
+except _TimeUp:
+    _fn, _missing = None, "defining the program timed out"
+except BaseException as _e:
+    _fn, _missing = None, "the program failed to load: %s: %s" % (type(_e).__name__, _e)
+for _arg in _spec["inputs"]:
+    if _fn is None:
+        _out.append({"ok": False, "error": _missing})
+        continue
+    try:
+        _signal.setitimer(_signal.ITIMER_REAL, _spec["timeout_s"])
+        _value = _fn(*_arg) if isinstance(_arg, list) else _fn(_arg)
+        _signal.setitimer(_signal.ITIMER_REAL, 0)
+        _out.append({"ok": True, "value": repr(_value)})
+    except _TimeUp:
+        _out.append({"ok": False, "error": "timeout"})
+    except MemoryError:
+        _signal.setitimer(_signal.ITIMER_REAL, 0)
+        _out.append({"ok": False, "error": "memory"})
+    except BaseException as _e:
+        _signal.setitimer(_signal.ITIMER_REAL, 0)
+        _out.append({"ok": False, "error": "%s: %s" % (type(_e).__name__, str(_e)[:200])})
+_sys.stdout.flush()
+_sys.stdout.write(@MARK@ + _json.dumps(_out))
+'''.replace("@MARK@", repr(_RESULT_MARK))
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-run limits: wall-clock and CPU seconds, address space (MiB), largest file written
+    (MiB), open files, and the stdout/stderr characters kept."""
+
+    timeout_s: float = 5.0
+    cpu_s: int = 10
+    memory_mb: int = 512
+    file_mb: int = 16
+    open_files: int = 64
+    output_chars: int = 100_000
+
+    def __post_init__(self):
+        for name in ("timeout_s", "cpu_s", "memory_mb", "file_mb", "open_files", "output_chars"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Limits.{name}={getattr(self, name)} must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """What happened: ``status`` is "ok" (exit 0), "error" (non-zero exit), "timeout",
+    "memory" (ran out of its address space), "output" (wrote more than ``file_mb`` to a
+    file or its output) or "violation" (the guard stopped it)."""
+
+    status: str
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _limit(limits: Limits):
+    def apply():
+        mb = 1 << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    return apply
+
+
+def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str, str] | None) -> RunResult:
+    work = tempfile.mkdtemp(prefix="jaxlm-sandbox-")
+    try:
+        with open(os.path.join(work, "program.py"), "w") as f:
+            f.write(program)
+        for name, text in (files or {}).items():
+            path = os.path.realpath(os.path.join(work, name))
+            if not path.startswith(os.path.realpath(work) + os.sep):
+                raise ValueError(f"sandbox file name {name!r} points outside the sandbox directory")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+        env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "PYTHONDONTWRITEBYTECODE": "1",
+               "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
+        # output goes to files in the run's directory, so the file-size limit bounds it too
+        with open(os.path.join(work, ".stdout"), "w+") as out_f, open(os.path.join(work, ".stderr"), "w+") as err_f:
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD + script], cwd=work, env=env,
+                                    stdin=subprocess.PIPE, stdout=out_f, stderr=err_f,
+                                    preexec_fn=_limit(limits), start_new_session=True, text=True)
+            timed_out = False
+            try:
+                proc.communicate(stdin, timeout=limits.timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                timed_out = True
+            out_f.seek(0)
+            out = out_f.read(limits.output_chars)
+            err_f.seek(0)
+            err = err_f.read()[-limits.output_chars:]
+        if timed_out:
+            return RunResult("timeout", None, out, err)
+        rc = proc.returncode
+        if rc == 0:
+            status = "ok"
+        elif rc == VIOLATION_EXIT:
+            status = "violation"
+        elif "MemoryError" in err:
+            status = "memory"
+        elif "File too large" in err:  # Python ignores SIGXFSZ: the write fails with EFBIG
+            status = "output"
+        elif rc in (-signal.SIGXCPU, -signal.SIGKILL):
+            status = "timeout"
+        elif rc == -signal.SIGXFSZ:
+            status = "output"  # wrote more than Limits.file_mb
+        else:
+            status = "error"
+        return RunResult(status, rc, out, err)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+_SCRIPT = 'exec(compile(open("program.py").read(), "program.py", "exec"), {"__name__": "__main__"})\n'
+
+
+def run_python(program: str, *, stdin: str = "", limits: Limits = Limits(), files: dict[str, str] | None = None
+               ) -> RunResult:
+    """Run ``program`` as a script (``__name__ == "__main__"``) with ``stdin``; ``files``
+    (relative name -> text) are written into its directory first."""
+    return _run(_SCRIPT, program, stdin, limits, files)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallResult:
+    """One call: ``ok`` with the ``repr`` of the return ``value``, or the ``error``."""
+
+    ok: bool
+    value: str | None = None
+    error: str | None = None
+
+
+def call_function(program: str, function: str, inputs: list, *, call_timeout_s: float = 1.0,
+                  limits: Limits = Limits()) -> tuple[list[CallResult], RunResult]:
+    """Define ``program`` and call ``function(x)`` (``function(*x)`` when ``x`` is a list) on
+    each JSON-serialisable input in one sandboxed process, each call stopped after
+    ``call_timeout_s``. A process that dies (memory, violation, the overall timeout) fails
+    every call it did not report."""
+    if call_timeout_s <= 0:
+        raise ValueError(f"call_timeout_s={call_timeout_s} must be > 0")
+    spec = json.dumps({"function": function, "inputs": list(inputs), "timeout_s": float(call_timeout_s)})
+    run = _run(textwrap.dedent(_CALLER), program, spec, limits, None)
+    reported: list = []
+    if _RESULT_MARK in run.stdout:
+        try:
+            reported = json.loads(run.stdout.rsplit(_RESULT_MARK, 1)[1])
+        except json.JSONDecodeError:
+            reported = []
+    if run.status != "ok" or len(reported) != len(inputs):
+        why = run.status if run.status != "ok" else "the program's results were unreadable"
+        return [CallResult(False, error=why) for _ in inputs], run
+    return [CallResult(r["ok"], r.get("value"), r.get("error")) for r in reported], run

@@ -1,0 +1,70 @@
+"""The sandbox stops a program that loops forever, allocates too much memory, floods its
+output, writes outside its directory, spawns a process or opens a socket, scores it as
+failing, and the harness (this process) carries on; calls on many inputs keep going past a
+failing call."""
+
+import os
+
+import pytest
+
+from jaxlm.sandbox import Limits, VIOLATION_EXIT, call_function, run_python
+
+FAST = Limits(timeout_s=3.0, cpu_s=3, memory_mb=256, file_mb=1)
+
+
+def test_a_well_behaved_program_runs():
+    r = run_python("import sys\nprint(sys.stdin.read()[::-1])", stdin="abc", limits=FAST)
+    assert r.ok and r.stdout == "cba\n"
+    r = run_python("open('note.txt', 'w').write('x')\nprint(open('data/in.txt').read())",
+                   files={"data/in.txt": "given"}, limits=FAST)
+    assert r.ok and r.stdout == "given\n"
+
+
+@pytest.mark.parametrize("program, status", [
+    ("while True:\n    pass", "timeout"),
+    ("x = bytearray(1 << 30)", "memory"),
+    ("while True:\n    print('x' * 1000)", "output"),
+    ("open('/tmp/jaxlm-sandbox-escape.txt', 'w').write('x')", "violation"),
+    ("import os\nos.chdir('/tmp')\nopen('jaxlm-sandbox-escape.txt', 'a')", "violation"),
+    ("import os\nos.remove('/tmp/jaxlm-sandbox-escape.txt')", "violation"),
+    ("import os\nos.system('true')", "violation"),
+    ("import subprocess\nsubprocess.run(['true'])", "violation"),
+    ("import socket\nsocket.socket().connect(('127.0.0.1', 9))", "violation"),
+    ("try:\n    open('/tmp/jaxlm-sandbox-escape.txt', 'w')\nexcept BaseException:\n    pass\nprint('hid it')",
+     "violation"),
+    ("raise SystemExit(3)", "error"),
+])
+def test_misbehaving_programs_are_stopped(program, status):
+    r = run_python(program, limits=FAST)
+    assert r.status == status, r
+    assert not r.ok
+    if status == "violation":
+        assert r.returncode == VIOLATION_EXIT and "sandbox violation" in r.stderr
+    assert not os.path.exists("/tmp/jaxlm-sandbox-escape.txt")
+
+
+def test_calls_fail_one_by_one_and_the_process_survives():
+    program = ("def f(x):\n"
+               "    if x == 3:\n        while True:\n            pass\n"
+               "    if x == 4:\n        return bytearray(1 << 30)\n"
+               "    if x == 5:\n        raise ValueError('bad input')\n"
+               "    return x * 2\n")
+    results, run = call_function(program, "f", [1, 2, 3, 4, 5, 6], call_timeout_s=0.3, limits=FAST)
+    assert run.ok
+    assert [r.ok for r in results] == [True, True, False, False, False, True]
+    assert [r.value for r in results if r.ok] == ["2", "4", "12"]
+    assert results[2].error == "timeout" and results[3].error == "memory" and "bad input" in results[4].error
+    # arguments as lists are unpacked
+    results, _ = call_function("def add(a, b):\n    return a + b", "add", [[1, 2], [3, 4]], limits=FAST)
+    assert [r.value for r in results] == ["3", "7"]
+
+
+def test_a_dead_process_fails_every_call():
+    results, run = call_function("def f(x):\n    open('/etc/jaxlm-escape', 'w')", "f", [1, 2], limits=FAST)
+    assert run.status == "violation" and [r.ok for r in results] == [False, False]
+    results, _ = call_function("def g(x):\n    return x", "f", [1], limits=FAST)
+    assert not results[0].ok and "no function 'f'" in results[0].error
+    results, _ = call_function("def f(:\n", "f", [1], limits=FAST)
+    assert "SyntaxError" in results[0].error
+    with pytest.raises(ValueError, match="timeout_s"):
+        Limits(timeout_s=0)
