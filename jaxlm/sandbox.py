@@ -101,7 +101,7 @@ for _arg in _spec["inputs"]:
         continue
     try:
         _signal.setitimer(_signal.ITIMER_REAL, _spec["timeout_s"])
-        _value = _fn(*_arg) if isinstance(_arg, list) else _fn(_arg)
+        _value = _fn(*_arg)
         _signal.setitimer(_signal.ITIMER_REAL, 0)
         _out.append({"ok": True, "value": repr(_value)})
     except _TimeUp:
@@ -235,12 +235,15 @@ class CallResult:
 
 def call_function(program: str, function: str, inputs: list, *, call_timeout_s: float = 1.0,
                   limits: Limits = Limits()) -> tuple[list[CallResult], RunResult]:
-    """Define ``program`` and call ``function(x)`` (``function(*x)`` when ``x`` is a list) on
-    each JSON-serialisable input in one sandboxed process, each call stopped after
-    ``call_timeout_s``. A process that dies (memory, violation, the overall timeout) fails
-    every call it did not report."""
+    """Define ``program`` and call ``function(*args)`` for each ``args`` in ``inputs`` (a list
+    of JSON-serialisable positional arguments) in one sandboxed process, each call stopped
+    after ``call_timeout_s``. A process that dies (memory, violation, the overall timeout)
+    fails every call it did not report."""
     if call_timeout_s <= 0:
         raise ValueError(f"call_timeout_s={call_timeout_s} must be > 0")
+    for i, args in enumerate(inputs):
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"inputs[{i}]={args!r} must be a list of positional arguments (e.g. [x])")
     spec = json.dumps({"function": function, "inputs": list(inputs), "timeout_s": float(call_timeout_s)})
     run = _run(textwrap.dedent(_CALLER), program, spec, limits, None)
     reported: list = []

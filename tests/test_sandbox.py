@@ -49,22 +49,24 @@ def test_calls_fail_one_by_one_and_the_process_survives():
                "    if x == 4:\n        return bytearray(1 << 30)\n"
                "    if x == 5:\n        raise ValueError('bad input')\n"
                "    return x * 2\n")
-    results, run = call_function(program, "f", [1, 2, 3, 4, 5, 6], call_timeout_s=0.3, limits=FAST)
+    results, run = call_function(program, "f", [[1], [2], [3], [4], [5], [6]], call_timeout_s=0.3, limits=FAST)
     assert run.ok
     assert [r.ok for r in results] == [True, True, False, False, False, True]
     assert [r.value for r in results if r.ok] == ["2", "4", "12"]
     assert results[2].error == "timeout" and results[3].error == "memory" and "bad input" in results[4].error
-    # arguments as lists are unpacked
-    results, _ = call_function("def add(a, b):\n    return a + b", "add", [[1, 2], [3, 4]], limits=FAST)
-    assert [r.value for r in results] == ["3", "7"]
+    # each input is the list of positional arguments
+    results, _ = call_function("def add(a, b):\n    return a + b", "add", [[1, 2], [[3], [4]]], limits=FAST)
+    assert [r.value for r in results] == ["3", "[3, 4]"]
+    with pytest.raises(ValueError, match="positional arguments"):
+        call_function("def f(x):\n    return x", "f", [1])
 
 
 def test_a_dead_process_fails_every_call():
-    results, run = call_function("def f(x):\n    open('/etc/jaxlm-escape', 'w')", "f", [1, 2], limits=FAST)
+    results, run = call_function("def f(x):\n    open('/etc/jaxlm-escape', 'w')", "f", [[1], [2]], limits=FAST)
     assert run.status == "violation" and [r.ok for r in results] == [False, False]
-    results, _ = call_function("def g(x):\n    return x", "f", [1], limits=FAST)
+    results, _ = call_function("def g(x):\n    return x", "f", [[1]], limits=FAST)
     assert not results[0].ok and "no function 'f'" in results[0].error
-    results, _ = call_function("def f(:\n", "f", [1], limits=FAST)
+    results, _ = call_function("def f(:\n", "f", [[1]], limits=FAST)
     assert "SyntaxError" in results[0].error
     with pytest.raises(ValueError, match="timeout_s"):
         Limits(timeout_s=0)
