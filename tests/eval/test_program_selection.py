@@ -38,7 +38,7 @@ class ScriptedTester:
 
 def test_split_tester_picks_the_group_that_agrees_with_the_expected_outputs():
     cands = [BUG, BUG, RIGHT, BUG, LOOPS]  # the bug is the majority
-    choice = split_tester(cands, "f", ScriptedTester(), rounds=1, proposals=4, tests_per_round=2)
+    choice = split_tester(cands, "f", ScriptedTester(), rounds=1, proposals=4, tests_per_round=2, call_timeout_s=0.2)
     assert choice.index == 2 and choice.group == (2,)
     assert all(x[0] < 0 for x, _ in choice.tests)  # only the inputs that split the groups were kept
     # all candidates alike: nothing discriminates, the (only) group wins
