@@ -8,6 +8,8 @@ both orders run in one batched call. The order-debiased preference is
 method card §7.1 [INFERRED]), the decision is A when ``p >= 1/2``, and its binary entropy is
 the bidirectional preference entropy (BPE, `jaxlm.eval.conformal.preference_entropy`).
 The verdict margin ``|log p(A) - log p(B)|`` in the presented order is CAMEL's confidence.
+The two orders share their beginning (instructions, question, "Answer A: "), which is run
+once (`jaxlm.eval.scoring.branched_candidate_logprobs`).
 
 Pointwise: ``P(yes)`` over {yes, no} after `JudgeTemplate.pointwise` (a correctness model's
 confidence, as GCM reads it).
@@ -21,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxlm.eval.conformal import preference_entropy
-from jaxlm.eval.scoring import candidate_logprobs, single_token_id
+from jaxlm.eval.scoring import branched_candidate_logprobs, candidate_logprobs, single_token_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,20 +90,24 @@ def judge_pairs(model, questions: Sequence[str], responses_a: Sequence[str], res
                 template: JudgeTemplate = JudgeTemplate(), both_orders: bool = True, batch_size: int = 32
                 ) -> PairwiseJudgment:
     """Judge each (question, A, B). With ``both_orders`` the A-first and B-first prompts of
-    every pair go through one batched scoring call; without it only A-first is asked and
+    every pair go through one batched scoring call, their shared prefix computed once;
+    without it only A-first is asked and
     ``p = p_ab`` (``p_ba`` is ``1 - p_ab``, the order-consistent reading)."""
     n = _same_length(questions=questions, responses_a=responses_a, responses_b=responses_b)
     tok = model.tokenizer
     verdicts = [single_token_id(tok, template.first), single_token_id(tok, template.second)]
-    prompts = pairwise_prompts(questions, responses_a, responses_b, template)
-    if both_orders:
-        prompts += pairwise_prompts(questions, responses_b, responses_a, template)
     if n == 0:
         empty = np.zeros(0)
         return PairwiseJudgment(empty, empty, empty, np.zeros(0, np.int32), empty, empty)
-    logp = candidate_logprobs(model, prompts, verdicts, batch_size=batch_size)
-    p_ab, margin = _two_way(logp[:n])
-    p_ba = _two_way(logp[n:])[0] if both_orders else 1.0 - p_ab
+    prompts = pairwise_prompts(questions, responses_a, responses_b, template)
+    if both_orders:
+        swapped = pairwise_prompts(questions, responses_b, responses_a, template)
+        logp = branched_candidate_logprobs(model, list(zip(prompts, swapped)), verdicts, batch_size=batch_size)
+        p_ab, margin = _two_way(logp[:, 0])
+        p_ba = _two_way(logp[:, 1])[0]
+    else:
+        p_ab, margin = _two_way(candidate_logprobs(model, prompts, verdicts, batch_size=batch_size))
+        p_ba = 1.0 - p_ab
     p = 0.5 * (p_ab + (1.0 - p_ba))
     decision = (p < 0.5).astype(np.int32)
     return PairwiseJudgment(p_ab, p_ba, p, decision, preference_entropy(p), margin)

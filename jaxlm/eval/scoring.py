@@ -1,6 +1,11 @@
 """Batched next-token scoring of texts with a jaxlm model: the log-probabilities of a few
 candidate tokens (verdict letters, "yes"/"no") right after each prompt, from one left-padded
 forward per batch. The primitive that judges, correctness models and reward checks share.
+
+`branched_candidate_logprobs` scores groups of prompts that share a beginning (a pairwise
+judge's two response orders share the instructions and the question): the common token
+prefix of each group is run once into a KV cache, the cache is repeated for the group's
+branches, and only the differing suffixes are run, in the same call.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlm.inference.cache import KVCache, batch_axis
+
 
 def _bucket(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
@@ -23,9 +30,89 @@ def _bucket(n: int, multiple: int) -> int:
 def _candidate_logprobs(graphdef, state, tokens, mask, candidates):
     model = nnx.merge(graphdef, state)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    logits = model(tokens, positions, mask=mask).logits[:, -1].astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    hidden = model.backbone(tokens, positions, mask=mask).hidden[:, -1]  # unembed the last position only
+    logp = jax.nn.log_softmax(model.unembed(hidden).astype(jnp.float32), axis=-1)
     return jnp.take(logp, candidates, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "branches"))
+def _branched_logprobs(graphdef, state, prefix, prefix_mask, suffix, suffix_mask, candidates, branches):
+    model = nnx.merge(graphdef, state)
+    B, P = prefix.shape
+    cache = KVCache.init(model.config, B, P + suffix.shape[1])
+    c = model.backbone(prefix, cache=cache, mask=prefix_mask).cache
+    c = c.replace(k=jax.tree.map(lambda x: jnp.repeat(x, branches, axis=batch_axis(x)), c.k),
+                  v=jax.tree.map(lambda x: jnp.repeat(x, branches, axis=batch_axis(x)), c.v),
+                  valid=jnp.repeat(c.valid, branches, axis=0), lengths=jnp.repeat(c.lengths, branches, axis=0))
+    hidden = model.backbone(suffix, cache=c, mask=suffix_mask).hidden[:, -1]
+    logp = jax.nn.log_softmax(model.unembed(hidden).astype(jnp.float32), axis=-1)
+    return jnp.take(logp, candidates, axis=-1).reshape(B, branches, -1)
+
+
+def _check_candidates(model, candidates) -> np.ndarray:
+    V = model.config.vocab_size
+    cand = np.asarray(candidates, np.int32).ravel()
+    if cand.size == 0:
+        raise ValueError("candidates is empty: name at least one token id to score")
+    if cand.min() < 0 or cand.max() >= V:
+        raise ValueError(f"candidate token ids must lie in [0, {V}), got {cand.tolist()}")
+    return cand
+
+
+def _left_pad(rows: list[list[int]], width: int, n_rows: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.full((n_rows, width), pad, np.int32)
+    mask = np.zeros((n_rows, width), bool)
+    for r, ids in enumerate(rows):
+        if ids:
+            tokens[r, width - len(ids):] = ids
+            mask[r, width - len(ids):] = True
+    return tokens, mask
+
+
+def branched_candidate_logprobs(model, groups: Sequence[Sequence[str]] | Sequence[Sequence[Sequence[int]]],
+                                candidates: Sequence[int], *, batch_size: int = 16, bucket: int = 16,
+                                add_bos: bool = True) -> np.ndarray:
+    """``[N, G, K]``: `candidate_logprobs` of each of the ``G`` prompts of each group, with the
+    group's common token prefix computed once (module docstring). Every group has ``G``
+    prompts; identical prompts are fine (each branch keeps at least its last token)."""
+    cand = _check_candidates(model, candidates)
+    if not len(groups):
+        return np.zeros((0, 0, cand.size), np.float32)
+    G = len(groups[0])
+    if G < 1 or any(len(g) != G for g in groups):
+        raise ValueError(f"every group must hold the same number (>= 1) of prompts, got {sorted({len(g) for g in groups})}")
+    tok = model.tokenizer
+    encoded = [encode_prompts(tok, list(g), add_bos=add_bos) for g in groups]
+    heads, tails = [], []
+    for ids in encoded:
+        n = min(map(len, ids)) - 1  # each branch keeps at least one token of its own
+        common = 0
+        while common < n and all(x[common] == ids[0][common] for x in ids):
+            common += 1
+        heads.append(ids[0][:common])
+        tails.append([x[common:] for x in ids])
+    pad = getattr(tok, "pad_id", None) or 0
+    graphdef, state = nnx.split(model)
+    out = np.zeros((len(groups), G, cand.size), np.float32)
+    order = sorted(range(len(groups)), key=lambda i: (len(heads[i]), max(map(len, tails[i]))))
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        rows = len(idx) if len(order) <= batch_size else batch_size
+        P, S = max(len(heads[i]) for i in idx), max(len(t) for i in idx for t in tails[i])
+        limit = model.config.max_seq_len
+        if P + S > limit:
+            raise ValueError(f"a prompt of {P + S} tokens exceeds ModelConfig.max_seq_len={limit}")
+        if _bucket(P, bucket) + _bucket(S, bucket) <= limit:  # padded shapes, reused across calls
+            P, S = _bucket(P, bucket), _bucket(S, bucket)
+        P = max(P, 1)
+        prefix, prefix_mask = _left_pad([heads[i] for i in idx], P, rows, pad)
+        suffix, suffix_mask = _left_pad([t for i in idx for t in tails[i]], S, rows * G, pad)
+        suffix_mask[len(idx) * G:, -1] = True  # filler rows score a pad token; their output is dropped
+        got = _branched_logprobs(graphdef, state, jnp.asarray(prefix), jnp.asarray(prefix_mask), jnp.asarray(suffix),
+                                 jnp.asarray(suffix_mask), jnp.asarray(cand), G)
+        chex.assert_shape(got, (rows, G, cand.size))
+        out[idx] = np.asarray(got)[: len(idx)]
+    return out
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]], *, add_bos: bool = True
@@ -50,12 +137,7 @@ def candidate_logprobs(model, prompts: Sequence[str] | Sequence[Sequence[int]], 
     """``[N, K]``: ``log p(candidates[k] | prompts[n])`` under ``model`` (full-vocabulary
     log-softmax, not renormalised). Prompts of any lengths are left-padded to a multiple of
     ``bucket`` and run ``batch_size`` at a time (one compilation per padded shape)."""
-    V = model.config.vocab_size
-    cand = np.asarray(candidates, np.int32).ravel()
-    if cand.size == 0:
-        raise ValueError("candidates is empty: name at least one token id to score")
-    if cand.min() < 0 or cand.max() >= V:
-        raise ValueError(f"candidate token ids must lie in [0, {V}), got {cand.tolist()}")
+    cand = _check_candidates(model, candidates)
     tok = model.tokenizer
     ids = encode_prompts(tok, prompts, add_bos=add_bos)
     pad = getattr(tok, "pad_id", None) or 0

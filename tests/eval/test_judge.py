@@ -9,7 +9,7 @@ import pytest
 import jaxlm
 from jaxlm.data.tokenizers import ByteTokenizer
 from jaxlm.eval.judge import JudgeTemplate, judge_pairs, judge_points
-from jaxlm.eval.scoring import candidate_logprobs
+from jaxlm.eval.scoring import branched_candidate_logprobs, candidate_logprobs
 
 QUESTIONS = ["2+2?", "capital of France?", "7*6?"]
 A = ["4", "Paris", "42"]
@@ -41,9 +41,11 @@ def test_both_orders_in_one_call_equal_two_calls(judge):
     both = judge_pairs(judge, QUESTIONS, A, B, template=t)
     ab = judge_pairs(judge, QUESTIONS, A, B, template=t, both_orders=False)
     ba = judge_pairs(judge, QUESTIONS, B, A, template=t, both_orders=False)
-    np.testing.assert_allclose(both.p_ab, ab.p, atol=1e-6)
-    np.testing.assert_allclose(both.p_ba, ba.p, atol=1e-6)
-    np.testing.assert_allclose(both.p, (ab.p + 1 - ba.p) / 2, atol=1e-6)
+    # both orders run through the shared-prefix KV cache, the single orders through one plain
+    # forward: the same function in float32 with a different summation order
+    np.testing.assert_allclose(both.p_ab, ab.p, atol=1e-5)
+    np.testing.assert_allclose(both.p_ba, ba.p, atol=1e-5)
+    np.testing.assert_allclose(both.p, (ab.p + 1 - ba.p) / 2, atol=1e-5)
     np.testing.assert_array_equal(both.decision, (both.p < 0.5).astype(int))
     p = both.p
     np.testing.assert_allclose(both.entropy, -p * np.log(p) - (1 - p) * np.log(1 - p), atol=1e-9)
@@ -74,3 +76,13 @@ def test_bad_judge_inputs(judge):
     with pytest.raises(ValueError, match=r"\[0, 259\)"):
         candidate_logprobs(judge, ["x"], [300])
     assert judge_pairs(judge, [], [], []).p.shape == (0,)
+
+
+def test_branched_scoring_equals_scoring_each_prompt(judge):
+    groups = [("shared start, then one", "shared start, then two!"), ("x", "x"), ("abc", "xyz long other")]
+    cand = [65, 66, 70]
+    got = branched_candidate_logprobs(judge, groups, cand, batch_size=2, bucket=8)
+    flat = candidate_logprobs(judge, [p for g in groups for p in g], cand)
+    np.testing.assert_allclose(got.reshape(-1, 3), flat, atol=3e-5)
+    with pytest.raises(ValueError, match="same number"):
+        branched_candidate_logprobs(judge, [("a", "b"), ("c",)], cand)
