@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -151,15 +150,17 @@ class RunResult:
         return self.status == "ok"
 
 
-def _limit(limits: Limits):
-    def apply():
-        mb = 1 << 20
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    return apply
+def _limit(limits: Limits) -> str:
+    """The child's first statements: its resource limits (set in the child itself, so the
+    parent, often a multithreaded JAX process, never forks with a pre-exec hook)."""
+    mb = 1 << 20
+    pairs = {"RLIMIT_AS": limits.memory_mb * mb, "RLIMIT_CPU": limits.cpu_s, "RLIMIT_FSIZE": limits.file_mb * mb,
+             "RLIMIT_NOFILE": limits.open_files, "RLIMIT_CORE": 0}
+    lines = ["import resource as _resource"]
+    for name, value in pairs.items():
+        hard = value + 1 if name == "RLIMIT_CPU" else value
+        lines.append(f"_resource.setrlimit(_resource.{name}, ({value}, {hard}))")
+    return "\n".join(lines) + "\ndel _resource\n"
 
 
 def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str, str] | None) -> RunResult:
@@ -178,9 +179,9 @@ def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str,
                "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
         # output goes to files in the run's directory, so the file-size limit bounds it too
         with open(os.path.join(work, ".stdout"), "w+") as out_f, open(os.path.join(work, ".stderr"), "w+") as err_f:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD + script], cwd=work, env=env,
-                                    stdin=subprocess.PIPE, stdout=out_f, stderr=err_f,
-                                    preexec_fn=_limit(limits), start_new_session=True, text=True)
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _limit(limits) + _GUARD + script], cwd=work,
+                                    env=env, stdin=subprocess.PIPE, stdout=out_f, stderr=err_f,
+                                    start_new_session=True, text=True)
             timed_out = False
             try:
                 proc.communicate(stdin, timeout=limits.timeout_s)
