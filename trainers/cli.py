@@ -294,6 +294,31 @@ class LogprobsArgs:
     """Replace --out if it exists."""
 
 
+@dataclasses.dataclass(frozen=True)
+class JudgeArgs:
+    """Judge pairs of responses with a model's verdict-token probabilities, both orders in one
+    batched call; with --calibration, accept judgments by SCOPE's threshold at --alpha."""
+
+    model: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL")]
+    """The judge: a jaxlm checkpoint or HF directory."""
+    pairs: Annotated[Path, tyro.conf.arg(metavar="FILE")]
+    """jsonl, one {"question": ..., "a": ..., "b": ...} per line."""
+    out: Annotated[Path, tyro.conf.arg(metavar="FILE")]
+    """Where the judged rows go (.jsonl): p_ab, p_ba, p_a, verdict, bpe, margin (and accepted)."""
+    calibration: Annotated[Path | None, tyro.conf.arg(metavar="FILE")] = None
+    """Labelled pairs (each with "label": "A" or "B") for SCOPE's acceptance threshold."""
+    alpha: float = 0.1
+    """The error rate allowed among accepted judgments (with --calibration)."""
+    one_order: bool = False
+    """Ask only in the given order (no debiasing; half the compute)."""
+    prompt_format: str | None = None
+    """The judging prompt with {question}, {first}, {second} (default: the built-in template)."""
+    batch_size: int = 32
+    """Pairs per forward pass."""
+    overwrite: bool = False
+    """Replace --out if it exists."""
+
+
 class UsageError(ValueError):
     """A command-line argument is invalid (exit status 2)."""
 
@@ -470,6 +495,24 @@ def run_logprobs(args: LogprobsArgs) -> Path:
     return out
 
 
+def run_judge(args: JudgeArgs) -> dict:
+    from jaxlm.eval.judge import JudgeTemplate
+    from trainers.judge_file import judge_file
+
+    if not 0.0 < args.alpha < 1.0:
+        raise ValueError(f"--alpha={args.alpha} must be in (0, 1)")
+    template = JudgeTemplate() if args.prompt_format is None else JudgeTemplate(pairwise=args.prompt_format)
+    summary = judge_file(_load(args.model), args.pairs, args.out, calibration=args.calibration, alpha=args.alpha,
+                         template=template, both_orders=not args.one_order, batch_size=args.batch_size,
+                         overwrite=args.overwrite)
+    line = f"judged {summary['pairs']} pairs -> {args.out}"
+    if args.calibration is not None:
+        line += (f"; SCOPE threshold {summary['threshold']:.4g} at alpha={args.alpha} accepts "
+                 f"{summary['accepted']} (calibration coverage {summary['calibration_coverage']:.2f})")
+    print(line)
+    return summary
+
+
 def run_train(args: TrainArgs):
     from trainers.loop import train
     from trainers.recipes import load_config
@@ -551,6 +594,7 @@ VERBS = {
     "edit": (EditArgs, run_edit),
     "serve-stream": (ServeStreamArgs, run_serve_stream),
     "logprobs": (LogprobsArgs, run_logprobs),
+    "judge": (JudgeArgs, run_judge),
 }
 
 

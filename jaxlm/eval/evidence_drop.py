@@ -73,12 +73,14 @@ def evidence_drops(evidence: Sequence[float], *, ema: float | None = None) -> np
 @dataclasses.dataclass(frozen=True)
 class EvidenceDropResult:
     """Per trace: ``score`` (worst drop), ``step`` (its index, -1 for a trace of fewer than two
-    steps), and the per-step ``evidence`` and ``drops``."""
+    steps), the per-step ``evidence`` and ``drops``, and ``mean_logprob`` (the trace tokens'
+    mean log-prob, the sequence-level baseline)."""
 
     score: np.ndarray
     step: np.ndarray
     evidence: list[np.ndarray]
     drops: list[np.ndarray]
+    mean_logprob: np.ndarray
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -148,6 +150,7 @@ def evidence_drop(model, prompts: Sequence[str], traces: Sequence[str], *, evide
     graphdef, state = nnx.split(model)
     pad = getattr(tok, "pad_id", None) or 0
     scores, where, evid, drops = np.zeros(len(rows)), np.full(len(rows), -1), [None] * len(rows), [None] * len(rows)
+    mean_lp = np.zeros(len(rows))
     for start in range(0, len(rows), batch_size):
         chunk = list(range(start, min(start + batch_size, len(rows))))
         T = -(-max(len(rows[i]) for i in chunk) // 16) * 16
@@ -163,8 +166,10 @@ def evidence_drop(model, prompts: Sequence[str], traces: Sequence[str], *, evide
             n = len(rows[i]) - 1
             sl = slice(T - 1 - n, T - 1)
             e = step_evidence(lp[r, sl], ent[r, sl], hid[r, sl], owners[i], n_steps[i], kind=evidence, vocab_size=V)
+            in_trace = owners[i] >= 0
+            mean_lp[i] = lp[r, sl][in_trace].mean() if in_trace.any() else 0.0
             d = evidence_drops(e, ema=ema)
             evid[i], drops[i] = e, d
             if d.size >= 2:
                 scores[i], where[i] = d.max(), int(np.argmax(d))
-    return EvidenceDropResult(scores, where, evid, drops)
+    return EvidenceDropResult(scores, where, evid, drops, mean_lp)

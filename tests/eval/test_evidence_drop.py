@@ -56,6 +56,7 @@ def test_step_evidence_equals_an_unpadded_forward(model):
     token_lp = np.array([logp[i - 1, ids[i]] for i in range(1, len(ids))])
     want = [token_lp[a - 1:b - 1].mean() for a, b in zip(starts[:-1], starts[1:])]
     np.testing.assert_allclose(got.evidence[0], want, atol=2e-5)
+    assert got.mean_logprob[0] == pytest.approx(token_lp[starts[0] - 1:].mean(), abs=2e-5)
     d = evidence_drops(want)
     assert got.score[0] == pytest.approx(d.max(), abs=2e-5) and got.step[0] == int(np.argmax(d))
     for kind in ("entropy", "hidden_similarity"):

@@ -1,0 +1,121 @@
+"""SCOPE in miniature: a small trained pairwise judge with a position bias, accepted by
+SCOPE's conformal threshold on the bidirectional preference entropy (BPE) vs a naive
+confidence threshold and vs the same conformal threshold on the one-order entropy.
+
+The judge is trained (SFT) to say which of two numbers is larger, ``Which is larger?
+A: 37 B: 52 -> B``, on labels where one in four is replaced by "A" whatever the truth (a
+judge that favours the first position, as LLM judges do). On fresh pairs the judge is
+asked in both orders; over ``--splits`` random 50/50 calibration/test splits, each rule
+picks its threshold on the calibration half and is scored on the test half: realised error
+among the accepted judgments (FDR) and coverage.
+
+* naive: accept when the one-order confidence ``max(p, 1 - p) >= 1 - alpha``;
+* one-order conformal: SCOPE's threshold on the one-order entropy;
+* SCOPE: SCOPE's threshold on BPE, decision from the order-averaged preference.
+
+    python bench/scope_claim.py --out runs/scope
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import jaxlm
+from jaxlm.data.files import Files
+from jaxlm.data.pipeline import DataConfig
+from jaxlm.eval.conformal import preference_entropy, scope_threshold, selective_report
+from jaxlm.eval.judge import JudgeTemplate, judge_pairs
+from trainers.config import ExperimentConfig, OptimizerConfig, SFTConfig, TrainerConfig
+from trainers.loop import train
+
+TEMPLATE = JudgeTemplate(pairwise="Which is larger?{question} A: {first} B: {second} -> ")
+MODEL = jaxlm.ModelConfig.tiny(max_seq_len=64)
+
+
+def pairs(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    a = rng.integers(10, 100, size=n)
+    b = rng.integers(10, 100, size=n)
+    keep = a != b
+    return a[keep], b[keep]
+
+
+def write_training_rows(path: Path, n: int, bias: float, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    a, b = pairs(n, rng)
+    rows = []
+    for x, y in zip(a, b):
+        label = "A" if x > y else "B"
+        if rng.uniform() < bias:
+            label = "A"  # position-biased supervision
+        rows.append({"prompt": TEMPLATE.pairwise.format(question="", first=int(x), second=int(y)),
+                     "completion": label})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def train_judge(out: Path, *, steps: int, bias: float, seed: int = 0):
+    data = write_training_rows(out / "judge.jsonl", 20_000, bias, seed)
+    train(ExperimentConfig(
+        model=MODEL,
+        data=DataConfig(source=Files(path=str(data), eval_fraction=0.01), seq_len=64, batch_size=32, pack=True, eval_examples=200),
+        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=30, min_lr_ratio=0.1),
+        trainer=TrainerConfig.quiet(steps=steps, out_dir=str(out)),
+        algorithm=SFTConfig(), tokenizer="byte",
+    ))
+    return jaxlm.load_checkpoint(out / "model")
+
+
+def evaluate(judge, *, n_test: int, alpha: float, splits: int, seed: int = 1) -> dict:
+    rng = np.random.default_rng(seed)
+    a, b = pairs(n_test, rng)
+    j = judge_pairs(judge, [""] * a.size, [str(int(x)) for x in a], [str(int(y)) for y in b], template=TEMPLATE,
+                    batch_size=64)
+    truth = (a < b).astype(int)  # 0 = A larger
+    one_decision = (j.p_ab < 0.5).astype(int)
+    one_conf = np.maximum(j.p_ab, 1 - j.p_ab)
+    one_entropy = preference_entropy(j.p_ab)
+    err_one = (one_decision != truth).astype(int)
+    err_bpe = (j.decision != truth).astype(int)
+    rules = {"naive": [], "one_order_conformal": [], "scope_bpe": []}
+    for _ in range(splits):
+        perm = rng.permutation(a.size)
+        cal, test = perm[: a.size // 2], perm[a.size // 2:]
+        rules["naive"].append(selective_report(-one_conf[test], err_one[test], -(1 - alpha)))
+        lam = scope_threshold(one_entropy[cal], err_one[cal], alpha)
+        rules["one_order_conformal"].append(selective_report(one_entropy[test], err_one[test], lam))
+        lam = scope_threshold(j.entropy[cal], err_bpe[cal], alpha)
+        rules["scope_bpe"].append(selective_report(j.entropy[test], err_bpe[test], lam))
+    summary = {k: {"fdr": float(np.mean([r.error_rate for r in v])), "coverage": float(np.mean([r.coverage for r in v]))}
+               for k, v in rules.items()}
+    return {"alpha": alpha, "pairs": int(a.size), "splits": splits,
+            "accuracy_one_order": float(1 - err_one.mean()), "accuracy_both_orders": float(1 - err_bpe.mean()),
+            "mean_p_first": float(np.mean(j.p_ab)), **summary,
+            "accepted_ratio_scope_over_naive": summary["scope_bpe"]["coverage"] / max(summary["naive"]["coverage"], 1e-9)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--bias", type=float, default=0.25)
+    ap.add_argument("--alpha", type=float, default=0.1)
+    ap.add_argument("--pairs", type=int, default=2000)
+    ap.add_argument("--splits", type=int, default=1000)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        judge = train_judge(out, steps=args.steps, bias=args.bias)
+        result = evaluate(judge, n_test=args.pairs, alpha=args.alpha, splits=args.splits)
+    print(json.dumps(result, indent=None if args.json else 1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

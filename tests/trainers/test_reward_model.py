@@ -1,0 +1,72 @@
+"""Reward models: the Bradley-Terry and calibration losses against their formulas, the score
+against the head applied to an unpadded forward's last hidden state, one training step
+lowering the joint loss, and the configurable-safety augmentation's labels and pairs."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxlm
+from jaxlm.data import safety
+from jaxlm.data.tokenizers import ByteTokenizer
+from trainers.reward_model import (RewardModel, RewardModelConfig, bradley_terry_loss, calibration_loss,
+                                   score_texts, train_reward_model)
+
+
+def test_losses_match_their_formulas():
+    s_pos, s_neg = np.array([2.0, -1.0, 0.3]), np.array([1.0, 0.5, 0.3])
+    want = np.mean(-np.log(1 / (1 + np.exp(-(s_pos - s_neg)))))
+    assert float(bradley_terry_loss(jnp.asarray(s_pos), jnp.asarray(s_neg))) == pytest.approx(want, rel=1e-6)
+    s, b, y = np.array([3.0, -2.0, 0.0, 1.5]), 0.5, np.array([1.0, 0.0, 1.0, 0.0])
+    p = 1 / (1 + np.exp(-(s - b)))
+    want = np.mean(-(y * np.log(p) + (1 - y) * np.log1p(-p)))
+    assert float(calibration_loss(jnp.asarray(s), jnp.asarray(b), jnp.asarray(y))) == pytest.approx(want, rel=1e-6)
+    # a confident wrong score costs about its margin and stays finite (no log(0))
+    big = float(calibration_loss(jnp.asarray([40.0]), jnp.asarray(0.5), jnp.asarray([0.0])))
+    assert big == pytest.approx(39.5, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def rm():
+    lm = jaxlm.build_model(jaxlm.ModelConfig.tiny(max_seq_len=96), seed=0, tokenizer=ByteTokenizer())
+    return RewardModel(lm, rngs=nnx.Rngs(1))
+
+
+def test_score_is_the_head_on_the_last_hidden_state(rm):
+    texts = ["allow: drugs\nQ: x?\nA: background (drugs)", "short"]
+    got = score_texts(rm, texts)
+    for text, s in zip(texts, got):
+        ids = np.asarray([rm.tokenizer.encode(text, add_bos=True)], np.int32)
+        h = rm.lm.backbone(ids).hidden[0, -1]
+        want = float(h @ rm.head.kernel[...][:, 0] + rm.head.bias[...][0])
+        assert s == pytest.approx(want, abs=1e-4)
+
+
+def test_training_lowers_the_joint_loss(rm):
+    base = safety.items(n=12)
+    points, pairs = safety.augment(base, safety.all_configs(), per_item=2)
+    _, log = train_reward_model(rm, points, pairs, RewardModelConfig(steps=60, learning_rate=3e-3))
+    assert log[-1]["loss"] < log[0]["loss"], log
+    with pytest.raises(ValueError, match="calibration_weight"):
+        RewardModelConfig(calibration_weight=-1.0)
+    with pytest.raises(ValueError, match="at least one point"):
+        train_reward_model(rm, [], pairs)
+
+
+def test_augmentation_relabels_by_configuration_and_keeps_the_severity_order():
+    base = safety.items()
+    points, pairs = safety.augment(base, safety.all_configs(), per_item=4, seed=0)
+    item_of = {safety.rm_input(c, it): (c, it) for c in safety.all_configs() for it in base}
+    assert len(points) == 4 * len(base)
+    for text, label in points:
+        c, it = item_of[text]
+        assert label == (it.severity == 0 or it.category in c)
+    labels = np.array([l for _, l in points])
+    assert 0.3 < labels.mean() < 0.8  # both labels occur
+    for chosen, rejected in pairs:
+        (c1, a), (c2, b) = item_of[chosen], item_of[rejected]
+        assert c1 == c2 and a.request == b.request and a.severity < b.severity and b.category not in c1
+    # one response, two configurations, opposite labels
+    it = next(i for i in base if i.severity == 3)
+    assert safety.compliant(it, frozenset({it.category})) and not safety.compliant(it, frozenset())

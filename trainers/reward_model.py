@@ -1,0 +1,166 @@
+"""Scalar reward models on a jaxlm backbone, and CSRM's joint objective ("Configurable Reward
+Model for Balanced Safety Alignment", Jiang et al. 2026, arXiv 2605.30487; method card B.7,
+whose loss is [INFERRED]).
+
+`RewardModel`: the backbone's final hidden state at the last real token through a linear
+head gives the score ``s``; a learnt offset ``b`` makes ``sigmoid(s - b)`` the calibrated
+P(compliant). Losses (`csrm_loss`):
+
+    L = L_BT + lambda L_cal,   L_BT = -log sigmoid(s(c, x, y+) - s(c, x, y-)),
+    L_cal = BCE(sigmoid(s(c, x, y) - b), compliant(c, x, y)).
+
+``lambda = 0`` is the plain Bradley-Terry reward model (the uncalibrated baseline). The step
+is a pure ``(state, batch) -> (state, metrics)``; `train_reward_model` runs it over
+(points, pairs) batches drawn from `jaxlm.data.safety.augment` or any such lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxlm.eval.scoring import encode_prompts
+
+
+class RewardModel(nnx.Module):
+    """``score(tokens, mask) -> [B]``: a linear head on the backbone's last real position."""
+
+    def __init__(self, backbone, *, rngs: nnx.Rngs):
+        self.lm = backbone
+        d = backbone.config.d_model
+        self.head = nnx.Linear(d, 1, rngs=rngs, kernel_init=nnx.initializers.normal(0.02))
+        self.offset = nnx.Param(jnp.zeros((), jnp.float32))
+
+    @property
+    def tokenizer(self):
+        return self.lm.tokenizer
+
+    def __call__(self, tokens: jax.Array, mask: jax.Array) -> jax.Array:
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        h = self.lm.backbone(tokens, positions, mask=mask).hidden[:, -1].astype(jnp.float32)  # left-padded
+        return self.head(h)[:, 0]
+
+    def p_compliant(self, scores: jax.Array) -> jax.Array:
+        return jax.nn.sigmoid(scores - self.offset[...])
+
+
+def bradley_terry_loss(chosen: jax.Array, rejected: jax.Array) -> jax.Array:
+    """``mean(-log sigmoid(s+ - s-))``."""
+    return jnp.mean(jax.nn.softplus(-(chosen - rejected)))
+
+
+def calibration_loss(scores: jax.Array, offset: jax.Array, labels: jax.Array) -> jax.Array:
+    """Binary cross-entropy of ``sigmoid(s - b)`` against 0/1 ``labels``."""
+    z = scores - offset
+    return jnp.mean(jax.nn.softplus(z) - labels * z)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelConfig:
+    calibration_weight: float = 1.0  # lambda; 0 = Bradley-Terry only
+    learning_rate: float = 1e-3
+    steps: int = 300
+    batch_pairs: int = 16
+    batch_points: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.calibration_weight < 0:
+            raise ValueError(f"RewardModelConfig.calibration_weight={self.calibration_weight} must be >= 0")
+        for name in ("learning_rate", "steps", "batch_pairs", "batch_points"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RewardModelConfig.{name}={getattr(self, name)} must be > 0")
+
+
+def _encode(tokenizer, texts: Sequence[str], width: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = encode_prompts(tokenizer, texts)
+    if max(map(len, ids)) > width:
+        raise ValueError(f"an input of {max(map(len, ids))} tokens exceeds the width {width}")
+    tokens = np.full((len(ids), width), getattr(tokenizer, "pad_id", None) or 0, np.int32)
+    mask = np.zeros((len(ids), width), bool)
+    for r, row in enumerate(ids):
+        tokens[r, width - len(row):] = row
+        mask[r, width - len(row):] = True
+    return tokens, mask
+
+
+def csrm_loss(model: RewardModel, batch: dict, calibration_weight: float) -> tuple[jax.Array, dict]:
+    n = batch["chosen"].shape[0]
+    scores = model(jnp.concatenate([batch["chosen"], batch["rejected"], batch["points"]]),
+                   jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"], batch["points_mask"]]))
+    s_pos, s_neg, s_pt = scores[:n], scores[n:2 * n], scores[2 * n:]
+    bt = bradley_terry_loss(s_pos, s_neg)
+    cal = calibration_loss(s_pt, model.offset[...], batch["labels"])
+    loss = bt + calibration_weight * cal
+    return loss, {"loss": loss, "bt": bt, "calibration": cal, "pair_accuracy": jnp.mean(s_pos > s_neg)}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "opt", "calibration_weight"))
+def reward_model_step(graphdef, params, opt_state, batch, *, opt, calibration_weight: float):
+    """One optimizer step on `csrm_loss`: ``(params, opt_state, batch) -> (..., metrics)``."""
+
+    def loss_fn(p):
+        return csrm_loss(nnx.merge(graphdef, p), batch, calibration_weight)
+
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, metrics
+
+
+def train_reward_model(model: RewardModel, points: Sequence[tuple[str, bool]], pairs: Sequence[tuple[str, str]],
+                       config: RewardModelConfig = RewardModelConfig(), *, width: int | None = None
+                       ) -> tuple[RewardModel, list[dict]]:
+    """Train on random batches of ``pairs`` (preferred, rejected) and ``points`` (text,
+    compliant); returns the trained model and the metrics every 50 steps."""
+    if not points or not pairs:
+        raise ValueError("train_reward_model needs at least one point and one pair")
+    tok = model.tokenizer
+    width = width or max(len(x) for x in encode_prompts(tok, [p[0] for p in points] + [q for p in pairs for q in p]))
+    width = -(-width // 16) * 16
+    pt_tokens, pt_mask = _encode(tok, [p[0] for p in points], width)
+    labels = np.asarray([float(p[1]) for p in points], np.float32)
+    ch_tokens, ch_mask = _encode(tok, [p[0] for p in pairs], width)
+    rj_tokens, rj_mask = _encode(tok, [p[1] for p in pairs], width)
+    opt = optax.adamw(config.learning_rate, weight_decay=0.0)
+    graphdef, params = nnx.split(model, nnx.Param)
+    rest = nnx.state(model, nnx.Not(nnx.Param))
+    opt_state = opt.init(params)
+    rng = np.random.default_rng(config.seed)
+    log = []
+    for step in range(config.steps):
+        pi = rng.integers(len(pairs), size=config.batch_pairs)
+        qi = rng.integers(len(points), size=config.batch_points)
+        batch = {"chosen": ch_tokens[pi], "chosen_mask": ch_mask[pi], "rejected": rj_tokens[pi],
+                 "rejected_mask": rj_mask[pi], "points": pt_tokens[qi], "points_mask": pt_mask[qi],
+                 "labels": labels[qi]}
+        params, opt_state, metrics = reward_model_step(graphdef, params, opt_state, batch, opt=opt,
+                                                       calibration_weight=float(config.calibration_weight))
+        if step % 50 == 0 or step == config.steps - 1:
+            log.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+    return nnx.merge(graphdef, params, rest), log
+
+
+def score_texts(model: RewardModel, texts: Sequence[str], *, batch_size: int = 64) -> np.ndarray:
+    """Scores ``[N]`` of texts, ``batch_size`` at a time."""
+    if not len(texts):
+        return np.zeros(0, np.float32)
+    width = -(-max(len(x) for x in encode_prompts(model.tokenizer, texts)) // 16) * 16
+    tokens, mask = _encode(model.tokenizer, texts, width)
+    graphdef, state = nnx.split(model)
+    out = []
+    for start in range(0, len(texts), batch_size):
+        out.append(np.asarray(_score(graphdef, state, jnp.asarray(tokens[start:start + batch_size]),
+                                     jnp.asarray(mask[start:start + batch_size]))))
+    return np.concatenate(out)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _score(graphdef, state, tokens, mask):
+    return nnx.merge(graphdef, state)(tokens, mask)
