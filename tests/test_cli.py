@@ -85,7 +85,7 @@ def _flags(cls, prefix=""):
 
 
 @pytest.mark.parametrize("verb", ["quickstart", "train", "eval", "generate", "convert", "quantize", "compress", "edit",
-                                  "serve-stream"])
+                                  "serve-stream", "logprobs", "judge"])
 def test_verb_help_names_real_arguments_and_describes_every_flag(verb, capsys):
     from trainers.cli import VERBS
 
