@@ -1,0 +1,40 @@
+"""Paper claims of the judging and uncertainty family in miniature. Each runs its bench in a
+subprocess with XLA's default optimisation (this suite compiles at level 0 for speed), so
+the numbers are the ones docs/judging.md reports."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def run_bench(name: str, *args: str) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
+    proc = subprocess.run([sys.executable, str(BENCH / name), *args], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+@pytest.mark.slow  # trains a small judge (about 1 minute on 2 cores); the exactness tests run by default
+def test_scope_accepts_more_judgments_at_the_same_error():
+    """SCOPE (BPE + conformal threshold) against a naive confidence threshold and the same
+    conformal threshold on the one-order entropy, on a position-biased trained judge."""
+    got = run_bench("scope_claim.py")
+    strict = got["alpha=0.02"]
+    scope, one, naive = strict["scope_bpe"], strict["one_order_conformal"], strict["naive"]
+    assert scope["fdr"] <= 0.02 + 0.002, strict  # the guarantee, up to split noise
+    assert scope["coverage"] > 1.5 * one["coverage"] and scope["coverage"] > 2 * naive["coverage"], strict
+
+
+@pytest.mark.slow  # trains a 3-layer model on arithmetic chains (about 4 minutes on 2 cores)
+def test_evidence_drop_detects_and_localises_planted_wrong_steps():
+    got = run_bench("evidence_drop_claim.py")
+    assert got["auroc_evidence_drop"] > got["auroc_mean_logprob"], got
+    assert got["aurc_evidence_drop"] < got["aurc_mean_logprob"], got
+    assert got["localisation"] > 2 * got["localisation_chance"], got
