@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxlm.data.programs import SPECS, candidate_pool, fuzz_inputs, hidden_tests
-from jaxlm.eval.program_selection import (FAILED, behaviour_table, partition, passes_hidden_tests, select_majority,
+from jaxlm.eval.program_selection import (FAILED, behaviour_table, partition, select_majority,
                                           split_entropy, split_tester)
 
 RIGHT = "def f(x):\n    return abs(x)\n"
