@@ -19,12 +19,9 @@ from pathlib import Path
 import numpy as np
 
 import jaxlm
-from jaxlm.data.files import Files
-from jaxlm.data.pipeline import DataConfig
 from jaxlm.eval.evidence_drop import evidence_drop
 from jaxlm.eval.selective import aurc, auroc
-from trainers.config import ExperimentConfig, OptimizerConfig, SFTConfig, TrainerConfig
-from trainers.loop import train
+from sft_rows import sft_on_rows
 
 MODEL = jaxlm.ModelConfig.tiny(d_model=128, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=160)
 OPS = ("+", "-", "*")
@@ -62,16 +59,7 @@ def train_model(out: Path, steps: int, seed: int = 0):
     for _ in range(30_000):
         s, ops = problem(rng, int(rng.integers(3, 6)))
         rows.append({"prompt": prompt(s, ops), "completion": trace(s, ops)})
-    data = out / "chains.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train(ExperimentConfig(
-        model=MODEL,
-        data=DataConfig(source=Files(path=str(data), eval_fraction=0.01), seq_len=128, batch_size=32, pack=True, eval_examples=200),
-        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=50, min_lr_ratio=0.1),
-        trainer=TrainerConfig.quiet(steps=steps, out_dir=str(out)),
-        algorithm=SFTConfig(), tokenizer="byte",
-    ))
-    return jaxlm.load_checkpoint(out / "model")
+    return sft_on_rows(out, rows, MODEL, steps=steps, seq_len=128)
 
 
 def evaluate(model, n: int = 400, seed: int = 1) -> dict:

@@ -26,12 +26,9 @@ from pathlib import Path
 import numpy as np
 
 import jaxlm
-from jaxlm.data.files import Files
-from jaxlm.data.pipeline import DataConfig
 from jaxlm.eval.conformal import preference_entropy, scope_threshold, selective_report
 from jaxlm.eval.judge import JudgeTemplate, judge_pairs
-from trainers.config import ExperimentConfig, OptimizerConfig, SFTConfig, TrainerConfig
-from trainers.loop import train
+from sft_rows import sft_on_rows
 
 TEMPLATE = JudgeTemplate(pairwise="Which is larger?{question} A: {first} B: {second} -> ")
 MODEL = jaxlm.ModelConfig.tiny(max_seq_len=64)
@@ -50,7 +47,7 @@ def pairs(n: int, rng: np.random.Generator) -> tuple[list[str], list[str], np.nd
     return firsts, seconds, np.asarray(truth)
 
 
-def write_training_rows(path: Path, n: int, bias: float, seed: int) -> Path:
+def training_rows(n: int, bias: float, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []
     for x, y, t in zip(*pairs(n, rng)):
@@ -58,20 +55,11 @@ def write_training_rows(path: Path, n: int, bias: float, seed: int) -> Path:
         if rng.uniform() < bias:
             label = "A"  # position-biased supervision
         rows.append({"prompt": TEMPLATE.pairwise.format(question="", first=x, second=y), "completion": label})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return rows
 
 
 def train_judge(out: Path, *, steps: int, bias: float, seed: int = 0):
-    data = write_training_rows(out / "judge.jsonl", 20_000, bias, seed)
-    train(ExperimentConfig(
-        model=MODEL,
-        data=DataConfig(source=Files(path=str(data), eval_fraction=0.01), seq_len=64, batch_size=32, pack=True, eval_examples=200),
-        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=30, min_lr_ratio=0.1),
-        trainer=TrainerConfig.quiet(steps=steps, out_dir=str(out)),
-        algorithm=SFTConfig(), tokenizer="byte",
-    ))
-    return jaxlm.load_checkpoint(out / "model")
+    return sft_on_rows(out, training_rows(20_000, bias, seed), MODEL, steps=steps, seq_len=64, warmup_steps=30)
 
 
 def evaluate(judge, *, n_test: int, alphas=(0.02, 0.05, 0.1), splits: int, seed: int = 1) -> dict:
