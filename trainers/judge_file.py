@@ -4,8 +4,8 @@ batched call, with SCOPE's acceptance threshold when a labelled calibration file
 Input rows: ``{"question": str, "a": str, "b": str}`` plus, for calibration, ``"label": "A"
 | "B"`` (the better response). Output rows: the input keys plus ``p_ab``, ``p_ba``, ``p_a``
 (the order-averaged P(A better)), ``verdict``, ``bpe`` and ``margin``; with a calibration
-file, ``accepted`` (BPE at most SCOPE's threshold at ``alpha``) and, on the first line of
-the report printed, the threshold and the calibration coverage.
+file, ``accepted`` (BPE at most SCOPE's threshold at ``alpha``), and the returned summary
+(printed by the CLI) holds the threshold and the calibration coverage.
 """
 
 from __future__ import annotations

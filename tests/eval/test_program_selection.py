@@ -63,7 +63,7 @@ def test_every_task_reference_passes_and_every_mistake_fails_its_hidden_tests():
     assert all(isinstance(x, list) for x in fuzz_inputs("int_pair", 5, np.random.default_rng(0)))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # executes about 1000 sandboxed runs (about 1 minute); the selection logic is tested above
 def test_split_tester_beats_random_and_majority_selection():
     bench = Path(__file__).resolve().parents[2] / "bench" / "split_tester_claim.py"
     spec = importlib.util.spec_from_file_location("split_tester_claim", bench)
