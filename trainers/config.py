@@ -14,6 +14,7 @@ import math
 import re
 from typing import Any, Literal
 
+from jaxlm.agents.tasks import AgentTaskConfig
 from jaxlm.data.pipeline import DataConfig
 from jaxlm.models.config import ModelConfig
 from trainers.distill.config import DistillConfig
@@ -356,6 +357,8 @@ class GRPOConfig:
     """PrefixRL (B.1): train on problems prefixed with part of a correct trace (None: off)."""
     environment: RPSConfig | None = None
     """Multi-turn collectors' environment (rps_memory: MemoPilot's Rock-Paper-Scissors)."""
+    agent: AgentTaskConfig | None = None
+    """collector='agent': the tool-use task (`jaxlm.agents.tasks`) and the loop's budgets."""
 
     def __post_init__(self):
         check_grpo_config(self)

@@ -129,6 +129,12 @@ class ChatRows(TurnRows):
         self._held[i] = target
         return ids
 
+    def length_with(self, i: int, messages: Sequence[dict]) -> int:
+        """The tokens stream ``i`` would hold after ``add_messages(i, messages, ...)``."""
+        target = self._render(self.messages[i] + [dict(m) for m in messages], True)
+        self._check_prefix(i, target, f"{[m.get('role') for m in messages]} follow")
+        return len(self.tokens[i]) + len(self.tokenizer.encode(target[len(self._held[i]):]))
+
     def add_reply(self, i: int, ids: Sequence[int], logp: Sequence[float], turn: int) -> str:
         """Append the policy's sampled ``ids`` (with their log-probs) as an assistant message;
         returns its content (the text before the stop token)."""

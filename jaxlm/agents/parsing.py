@@ -1,0 +1,83 @@
+"""Tool calls in a model's reply: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+
+The format is the built-in chat format's (`jaxlm.data.chat.render_tool_call`) and the one
+Hermes/Qwen-style templates render, so a trajectory's structured ``tool_calls`` and the text a
+model writes for them agree. A reply may hold several calls; the text outside them is its
+content. A reply with no call (and nothing malformed) is a final answer.
+
+Malformed calls are reported, not raised: a ``<tool_call>`` that is never closed (the model
+ran out of tokens), a body that is not JSON, or JSON that is not ``{"name": str, "arguments":
+object}`` each give one error string, which the agent loop shows the model as the observation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+    def message_entry(self) -> dict[str, Any]:
+        """The call as a chat message's ``tool_calls`` entry."""
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """A parsed reply: ``content`` (the text outside the calls, stripped), the well-formed
+    ``calls`` in order and one ``errors`` entry per malformed call."""
+
+    content: str
+    calls: tuple[ToolCall, ...]
+    errors: tuple[str, ...]
+
+    @property
+    def is_final(self) -> bool:
+        return not self.calls and not self.errors
+
+
+def _one(body: str, k: int) -> ToolCall | str:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        return f"tool call {k} is not JSON ({e.msg} at character {e.pos})"
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return f'tool call {k} must be {{"name": "<tool>", "arguments": {{...}}}}, got {body.strip()[:80]!r}'
+    extra = sorted(set(call) - {"name", "arguments"})
+    if extra:
+        return f"tool call {k} has unexpected key(s) {extra} (only name and arguments)"
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some formats write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return f"tool call {k}: arguments must be a JSON object, got {type(arguments).__name__}"
+    return ToolCall(call["name"], arguments)
+
+
+def parse_reply(text: str) -> Reply:
+    """Split ``text`` into content, calls and errors (see the module docstring)."""
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for k, m in enumerate(_CALL.finditer(text)):
+        out = _one(m.group(1), k)
+        (errors.append if isinstance(out, str) else calls.append)(out)
+    rest = _CALL.sub("", text)
+    if OPEN in rest:
+        errors.append(f"a {OPEN} is not closed by {CLOSE}")
+        rest = rest[: rest.index(OPEN)]
+    elif CLOSE in rest:
+        errors.append(f"a {CLOSE} has no {OPEN} before it")
+        rest = rest.replace(CLOSE, "")
+    return Reply(rest.strip(), tuple(calls), tuple(errors))

@@ -1,0 +1,48 @@
+"""Tool calls in replies: well-formed calls, content around them, and each malformed shape
+reported as an error (never raised)."""
+
+import json
+
+from jaxlm.agents.parsing import ToolCall, parse_reply
+from jaxlm.data.chat import render_tool_call
+
+
+def test_rendered_calls_parse_back():
+    call = {"type": "function", "function": {"name": "search", "arguments": {"query": "Ada", "limit": 2}}}
+    r = parse_reply("Let me look.\n" + render_tool_call(call) + "\n" + render_tool_call(call))
+    assert r.content == "Let me look."
+    assert r.calls == (ToolCall("search", {"query": "Ada", "limit": 2}),) * 2
+    assert r.errors == () and not r.is_final
+    assert r.calls[0].message_entry() == call
+
+
+def test_a_reply_without_calls_is_final():
+    r = parse_reply("  Oslo \n")
+    assert r.is_final and r.content == "Oslo"
+
+
+def test_arguments_may_be_a_json_string_or_absent():
+    r = parse_reply('<tool_call>{"name": "t", "arguments": "{\\"x\\": 1}"}</tool_call><tool_call>{"name": "u"}</tool_call>')
+    assert r.calls == (ToolCall("t", {"x": 1}), ToolCall("u", {}))
+
+
+def test_malformed_calls_are_errors():
+    cases = {
+        "<tool_call>{not json}</tool_call>": "is not JSON",
+        '<tool_call>["search"]</tool_call>': 'must be {"name"',
+        '<tool_call>{"name": 3}</tool_call>': 'must be {"name"',
+        '<tool_call>{"name": "s", "arguments": [1]}</tool_call>': "arguments must be a JSON object, got list",
+        '<tool_call>{"name": "s", "args": {}}</tool_call>': "unexpected key",
+        '<tool_call>{"name": "s", "arguments": {"q": "a"': "is not closed",
+        'done</tool_call>': "has no <tool_call>",
+    }
+    for text, expected in cases.items():
+        r = parse_reply(text)
+        assert len(r.errors) == 1 and expected in r.errors[0], (text, r.errors)
+        assert r.calls == () and not r.is_final
+
+
+def test_good_and_bad_calls_together():
+    good = "<tool_call>" + json.dumps({"name": "a", "arguments": {}}) + "</tool_call>"
+    r = parse_reply(good + "<tool_call>oops</tool_call>")
+    assert r.calls == (ToolCall("a", {}),) and len(r.errors) == 1 and "tool call 1" in r.errors[0]
