@@ -99,6 +99,8 @@ def generate_tokens(
     samples_per_prompt: int = 1,
     grammar: DeviceGrammar | None = None,
     grammar_start: jax.Array | None = None,
+    prompt_embeds: jax.Array | None = None,
+    prompt_positions: jax.Array | None = None,
 ) -> SamplingState:
     """The jittable core: left-padded ``prompt_tokens [B, P]`` with ``prompt_mask`` -> final state.
     ``condition`` (ids ``[B, C]`` or ``(ids, mask)``) is passed to every forward (MeGan), and so
@@ -106,7 +108,11 @@ def generate_tokens(
     ``samples_per_prompt = G``: each prompt is prefilled once and its cache repeated, giving
     ``B * G`` rows (row ``b * G + g`` continues prompt ``b``), e.g. GRPO's groups.
     ``grammar`` (`DeviceGrammar`) with ``grammar_start [B]``: constrained decoding; the mask
-    is applied before the processors and a row stops when its grammar is complete."""
+    is applied before the processors and a row stops when its grammar is complete.
+    ``prompt_embeds [B, P, D]`` (a multimodal front end's spliced inputs, `jaxlm.models.omni`)
+    replace the prompt's token lookup; ``prompt_positions [B, P]`` or ``[B, P, 3]``
+    (``rope="mrope"``) are the prompt's positions, and generated tokens continue from the
+    largest one + 1 on every axis."""
     model = nnx.merge(graphdef, params)
     B, P = prompt_tokens.shape
     N = max_new_tokens
@@ -121,9 +127,16 @@ def generate_tokens(
     per_layer = not model.config.scan_layers
     cache = KVCache.init(model.config, B, P + N, cache_dtype, per_layer=per_layer)
     out = model.backbone(
-        prompt_tokens, cache=cache, mask=prompt_mask, condition=condition, interventions=interventions
+        prompt_tokens, prompt_positions, cache=cache, mask=prompt_mask, condition=condition,
+        interventions=interventions, embeds=prompt_embeds,
     )
     last_hidden = out.hidden[:, -1]
+    # generated token j of a row sits at position offset + (cache length before it)
+    offset = None
+    if prompt_positions is not None:
+        pos = prompt_positions if prompt_positions.ndim == 3 else prompt_positions[..., None]
+        top = jnp.max(jnp.where(prompt_mask[..., None], pos, -1), axis=(1, 2))
+        offset = top + 1 - prompt_mask.sum(axis=1, dtype=jnp.int32)
     if samples_per_prompt > 1:
         G = samples_per_prompt
         c = out.cache
@@ -138,6 +151,8 @@ def generate_tokens(
             condition = jax.tree.map(lambda x: jnp.repeat(x, G, axis=0), condition)
         if grammar_start is not None:
             grammar_start = jnp.repeat(grammar_start, G, axis=0)
+        if offset is not None:
+            offset = jnp.repeat(offset, G, axis=0)
         B = B * G
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
@@ -181,7 +196,12 @@ def generate_tokens(
 
     def body(s: SamplingState) -> SamplingState:
         last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
-        out = model.backbone(last, cache=s.cache, condition=condition, interventions=interventions)
+        positions = None
+        if offset is not None:
+            positions = (s.cache.lengths + offset)[:, None]
+            if prompt_positions.ndim == 3:
+                positions = jnp.repeat(positions[..., None], prompt_positions.shape[-1], axis=-1)
+        out = model.backbone(last, positions, cache=s.cache, condition=condition, interventions=interventions)
         return choose(s.replace(logits=model.unembed(out.hidden[:, 0]), cache=out.cache))
 
     final = jax.lax.while_loop(cond, body, choose(state))

@@ -144,7 +144,8 @@ class ModelConfig:
     mlp: str = "swiglu"
     """MLP variant: swiglu | meta_swiglu (MeGan)."""
     rope: str = "default"
-    """Position encoding: default (RoPE) | none | graph (Weaver's two-axis RoPE)."""
+    """Position encoding: default (RoPE) | none | graph (Weaver's two-axis RoPE) | mrope
+    (Qwen2-VL / Qwen2.5-Omni three-axis RoPE over time, height, width)."""
     # Variant options (read only by the variant that names them):
     affine_bias: str = "free"
     """affine_scaled: free per-head bias b_i, or coupled b_i = (1 - s_i) / n_i."""
@@ -158,6 +159,10 @@ class ModelConfig:
     """graph: frequency pairs driven by the graph coordinate."""
     graph_rope_band: str = "low"
     """graph: those pairs are the lowest (low) or highest (high) frequencies."""
+    mrope_section: tuple[int, ...] | None = None
+    """mrope: frequency pairs per axis (time, height, width), summing to head_dim/2, in pair
+    order (None: a quarter for time, the rest split between height and width, as Qwen2.5-Omni's
+    [16, 24, 24] at head_dim 128)."""
     qat_format: str | None = None
     """Quantization-aware training: fake-quantize attention/MLP projections (inputs and
     weights, straight-through) in this format (mxfp4 | nvfp4 | int4 | e1m2)."""
@@ -254,6 +259,15 @@ class ModelConfig:
             raise _err("graph_rope_pairs", self.graph_rope_pairs, f"must be in [0, head_dim/2 = {self.head_dim // 2}]")
         if self.graph_rope_band not in ("low", "high"):
             raise _err("graph_rope_band", self.graph_rope_band, "must be 'low' or 'high'")
+        if self.mrope_section is not None:
+            if isinstance(self.mrope_section, list):
+                object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
+            sec = self.mrope_section
+            if (not isinstance(sec, tuple) or len(sec) != 3 or any(isinstance(v, bool) or not isinstance(v, int)
+                                                                  or v < 0 for v in sec)
+                    or sum(sec) != self.head_dim // 2):
+                raise _err("mrope_section", sec, f"must be 3 ints >= 0 (time, height, width) summing to head_dim/2 = "
+                           f"{self.head_dim // 2}")
         quant_formats = ("mxfp4", "nvfp4", "int4", "e1m2")
         for name in ("qat_format", "kv_quant"):
             if getattr(self, name) is not None and getattr(self, name) not in quant_formats:

@@ -141,9 +141,12 @@ class Transformer(nnx.Module):
         collect: Iterable[str] = (),
         condition: jax.Array | tuple[jax.Array, jax.Array] | None = None,
         interventions=(),
+        embeds: jax.Array | None = None,
     ) -> ModelOutput:
         """Everything but the LM head (``logits`` is None): for chunked log-prob code.
-        A ``mode="diffusion"`` model attends bidirectionally unless a full mask is given."""
+        A ``mode="diffusion"`` model attends bidirectionally unless a full mask is given.
+        ``embeds [B, T, D]``: the input embeddings, used instead of looking ``tokens`` up
+        (a multimodal front end's sequence with media spliced in, `jaxlm.models.omni`)."""
         c = self.config
         names = check_collect(collect)
         chex.assert_rank(tokens, 2)
@@ -169,8 +172,8 @@ class Transformer(nnx.Module):
         if positions is None:
             offset = 0 if cache is None else cache.lengths[:, None]
             positions = jnp.maximum(jnp.cumsum(token_mask, axis=1) - 1, 0) + offset
-        if positions.ndim == 3:  # two-axis positions (sequence, graph) for rope="graph"
-            chex.assert_shape(positions, (B, T, 2))
+        if positions.ndim == 3:  # (sequence, graph) for rope="graph"; (time, height, width) for "mrope"
+            chex.assert_shape(positions, (B, T, 3 if c.rope == "mrope" else 2))
         else:
             chex.assert_shape(positions, (B, T))
 
@@ -202,7 +205,11 @@ class Transformer(nnx.Module):
             sliding_window=c.sliding_window,
         )
 
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(c.compute_dtype)
+        if embeds is None:
+            x = jnp.take(self.embed[...], tokens, axis=0).astype(c.compute_dtype)
+        else:
+            chex.assert_shape(embeds, (B, T, c.d_model))
+            x = embeds.astype(c.compute_dtype)
         aux = {
             "meta": self._meta_inputs(condition),
             "interventions": check_interventions(interventions, c.n_layers),
@@ -234,16 +241,18 @@ class Transformer(nnx.Module):
         collect: Iterable[str] = (),
         condition: jax.Array | tuple[jax.Array, jax.Array] | None = None,
         interventions=(),
+        embeds: jax.Array | None = None,
     ) -> ModelOutput:
         """Logits for ``tokens [B, T]`` at ``positions [B, T]`` (default: 0.. per sequence,
         continuing from the cache; ``[B, T, 2]`` for rope="graph"). ``mask``: padding
         ``[B, T]`` or full ``[B, (N,) T, S]``. ``condition``: token ids ``[B, C]`` (or
         ``(ids, mask)``) of the condition text a ``meta_swiglu`` model is gated by.
         ``interventions``: `jaxlm.interp.Intervention` s applied at their tap sites
-        (steering, ablation, head masking)."""
+        (steering, ablation, head masking). ``embeds``: input embeddings instead of the
+        token lookup (`backbone`)."""
         out = self.backbone(
             tokens, positions, cache=cache, mask=mask, collect=collect, condition=condition,
-            interventions=interventions,
+            interventions=interventions, embeds=embeds,
         )
         logits = self.unembed(out.hidden)
         chex.assert_shape(logits, (*tokens.shape, self.config.vocab_size))

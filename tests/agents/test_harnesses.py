@@ -12,13 +12,13 @@ from jaxlm.agents.crypto import CTFTask, check_exploit, generate_challenges, mul
 from jaxlm.agents.lakeqa import Lake, LakeQATask, exact_match, expert_trajectory, generate_lake, lake_tools
 from jaxlm.agents.speaker import SpeakerFiles, SpeakerTask, attribute_from_evidence
 from jaxlm.agents.tools import Toolbox
+from jaxlm.data.chat import render_tool_call
 
 
 class Replay:
     """Replays each episode's assistant turns from a reference trajectory."""
 
     def __init__(self, trajectories):
-        from jaxlm.data.chat import render_tool_call
         self.replies = []
         for messages in trajectories:
             turns = []

@@ -142,6 +142,32 @@ def graph_rope(x: jax.Array, positions: jax.Array, config) -> jax.Array:
     return rotate(x, coords.astype(jnp.float32) * inv_freq)
 
 
+def mrope_sections(config) -> tuple[int, int, int]:
+    """Frequency pairs per axis (time, height, width) of ``rope="mrope"``."""
+    if config.mrope_section is not None:
+        return tuple(config.mrope_section)
+    n = config.head_dim // 2
+    t = n // 4
+    h = (n - t) // 2
+    return t, h, n - t - h
+
+
+@ROPE.register("mrope")
+def multimodal_rope(x: jax.Array, positions: jax.Array, config) -> jax.Array:
+    """Multimodal RoPE (Qwen2-VL, Wang et al. 2024, sec. 2.1; Qwen2.5-Omni's TMRoPE): positions
+    ``[B, T, 3]`` = (time, height, width); the frequency pairs are split in order into
+    ``mrope_section`` groups and group ``a`` rotates by axis ``a``. Text tokens carry equal
+    coordinates (the diagonal), where this is standard RoPE exactly; ``[B, T]`` positions are
+    standard RoPE."""
+    if positions.ndim == 2:
+        return apply_rope(x, positions, config)
+    if positions.shape[-1] != 3:
+        raise ValueError(f"rope='mrope' takes positions [B, T, 3] (time, height, width), got {positions.shape}")
+    axis = np.repeat(np.arange(3), mrope_sections(config))  # [H/2]
+    coords = jnp.take(positions, jnp.asarray(axis), axis=-1)  # [B, T, H/2]
+    return rotate(x, coords.astype(jnp.float32) * jnp.asarray(inv_frequencies(config)))
+
+
 @ROPE.register("none")
 def no_rope(x: jax.Array, positions: jax.Array, config) -> jax.Array:
     return x

@@ -1,0 +1,88 @@
+"""A synthetic audio-visual task: a moving square and a tone whose pitch encodes a label.
+
+Each clip has ``frames`` video frames on a ``grid x grid`` patch grid (each patch ``patch x
+patch`` pixels, flattened: ``patch_dim = patch**2``) and ``audio_frames`` audio frames of
+``window`` samples (``audio_dim = window``):
+
+- video: a flat background of a per-clip grey level with pixel noise, and one bright square
+  filling one cell, moving one cell per frame left, right, up or down;
+- audio: low noise, and a tone in ``tone_frames`` consecutive audio frames (placed at random)
+  whose frequency is one of ``n_labels`` pitches.
+
+Questions (the same number of tokens, so a batch shares one layout): ``move:`` asks the
+direction (answer L, R, U or D), ``tone:`` asks the pitch label (A, B, C, ...). The answer
+needs the moving square's patches or the tone's audio frames: the redundant background
+patches and silent audio frames carry nothing, which is what token compression should drop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+DIRECTIONS = {"L": (0, -1), "R": (0, 1), "U": (-1, 0), "D": (1, 0)}
+QUESTIONS = ("move:", "tone:")
+
+
+@dataclasses.dataclass(frozen=True)
+class AVTaskConfig:
+    frames: int = 4
+    grid: int = 4
+    patch: int = 3
+    audio_frames: int = 8
+    window: int = 16
+    tone_frames: int = 2
+    n_labels: int = 4
+    noise: float = 0.05
+
+    def __post_init__(self):
+        if self.grid < self.frames:
+            raise ValueError(f"AVTaskConfig.grid={self.grid} must be >= frames={self.frames} (the square moves one "
+                             "cell per frame and stays on the grid)")
+        if not 1 <= self.tone_frames <= self.audio_frames:
+            raise ValueError(f"AVTaskConfig.tone_frames={self.tone_frames} must be in [1, audio_frames]")
+        if not 2 <= self.n_labels <= 26:
+            raise ValueError(f"AVTaskConfig.n_labels={self.n_labels} must be in [2, 26]")
+
+    @property
+    def patch_dim(self) -> int:
+        return self.patch * self.patch
+
+    @property
+    def audio_dim(self) -> int:
+        return self.window
+
+    def pitch(self, label: int) -> float:
+        """Cycles per audio frame of label ``label`` (distinct, below Nyquist)."""
+        return 1.0 + label * (self.window / 2 - 2) / max(self.n_labels - 1, 1)
+
+
+def av_example(cfg: AVTaskConfig, index: int, seed: int = 0) -> dict[str, Any]:
+    """Clip ``index``: ``video [F, grid, grid, patch_dim]``, ``audio [Na, window]``, the
+    ``question``, the one-character ``answer``, and the ground truth (``direction``, ``label``,
+    ``cells`` [(row, col)] per frame, ``tone_at`` the first tone frame)."""
+    rng = np.random.default_rng([seed, index, 17])
+    g, F = cfg.grid, cfg.frames
+    direction = "LRUD"[int(rng.integers(4))]
+    dr, dc = DIRECTIONS[direction]
+    span = F - 1
+    r0 = int(rng.integers(max(0, -dr * span), g - max(0, dr * span)))
+    c0 = int(rng.integers(max(0, -dc * span), g - max(0, dc * span)))
+    cells = [(r0 + f * dr, c0 + f * dc) for f in range(F)]
+    grey = float(rng.uniform(0.1, 0.4))
+    video = grey + cfg.noise * rng.normal(size=(F, g, g, cfg.patch_dim))
+    for f, (r, c) in enumerate(cells):
+        video[f, r, c] = 1.0 + cfg.noise * rng.normal(size=cfg.patch_dim)
+    label = int(rng.integers(cfg.n_labels))
+    tone_at = int(rng.integers(cfg.audio_frames - cfg.tone_frames + 1))
+    audio = cfg.noise * rng.normal(size=(cfg.audio_frames, cfg.window))
+    t = np.arange(cfg.window) / cfg.window
+    phase = float(rng.uniform(0, 2 * np.pi))
+    for k in range(tone_at, tone_at + cfg.tone_frames):
+        audio[k] += np.sin(2 * np.pi * cfg.pitch(label) * (t + k) + phase)
+    question = QUESTIONS[int(rng.integers(2))]
+    answer = direction if question == "move:" else chr(65 + label)
+    return {"video": video.astype(np.float32), "audio": audio.astype(np.float32), "question": question,
+            "answer": answer, "direction": direction, "label": label, "cells": cells, "tone_at": tone_at}
