@@ -53,12 +53,14 @@ def evaluate(model, task: LakeQATask, n: int) -> dict[str, float]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--hops", type=int, default=2)
+    ap.add_argument("--hops", type=int, default=1)
     ap.add_argument("--trajectories", type=int, default=4000)
-    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--grpo-iterations", type=int, default=30)
     ap.add_argument("--batch", type=int, default=8, help="GRPO episodes per iteration")
     ap.add_argument("--group", type=int, default=8, help="GRPO rollouts per episode")
+    ap.add_argument("--temperature", type=float, default=0.7, help="GRPO rollout temperature")
+    ap.add_argument("--lr", type=float, default=1e-4, help="GRPO learning rate")
     ap.add_argument("--eval", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -83,7 +85,8 @@ def main(argv=None) -> dict:
     results = {"sft": evaluate(jaxlm.load_model(sft_dir / "model"), task, args.eval)}
     print("SFT:", results["sft"], flush=True)
 
-    grpo_dir = root / f"grpo_h{args.hops}_s{args.seed}_{args.sft_steps}_{args.grpo_iterations}"
+    grpo_dir = root / (f"grpo_h{args.hops}_s{args.seed}_{args.sft_steps}_{args.grpo_iterations}"
+                       f"_t{args.temperature}_lr{args.lr}")
     if not (grpo_dir / "model").exists():
         t0 = time.perf_counter()
         agent = AgentTaskConfig(task="lakeqa", seed=args.seed, hops=args.hops, system=SYSTEM,
@@ -91,18 +94,28 @@ def main(argv=None) -> dict:
         train(ExperimentConfig(
             model=model_config(),
             data=DataConfig(batch_size=args.batch, seq_len=SEQ_LEN, pack=False),
-            optimizer=OptimizerConfig(lr=3e-4, warmup_steps=0, schedule="constant", weight_decay=0.0),
-            trainer=TrainerConfig.quiet(args.grpo_iterations, str(grpo_dir), seed=args.seed),
+            optimizer=OptimizerConfig(lr=args.lr, warmup_steps=0, schedule="constant", weight_decay=0.0),
+            trainer=TrainerConfig.quiet(args.grpo_iterations, str(grpo_dir), seed=args.seed, log_every=1),
             algorithm=GRPOConfig(collector="agent", agent=agent, num_generations=args.group,
-                                 max_new_tokens=MAX_NEW, temperature=1.0, mu=1, minibatches=2),
+                                 max_new_tokens=MAX_NEW, temperature=args.temperature, mu=1, minibatches=2),
             tokenizer="byte", init_from=str(sft_dir / "model")))
         timings["grpo_s"] = time.perf_counter() - t0
     results["grpo"] = evaluate(jaxlm.load_model(grpo_dir / "model"), task, args.eval)
     print("GRPO:", results["grpo"], flush=True)
+    train_rows = [json.loads(line) for line in (grpo_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward"] for r in train_rows if r.get("kind") == "train" and "reward" in r]
+    if rewards:
+        k = max(len(rewards) // 5, 1)
+        results["grpo_rollout_reward"] = {"first": float(np.mean(rewards[:k])), "last": float(np.mean(rewards[-k:]))}
     print(f"LakeQA {args.hops}-hop, {args.eval} held-out episodes; SFT {args.sft_steps} steps of 16 x {SEQ_LEN} "
           f"packed tokens on {args.trajectories} expert trajectories, then GRPO {args.grpo_iterations} iterations "
-          f"of {args.batch} x {args.group} rollouts")
-    for name, r in results.items():
+          f"of {args.batch} x {args.group} rollouts (temperature {args.temperature}, lr {args.lr})")
+    if "grpo_rollout_reward" in results:
+        r = results.pop("grpo_rollout_reward")
+        print(f"  GRPO rollout reward, first / last fifth of the iterations: {r['first']:.3f} / {r['last']:.3f}")
+        results["grpo_rollout_reward"] = r
+    for name in ("sft", "grpo"):
+        r = results[name]
         print(f"  {name:<5} exact match {r['exact_match']:6.1%}  answered {r['answered']:6.1%}  "
               f"tool calls {r['tool_calls']:.2f}  tool errors {r['tool_errors']:.2f}")
     print(json.dumps({**results, "timings": timings}))

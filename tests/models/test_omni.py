@@ -2,16 +2,18 @@
 definition, positions and splicing on hand-built cases, text-only inputs bit-identical to
 the text model, media-shape errors, and generation with media against a no-cache forward."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxlm
 from jaxlm.data.tokenizers import ByteTokenizer
 from jaxlm.inference.omni import omni_generate, omni_inputs_embeds
 from jaxlm.models.layers.rope import apply_rope, multimodal_rope
 from jaxlm.models.omni import Audio, AudioVisual, OmniConfig, Video, batch_sequences, build_omni, build_sequence, \
-    load_omni, save_omni, splice
+    check_media, load_omni, save_omni, splice
 
 TOK = ByteTokenizer()
 VID, AUD = 259, 260
@@ -25,6 +27,16 @@ def omni_config(**lm_kw):
 @pytest.fixture(scope="module")
 def model():
     return build_omni(omni_config(), seed=0, tokenizer=TOK)
+
+
+def jitted_logits(model):
+    """The model's forward as one compiled program (eager NNX dispatches op by op)."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def logits(tokens, positions, video, audio, mask):
+        return nnx.merge(graphdef, state)(tokens, positions, video=video, audio=audio, mask=mask).logits
+    return logits
 
 
 def reference_mrope(x, positions, section, theta):
@@ -118,9 +130,9 @@ def test_media_embeddings_reach_the_logits(model):
     a = build_sequence([[TOK.bos_id], Video(rng.normal(size=(1, 2, 2, 12))), "?"], TOK, model.config)
     b = build_sequence([[TOK.bos_id], Video(rng.normal(size=(1, 2, 2, 12))), "?"], TOK, model.config)
     batch = batch_sequences([a, b], TOK.pad_id)
-    out = model(jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]), video=batch["video"],
-                mask=jnp.asarray(batch["mask"]))
-    assert not np.allclose(out.logits[0, -1], out.logits[1, -1])
+    logits = jitted_logits(model)(jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]),
+                                  jnp.asarray(batch["video"]), None, jnp.asarray(batch["mask"]))
+    assert not np.allclose(logits[0, -1], logits[1, -1])
     E = omni_inputs_embeds(model, batch["tokens"], batch["video"])
     enc = model.video_encoder(jnp.asarray(batch["video"]))
     np.testing.assert_allclose(E[0, 1:5], enc[0], atol=1e-6)
@@ -135,15 +147,21 @@ def test_generation_with_media_continues_the_positions(model):
     batch = batch_sequences(seqs, TOK.pad_id)
     N = 3
     got = np.asarray(omni_generate(model, batch, max_new_tokens=N, stop_tokens=()).tokens)
+    logits = jitted_logits(model)
+    L = max(len(s.tokens) for s in seqs) + N  # one right-padded width: causal, so padding changes nothing
     for b, s in enumerate(seqs):  # no cache: the whole sequence each step, positions continuing at max + 1
-        toks, pos = list(s.tokens), [list(p) for p in s.positions]
+        n = len(s.tokens)
+        toks = np.full((1, L), TOK.pad_id, np.int32)
+        pos = np.zeros((1, L, 3), np.int32)
+        toks[0, :n], pos[0, :n] = s.tokens, s.positions
         nxt = int(s.positions.max()) + 1
         for j in range(N):
-            out = model(jnp.asarray([toks]), jnp.asarray([pos]), video=s.video[None], audio=s.audio[None])
-            t = int(jnp.argmax(out.logits[0, -1]))
+            out = logits(jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(s.video[None]), jnp.asarray(s.audio[None]),
+                         jnp.asarray(np.arange(L)[None] < n + j))
+            t = int(jnp.argmax(out[0, n + j - 1]))
             assert t == got[b, j], (b, j)
-            toks.append(t)
-            pos.append([nxt + j] * 3)
+            toks[0, n + j] = t
+            pos[0, n + j] = nxt + j
 
 
 @pytest.mark.parametrize("video,audio,match", [
@@ -155,7 +173,7 @@ def test_generation_with_media_continues_the_positions(model):
 def test_media_of_the_wrong_shape_is_a_clear_error(model, video, audio, match):
     tokens = jnp.asarray([[TOK.bos_id] + [VID] * 4 + [65]])
     if match is None:
-        assert model(tokens, video=video, audio=audio).logits.shape == (1, 6, 261)
+        check_media(tokens, video, audio, model.config)  # extra media rows are allowed
     else:
         with pytest.raises(ValueError, match=match):
             model(tokens, video=video, audio=audio)
@@ -176,11 +194,10 @@ def test_checkpoint_round_trip_is_exact(model, tmp_path):
     seq = build_sequence([[TOK.bos_id], Video(rng.normal(size=(1, 2, 2, 12))), Audio(rng.normal(size=(2, 6))), "x"],
                          TOK, model.config)
     b = batch_sequences([seq], TOK.pad_id)
-    args = (jnp.asarray(b["tokens"]), jnp.asarray(b["positions"]))
+    args = tuple(jnp.asarray(b[k]) for k in ("tokens", "positions", "video", "audio", "mask"))
     save_omni(model, tmp_path / "omni")
     back = load_omni(tmp_path / "omni")
-    np.testing.assert_array_equal(back(*args, video=b["video"], audio=b["audio"]).logits,
-                                  model(*args, video=b["video"], audio=b["audio"]).logits)
+    np.testing.assert_array_equal(jitted_logits(back)(*args), jitted_logits(model)(*args))
     assert jaxlm.load_checkpoint(tmp_path / "omni" / "lm").config == model.config.lm  # the LM loads on its own
     with pytest.raises(FileExistsError):
         save_omni(model, tmp_path / "omni")
