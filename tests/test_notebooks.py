@@ -121,12 +121,26 @@ def check_architectures(out, text, results):
         assert (out / f"{png}.png").exists()
 
 
+def check_multimodal_agents(out, text, results):
+    acc = results["omnisift_accuracy"]
+    assert set(acc) == {"full", "OmniSIFT 25%", "random 25%", "OmniSIFT 35%", "random 35%"}
+    assert all(fraction(*r.values()) for r in acc.values())
+    speed = results["prefill"]
+    assert speed["25%"]["tokens"] < speed["35%"]["tokens"] < speed["full"]["tokens"]
+    a = results["agents"]
+    assert a["expert"] == 1.0 and a["careless"] == 1.0 and a["careless_errors"] == 3.0
+    assert a["ctf"] == {"correct exploit": True, "guessed flag": False}
+    for png in ("omni_training", "omnisift_accuracy", "omnisift_prefill", "agents"):
+        assert (out / f"{png}.png").exists()
+
+
 CHECKS = {
     "01_quickstart": check_quickstart,
     "02_rl": check_rl,
     "03_editing_steering": check_editing,
     "04_quantization_compression": check_quant,
     "05_architectures": check_architectures,
+    "06_multimodal_agents": check_multimodal_agents,
 }
 
 
