@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxlm.agents.loop import Episode
+from jaxlm.agents.loop import Episode, question_episode, read_rows
 from jaxlm.agents.tools import Tool, Toolbox, tool
 
 LAKE_SUFFIXES = (".csv", ".jsonl", ".json", ".txt", ".md", ".tsv")
@@ -202,9 +202,9 @@ class LakeQATask:
 
     def episode(self, index: int) -> Episode:
         inst = self.instance(index)
-        return Episode([{"role": "system", "content": self.system}, {"role": "user", "content": inst["question"]}],
-                       Toolbox(lake_tools(inst["lake"])), lambda a, gold=inst["answer"]: exact_match(a, gold),
-                       {"index": index, "answer": inst["answer"]})
+        return question_episode(self.system, inst["question"], Toolbox(lake_tools(inst["lake"])),
+                                lambda a, gold=inst["answer"]: exact_match(a, gold),
+                                {"index": index, "answer": inst["answer"]})
 
     @staticmethod
     def from_files(questions: str | Path, lake_dir: str | Path, *, system: str = SYSTEM) -> "LakeQAFiles":
@@ -217,18 +217,7 @@ class LakeQAFiles:
 
     def __init__(self, questions: str, lake_dir: str, system: str = SYSTEM):
         self.questions, self.lake_dir, self.system = questions, lake_dir, system
-        self._rows = []
-        for n, line in enumerate(Path(questions).read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{questions}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(
-                    row.get("answer"), (str, list)):
-                raise ValueError(f"{questions}:{n}: a row needs \"question\" (str) and \"answer\" (str or list)")
-            self._rows.append(row)
+        self._rows = read_rows(questions, {"question": str, "answer": (str, list)})
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -236,9 +225,9 @@ class LakeQAFiles:
     def episode(self, index: int) -> Episode:
         row = self._rows[index]
         root = Path(self.lake_dir) / row["lake"] if row.get("lake") else Path(self.lake_dir)
-        return Episode([{"role": "system", "content": self.system}, {"role": "user", "content": row["question"]}],
-                       Toolbox(lake_tools(Lake.from_dir(root))), lambda a, gold=row["answer"]: exact_match(a, gold),
-                       {"index": index, "answer": row["answer"]})
+        return question_episode(self.system, row["question"], Toolbox(lake_tools(Lake.from_dir(root))),
+                                lambda a, gold=row["answer"]: exact_match(a, gold),
+                                {"index": index, "answer": row["answer"]})
 
 
 def expert_trajectory(task: LakeQATask, index: int) -> dict[str, Any]:

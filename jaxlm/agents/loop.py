@@ -25,6 +25,8 @@ and its fields are the evaluation record.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from jaxlm.agents.parsing import parse_reply
@@ -71,6 +73,33 @@ class Episode:
     score: Callable[[str], float]
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     no_answer_reward: float = 0.0
+
+
+def question_episode(system: str, question: str, toolbox: Toolbox, score: Callable[[str], float],
+                     info: dict[str, Any]) -> Episode:
+    """The common episode shape: a system prompt, one user question."""
+    return Episode([{"role": "system", "content": system}, {"role": "user", "content": question}], toolbox, score,
+                   info)
+
+
+def read_rows(path: str | Path, fields: dict[str, type | tuple[type, ...]]) -> list[dict[str, Any]]:
+    """The JSON objects of a jsonl file (blank lines skipped), each checked to hold ``fields``
+    of the given types; errors name the file, the line and what is missing."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        bad = [k for k, kind in fields.items() if not isinstance(row, dict) or not isinstance(row.get(k), kind)]
+        if bad:
+            need = ", ".join(f"{k!r} ({'/'.join(t.__name__ for t in (kind if isinstance(kind, tuple) else (kind,)))})"
+                             for k, kind in fields.items())
+            raise ValueError(f"{path}:{n}: a row needs {need}; {bad} missing or of the wrong type")
+        rows.append(row)
+    return rows
 
 
 @dataclasses.dataclass

@@ -21,14 +21,13 @@ features plug into the same loop and scoring.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from jaxlm.agents.lakeqa import exact_match
-from jaxlm.agents.loop import Episode
+from jaxlm.agents.loop import Episode, question_episode, read_rows
 from jaxlm.agents.tools import Toolbox, tool
 
 CHARACTERS = ("Ana", "Ben", "Cal", "Dot", "Eve", "Fox", "Gil", "Hana")
@@ -111,9 +110,9 @@ class SpeakerTask:
         scene = self.scene(index)
         t = scene["target"]
         question = f"Who says {t['id']} ({t['text']!r})?"
-        return Episode([{"role": "system", "content": self.system}, {"role": "user", "content": question}],
-                       Toolbox(self.tools(scene)), lambda a, gold=t["speaker"]: exact_match(a, gold),
-                       {"index": index, "answer": t["speaker"], "off_screen": t["mouth"] is None})
+        return question_episode(self.system, question, Toolbox(self.tools(scene)),
+                                lambda a, gold=t["speaker"]: exact_match(a, gold),
+                                {"index": index, "answer": t["speaker"], "off_screen": t["mouth"] is None})
 
 
 def attribute_from_evidence(scene: dict[str, Any], utterance: str) -> str:
@@ -138,15 +137,7 @@ class SpeakerFiles:
 
     def __init__(self, path: str | Path, system: str = SYSTEM):
         self.path, self.system = str(path), system
-        self._rows = []
-        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("evidence"), dict) or not isinstance(
-                    row.get("answer"), (str, list)) or not isinstance(row.get("question"), str):
-                raise ValueError(f"{path}:{n}: a row needs \"question\", \"answer\" and an \"evidence\" object")
-            self._rows.append(row)
+        self._rows = read_rows(path, {"question": str, "answer": (str, list), "evidence": dict})
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -154,6 +145,5 @@ class SpeakerFiles:
     def episode(self, index: int) -> Episode:
         row = self._rows[index]
         tools = [_evidence_tool(str(name), str(text)) for name, text in row["evidence"].items()]
-        return Episode([{"role": "system", "content": self.system}, {"role": "user", "content": row["question"]}],
-                       Toolbox(tools), lambda a, gold=row["answer"]: exact_match(a, gold),
-                       {"index": index, "answer": row["answer"]})
+        return question_episode(self.system, row["question"], Toolbox(tools),
+                                lambda a, gold=row["answer"]: exact_match(a, gold), {"index": index, "answer": row["answer"]})
