@@ -27,7 +27,7 @@ from jaxlm.models.config import PRESETS, ModelConfig, RopeScaling, preset
         (dict(param_dtype="int8"), r"param_dtype='int8' is invalid"),
         (dict(attention="flashy"), r"attention='flashy' is invalid: must be one of \['affine_scaled', 'sink', 'softmax'\]"),
         (dict(mlp="gelu"), r"mlp='gelu' is invalid: must be one of \['meta_swiglu', 'swiglu'\]"),
-        (dict(rope="yarn"), r"rope='yarn' is invalid: must be one of \['default', 'graph', 'none'\]"),
+        (dict(rope="yarn"), r"rope='yarn' is invalid: must be one of \['default', 'graph', 'mrope', 'none'\]"),
         (dict(affine_bias="both"), r"affine_bias='both' is invalid: must be 'free' or 'coupled'"),
         (dict(graph_rope_pairs=99), r"graph_rope_pairs=99 is invalid: must be in \[0, head_dim/2 = 8\]"),
         (dict(family="gpt2"), r"family='gpt2' is invalid: must be one of \['llama', 'mistral', 'qwen2', 'qwen3'\]"),

@@ -66,7 +66,7 @@ def check_grpo_config(c) -> None:
         raise ValueError(f"GRPOConfig.turn_gamma={c.turn_gamma!r} must be in [0, 1]")
     if not 0 <= c.qpas_quantile < 1:
         raise ValueError(f"GRPOConfig.qpas_quantile={c.qpas_quantile!r} must be in [0, 1)")
-    if c.collector == "agent" and getattr(c, "agent", None) is None:
-        raise ValueError("GRPOConfig.collector='agent' needs GRPOConfig.agent=AgentTaskConfig(...) (the task and budgets)")
     if getattr(c, "prefix", None) is not None and c.collector != "single_turn":
         raise ValueError(f"GRPOConfig.prefix (PrefixRL) needs collector='single_turn', got {c.collector!r}")
+    if c.collector == "agent" and getattr(c, "agent", None) is None:
+        raise ValueError("GRPOConfig.collector='agent' needs GRPOConfig.agent=AgentTaskConfig(...) (the task and budgets)")
