@@ -9,8 +9,8 @@ the base ``M`` it was tuned from (same architecture). Task arithmetic (Ilharco e
     O_alpha = M + alpha (R - M)            (alpha > 1 extrapolates; 1 -> R, 0 -> M)
 
 with layer-wise attenuation: parameter ``l`` gets ``alpha_l = 1 + (alpha - 1) w_l`` where
-``w_l in [0, 1]`` comes from a schedule (`SCHEDULES`, a ``{regex: weight}`` dict or a
-callable), so ``w_l = 0`` keeps that parameter at the tuned value. The matched control
+``w_l in [0, 1]`` comes from a schedule (`SCHEDULES`: ``uniform``, ``linear_depth``,
+``blocks_only``, ``middle``, ``head_only``; a ``{regex: weight}`` dict or a callable), so ``w_l = 0`` keeps that parameter at the tuned value. The matched control
 (`random_direction_control`) replaces ``R_l - M_l`` by a Gaussian ``xi_l`` of the same
 Frobenius norm.
 
@@ -88,6 +88,14 @@ def _middle(name: str, layer: int | None, n_layers: int) -> float:
     if layer is None:
         return 0.0
     return 1.0 if n_layers // 3 <= layer < n_layers - n_layers // 3 else 0.0
+
+
+@SCHEDULES.register("head_only")
+def _head_only(name: str, layer: int | None, n_layers: int) -> float:
+    """``w = 1`` on the output head (``lm_head.*``), 0 on every other parameter, which stays
+    at the tuned value: only the read-out of the reasoning model's features is amplified. A
+    model with tied embeddings has no separate head (use ``{"^embed": 1.0}`` there)."""
+    return 1.0 if name.startswith("lm_head.") else 0.0
 
 
 def _check_weight(w: Any, what: str) -> float:

@@ -1,23 +1,9 @@
 """OmniSIFT's claim in miniature (`bench/omnisift_claim.py`, in a subprocess with XLA's
 default optimisation; the numbers are the ones docs/multimodal_agents.md reports)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def run_bench(name: str, *args: str) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
-    proc = subprocess.run([sys.executable, str(BENCH / name), *args], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+from bench_runner import run_bench
 
 
 @pytest.mark.slow  # trains an omni model and two selectors (about 8 minutes on 2 cores)

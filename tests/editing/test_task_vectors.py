@@ -115,6 +115,17 @@ def test_middle_changes_only_the_middle_layer(models, flats):
             np.testing.assert_array_equal(out[k], tuned[k], err_msg=k)
 
 
+def test_head_only_changes_only_the_output_head(models, flats):
+    base, tuned = flats
+    out = _np(extrapolate(*models, 1.5, schedule="head_only"))
+    for k in base:
+        if k == "lm_head.kernel":
+            np.testing.assert_allclose(out[k], 1.5 * tuned[k] - 0.5 * base[k], rtol=1e-6, atol=1e-7, err_msg=k)
+            assert not np.array_equal(out[k], tuned[k])
+        else:
+            np.testing.assert_array_equal(out[k], tuned[k], err_msg=k)
+
+
 def test_linear_depth_and_custom_schedules(flats):
     base, tuned = flats
     w = schedule_weights(base, "linear_depth")
