@@ -6,6 +6,8 @@ token ids (padded to ``cond_len``) that a ``meta_swiglu`` model's hypernetwork r
 ``"prompt"``: the condition is written at the start of the prompt (``[add 3] 5 2 9 1=``).
 ``"none"``: no condition anywhere (the answer is the input, e.g. for a copy-trained base).
 Held-out conditions never appear in training; ``eval_on`` picks seen / held-out / all.
+`ConditionedDigits.compositional` builds conditions as ``"<op>, add <k>"`` pairs whose
+held-out pairs combine parts that training shows only in other pairs.
 """
 
 from __future__ import annotations
@@ -25,10 +27,22 @@ _OPS = {
 
 
 def apply_condition(condition: str, digits: list[int]) -> list[int]:
-    if condition.startswith("add "):
-        k = int(condition[4:])
-        return [(x + k) % 10 for x in digits]
-    return list(_OPS[condition](digits))
+    """The digits transformed by ``condition``: ``add K`` (mod 10), ``copy``, ``reverse``,
+    ``sort``, or a comma-separated composition applied left to right (``reverse, add 3``).
+    An unknown part raises ``KeyError`` / ``ValueError``."""
+    out = list(digits)
+    for part in (p.strip() for p in condition.split(",")):
+        if part.startswith("add "):
+            k = int(part[4:])
+            out = [(x + k) % 10 for x in out]
+        else:
+            out = list(_OPS[part](out))
+    return out
+
+
+def compositions(ops: tuple[str, ...], adds: tuple[int, ...]) -> tuple[str, ...]:
+    """Every ``"<op>, add <k>"`` condition of ``ops x adds``."""
+    return tuple(f"{op}, add {k}" for op in ops for k in adds)
 
 
 @TASKS.register("conditioned_digits")
@@ -51,7 +65,23 @@ class ConditionedDigits(Task):
             try:
                 apply_condition(c, [1, 2])
             except (KeyError, ValueError):
-                raise ValueError(f"conditioned_digits: unknown condition {c!r} (add K, copy, reverse, sort)") from None
+                raise ValueError(f"conditioned_digits: unknown condition {c!r} (add K, copy, reverse, sort, "
+                                 "or a comma-separated composition of them)") from None
+            if self.condition_in == "hyper" and len(c.encode()) > self.cond_len:
+                raise ValueError(f"conditioned_digits.cond_len={self.cond_len} is too short for condition {c!r} "
+                                 f"({len(c.encode())} bytes): raise cond_len")
+        if set(self.conditions) & set(self.held_out):
+            raise ValueError(f"conditioned_digits: {sorted(set(self.conditions) & set(self.held_out))} are both "
+                             "trained (conditions) and held out")
+
+    @classmethod
+    def compositional(cls, ops: tuple[str, ...] = ("copy", "reverse", "sort"), adds: tuple[int, ...] = (1, 2, 3, 4, 5, 6),
+                      held_out: tuple[str, ...] = ("copy, add 3", "reverse, add 5", "sort, add 1"),
+                      **kw) -> "ConditionedDigits":
+        """Conditions ``"<op>, add <k>"`` over ``ops x adds``; ``held_out`` pairs are never
+        trained, though each of their parts is (with other partners): a test of composition."""
+        conditions = tuple(c for c in compositions(ops, adds) if c not in held_out)
+        return cls(conditions=conditions, held_out=held_out, cond_len=kw.pop("cond_len", 16), **kw)
 
     def example(self, index: int, split: str = "train"):
         """Train: seen conditions on the train half of (condition, digits) pairs (by hash).
