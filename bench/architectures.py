@@ -6,11 +6,16 @@ B. MeGan on a multi-condition digit task from a copy-trained base: hypernetwork 
    frozen) vs MeGan with everything trainable vs plain fine-tuning with the condition in the
    prompt; seen and held-out conditions (`configs/megan_base.py`, `configs/megan.py`);
 C. Weaver (graph RoPE + graph mask) vs a plain linearised graph on neighbourhood label
-   prediction (`configs/weaver_graph.py`).
+   prediction (`configs/weaver_graph.py`);
+D. B's three arms on compositional conditions ("reverse, add 3"; held-out pairs combine parts
+   seen in other pairs; `configs/megan_compositional.py`) from a base that has the primitive
+   skills with the condition in its prompt (`configs/megan_skills_base.py`), and that base
+   prompted with the condition, untrained.
 
-    python bench/architectures.py [--out runs/arch] [--scale 1.0] [--only A,B,C]
+    python bench/architectures.py [--out runs/arch] [--scale 1.0] [--only A,B,C,D]
 
-Prints markdown tables (also written to OUT/results.md). ``--scale`` multiplies every step
+Prints markdown tables (also written to OUT/results.md), then the MeGan sections' numbers as
+one JSON line. ``--scale`` multiplies every step
 count (0.1 for a quick smoke run).
 """
 
@@ -21,6 +26,10 @@ import json
 import statistics
 import time
 from pathlib import Path
+
+
+#: Numbers of the MeGan sections, printed as JSON at the end (claim tests read them).
+RESULTS: dict[str, dict] = {}
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -87,11 +96,13 @@ def experiment_a(out: Path, scale: float) -> str:
     return f"### A. Pretraining with attention variants ({steps} steps)\n\n" + "\n".join(lines)
 
 
-def experiment_b(out: Path, scale: float) -> str:
-    base_steps, steps = max(int(200 * scale), 10), max(int(500 * scale), 10)
-    base_dir = out / "B" / "base"
-    run("megan_base", [f"trainer.out_dir={base_dir}", f"trainer.steps={base_steps}", "trainer.progress=false",
-                       f"trainer.save_every={base_steps}"])
+def experiment_b(out: Path, scale: float, config: str = "megan", section: str = "B", steps: int = 500,
+                 base_config: str = "megan_base", base_steps: int = 200, prompt_baseline: bool = False,
+                 title: str = "MeGan on conditioned digits", base_what: str = "copying") -> str:
+    base_steps, steps = max(int(base_steps * scale), 10), max(int(steps * scale), 10)
+    base_dir = out / section / "base"
+    run(base_config, [f"trainer.out_dir={base_dir}", f"trainer.steps={base_steps}", "trainer.progress=false",
+                      f"trainer.save_every={base_steps}"])
     arms = {
         "MeGan, hypernetwork only (base frozen)": ("hyper", []),
         "MeGan, everything trainable": ("hyper_full", ["optimizer.trainable="]),
@@ -101,19 +112,38 @@ def experiment_b(out: Path, scale: float) -> str:
     lines = ["| method | trainable params | seen conditions: exact match | held-out conditions: exact match | held-out loss (seen) | time |",
              "|---|---|---|---|---|---|"]
     for label, (key, over) in arms.items():
-        d = out / "B" / key
+        d = out / section / key
         common = over + [f"init_from={base_dir / 'model'}"]
-        result, secs = run("megan", common + [f"trainer.out_dir={d}", f"trainer.steps={steps}", "trainer.progress=false",
+        result, secs = run(config, common + [f"trainer.out_dir={d}", f"trainer.steps={steps}", "trainer.progress=false",
                                               f"trainer.eval_every={max(steps // 2, 1)}", f"trainer.save_every={steps}"])
-        held = evaluate(d / "model", "megan", common + ["data.source.eval_on=held_out"])
+        held = evaluate(d / "model", config, common + ["data.source.eval_on=held_out"])
         from trainers.recipes import load_config
 
-        cfg = load_config("megan", common)
+        cfg = load_config(config, common)
         n_train = _count_trainable(cfg)
         lines.append(f"| {label} | {n_train:,} | {result.final_eval['exact_match']:.1%} | {held['exact_match']:.1%} "
                      f"| {result.final_eval['loss']:.3f} | {secs:.0f} s |")
-    return (f"### B. MeGan on conditioned digits (base: {base_steps} steps of copying; arms: {steps} steps)\n\n"
+        RESULTS.setdefault(section, {})[key] = {"seen": result.final_eval["exact_match"], "held_out": held["exact_match"],
+                                                "loss": result.final_eval["loss"]}
+    if prompt_baseline:  # the base as it is, the condition written in its prompt
+        prompt = ["model.mlp=swiglu", "data.source.condition_in=prompt"]
+        seen = evaluate(base_dir / "model", config, prompt)
+        held = evaluate(base_dir / "model", config, prompt + ["data.source.eval_on=held_out"])
+        RESULTS[section]["base_prompt"] = {"seen": seen["exact_match"], "held_out": held["exact_match"],
+                                           "loss": seen["loss"]}
+        lines.append(f"| base, condition in the prompt, no training | 0 | {seen['exact_match']:.1%} "
+                     f"| {held['exact_match']:.1%} | {seen['loss']:.3f} | - |")
+    return (f"### {section}. {title} (base: {base_steps} steps of {base_what}; arms: {steps} steps)\n\n"
             + "\n".join(lines))
+
+
+def experiment_d(out: Path, scale: float) -> str:
+    """B's arms on compositional conditions (`configs/megan_compositional.py`: held-out pairs
+    combine parts seen in other pairs), from a base that has the primitive skills with the
+    condition in its prompt (`configs/megan_skills_base.py`)."""
+    return experiment_b(out, scale, config="megan_compositional", section="D", steps=1000,
+                        base_config="megan_skills_base", base_steps=600, prompt_baseline=True,
+                        title="MeGan on compositional conditions", base_what="the primitive skills, condition in the prompt")
 
 
 def _count_trainable(cfg) -> int:
@@ -158,16 +188,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/arch")
     ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--only", default="A,B,C")
+    ap.add_argument("--only", default="A,B,C,D")
     args = ap.parse_args()
     out = Path(args.out)
     sections = []
-    for key, fn in (("A", experiment_a), ("B", experiment_b), ("C", experiment_c)):
+    for key, fn in (("A", experiment_a), ("B", experiment_b), ("C", experiment_c), ("D", experiment_d)):
         if key in args.only.split(","):
             sections.append(fn(out, args.scale))
             print(sections[-1] + "\n", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text("\n\n".join(sections) + "\n")
+    print(json.dumps(RESULTS))
 
 
 if __name__ == "__main__":

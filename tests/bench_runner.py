@@ -11,16 +11,16 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def run_bench(name: str, *args: str) -> dict:
-    """``python bench/<name> *args``; the JSON object the script prints last (one line or
-    pretty-printed to the end of its output)."""
+def run_bench(name: str, *args: str) -> dict | list:
+    """``python bench/<name> *args``; the JSON value (object or list) the script prints last
+    (one line, or pretty-printed to the end of its output)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
     proc = subprocess.run([sys.executable, str(BENCH / name), *args], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     for i, line in enumerate(lines):
-        if line.startswith("{"):
+        if line.startswith(("{", "[")):
             try:
                 return json.loads("\n".join(lines[i:]))
             except json.JSONDecodeError:
