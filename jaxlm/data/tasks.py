@@ -55,10 +55,14 @@ class Task:
         for attempt in range(1000):
             rng = np.random.default_rng([self.seed, index, attempt, SPLITS.index(split)])
             ex = self._draw(rng)
-            key = ex["prompt"] + "\x00" + ex["completion"] + "\x00" + ex.get("_split_key", "")
-            if _split_of(key, self.eval_fraction) == split:
+            if self.split_of(ex) == split:
                 return ex
         raise RuntimeError(f"{type(self).__name__}: no {split} example after 1000 draws")
+
+    def split_of(self, ex: dict[str, Any]) -> str:
+        """The split an example belongs to: by a hash of its prompt and completion."""
+        key = ex["prompt"] + "\x00" + ex["completion"] + "\x00" + ex.get("_split_key", "")
+        return _split_of(key, self.eval_fraction)
 
     def _draw(self, rng: np.random.Generator) -> dict[str, Any]:
         raise NotImplementedError

@@ -10,7 +10,8 @@ the base ``M`` it was tuned from (same architecture). Task arithmetic (Ilharco e
 
 with layer-wise attenuation: parameter ``l`` gets ``alpha_l = 1 + (alpha - 1) w_l`` where
 ``w_l in [0, 1]`` comes from a schedule (`SCHEDULES`: ``uniform``, ``linear_depth``,
-``blocks_only``, ``middle``, ``head_only``; a ``{regex: weight}`` dict or a callable), so ``w_l = 0`` keeps that parameter at the tuned value. The matched control
+``blocks_only``, ``middle``, ``head_only``; a ``{regex: weight}`` dict or a callable), so
+``w_l = 0`` keeps that parameter at the tuned value. The matched control
 (`random_direction_control`) replaces ``R_l - M_l`` by a Gaussian ``xi_l`` of the same
 Frobenius norm.
 
@@ -153,6 +154,18 @@ def _weights(flat: Mapping[str, Any], schedule: Schedule, n_layers: int) -> dict
         name: _check_weight(fn(name, layer_of(name), n_layers), f"for parameter {name!r}")
         for name in flat
     }
+
+
+def _moving_weights(flat: Mapping[str, Any], schedule: Schedule, n_layers: int) -> dict[str, float]:
+    """`_weights` for a step past the tuned model: a schedule that moves no parameter is an
+    error (every alpha would return the tuned model unchanged)."""
+    w = _weights(flat, schedule, n_layers)
+    if w and not any(w.values()):
+        hint = " (this model has no lm_head: with tied embeddings use {'^embed': 1.0})" if (
+            schedule == "head_only") else ""
+        raise ValueError(f"schedule={schedule!r} gives weight 0 to every parameter, so every alpha would return "
+                         f"the tuned model{hint}")
+    return w
 
 
 # ------------------------------------------------------------- flat <-> model
@@ -320,7 +333,7 @@ def extrapolate(base: Params, tuned: Params, alpha: float, schedule: Schedule = 
     alpha = _check_scalar(alpha, "alpha")
     m, r = _as_flat(base, "base"), _as_flat(tuned, "tuned")
     _check_same(m, r, "tuned")
-    w = _weights(m, schedule, _n_layers(base, m))
+    w = _moving_weights(m, schedule, _n_layers(base, m))
     out = {n: _mix(m[n], r[n], _f32(1.0 + (alpha - 1.0) * w[n])) for n in m}
     return _pack(_template(base, tuned), out)
 
@@ -352,7 +365,7 @@ def random_direction_control(
     alpha = _check_scalar(alpha, "alpha")
     m, r = _as_flat(base, "base"), _as_flat(tuned, "tuned")
     _check_same(m, r, "tuned")
-    w = _weights(m, schedule, _n_layers(base, m))
+    w = _moving_weights(m, schedule, _n_layers(base, m))
     out = {}
     for n in m:
         a = 1.0 + (alpha - 1.0) * w[n]

@@ -126,6 +126,17 @@ def test_head_only_changes_only_the_output_head(models, flats):
             np.testing.assert_array_equal(out[k], tuned[k], err_msg=k)
 
 
+def test_a_schedule_that_moves_nothing_is_an_error(flats):
+    base, tuned = flats
+    tied = {k: v for k, v in base.items() if not k.startswith("lm_head")}
+    tied_tuned = {k: tuned[k] for k in tied}
+    with pytest.raises(ValueError, match="tied embeddings"):
+        extrapolate(tied, tied_tuned, 2.0, schedule="head_only")
+    with pytest.raises(ValueError, match="weight 0 to every parameter"):
+        random_direction_control(base, tuned, 2.0, schedule={r"^nothing$": 1.0})
+    assert set(schedule_weights(tied, "head_only").values()) == {0.0}  # reading the weights is fine
+
+
 def test_linear_depth_and_custom_schedules(flats):
     base, tuned = flats
     w = schedule_weights(base, "linear_depth")

@@ -7,7 +7,7 @@ import pytest
 from bench_runner import run_bench
 
 
-@pytest.mark.slow  # trains a base and three arms (about 9 minutes on 2 cores)
+@pytest.mark.slow  # trains a base and three arms (about 7 minutes on 2 cores)
 def test_megan_on_compositional_conditions(tmp_path):
     got = run_bench("architectures.py", "--out", str(tmp_path), "--only", "D")["D"]
     # with everything trainable, the meta-gated model learns the trained compositions ...

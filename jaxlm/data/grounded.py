@@ -1,0 +1,109 @@
+"""A grounded question-answering task with a shortcut, for grounded RL (CofactGVR).
+
+`GridQA`: a text "image" of ``n_cells`` cells, each an object with a colour and a shape
+(shapes distinct), and a question about the colour of one shape. The answer names its
+evidence first, then the colour::
+
+    prompt:     "0rS 1gT 2bC 3rH 4yX 5gO ?T="
+    completion: "<evidence>1</evidence>g"
+
+The shortcut: in the *training* problems the asked object has colour ``colors[0]`` with
+probability ``shortcut`` (the other cells are uniform), so answering ``colors[0]`` without
+looking is often right; held-out problems are drawn without the bias. The demonstrations
+come from a flawed teacher whose evidence is a wrong cell with probability
+``evidence_noise`` (its answer is always right), so imitation alone does not learn to
+ground. `verify` scores the answer (after ``</evidence>``); `evidence_of` / `evidence_correct`
+read the predicted cell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from jaxlm.data.tasks import TASKS, Task
+
+_EVIDENCE = re.compile(r"<evidence>(.*?)</evidence>(.*)", re.S)
+
+
+@TASKS.register("grid_qa")
+@dataclasses.dataclass(frozen=True)
+class GridQA(Task):
+    """Colour of the asked shape, with its cell as evidence (see the module docstring)."""
+
+    n_cells: int = 6
+    """Cells in the grid (2-10; at most len(shapes))."""
+    colors: str = "rgby"
+    """Colour letters; ``colors[0]`` is the shortcut's answer."""
+    shapes: str = "STCHXO"
+    """Shape letters (distinct; one per cell)."""
+    shortcut: float = 0.6
+    """Training problems: probability that the asked object has colour ``colors[0]``."""
+    evidence_noise: float = 0.5
+    """Training demonstrations: probability that the evidence names a wrong cell."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.n_cells, bool) or not isinstance(self.n_cells, int) or not 2 <= self.n_cells <= 10:
+            raise ValueError(f"grid_qa.n_cells={self.n_cells!r} must be an int in [2, 10]")
+        if len(set(self.shapes)) != len(self.shapes) or len(self.shapes) < self.n_cells:
+            raise ValueError(f"grid_qa.shapes={self.shapes!r} must be at least n_cells={self.n_cells} distinct letters")
+        if len(set(self.colors)) != len(self.colors) or len(self.colors) < 2 or set(self.colors) & set(self.shapes):
+            raise ValueError(f"grid_qa.colors={self.colors!r} must be 2+ distinct letters, none of them a shape")
+        if not all(c.isalpha() for c in self.colors + self.shapes):
+            raise ValueError("grid_qa.colors and grid_qa.shapes must be letters")
+        for name in ("shortcut", "evidence_noise"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"grid_qa.{name}={v!r} must be a number in [0, 1]")
+
+    def _grid(self, rng, biased: bool):
+        shapes = [self.shapes[i] for i in rng.permutation(len(self.shapes))[: self.n_cells]]
+        colors = [self.colors[int(rng.integers(0, len(self.colors)))] for _ in range(self.n_cells)]
+        target = int(rng.integers(0, self.n_cells))
+        if biased and rng.random() < self.shortcut:
+            colors[target] = self.colors[0]
+        return shapes, colors, target
+
+    def _example_from(self, shapes, colors, target):
+        cells = " ".join(f"{i}{c}{s}" for i, (c, s) in enumerate(zip(colors, shapes)))
+        return {"prompt": f"{cells} ?{shapes[target]}=", "completion": f"<evidence>{target}</evidence>{colors[target]}",
+                "answer": colors[target], "evidence": target, "colors": colors, "shapes": shapes}
+
+    def _draw(self, rng):
+        return self._example_from(*self._grid(rng, biased=False))
+
+    def example(self, index: int, split: str = "train") -> dict:
+        ex = super().example(index, split)  # the unbiased problem decides the split (by hash)
+        if split != "train":
+            return ex
+        rng = np.random.default_rng([self.seed, index, 0x6A1D])
+        shapes, colors, target = ex["shapes"], list(ex["colors"]), ex["evidence"]
+        if rng.random() < self.shortcut:
+            colors[target] = self.colors[0]
+        biased = self._example_from(shapes, colors, target)
+        if self.split_of(biased) == "train":  # a biased problem must not be a held-out one
+            ex = biased
+        if rng.random() < self.evidence_noise:
+            wrong = int(rng.integers(0, self.n_cells - 1))
+            wrong += wrong >= target
+            ex = {**ex, "completion": f"<evidence>{wrong}</evidence>{ex['answer']}"}
+        return ex
+
+    @staticmethod
+    def parse(completion: str) -> tuple[str | None, str]:
+        """``(evidence text or None, answer text)`` of a completion."""
+        m = _EVIDENCE.search(completion)
+        return (m.group(1), m.group(2).strip()) if m else (None, completion.strip())
+
+    def verify(self, example, completion):
+        evidence, answer = self.parse(completion)
+        return float(evidence is not None and answer == example["answer"])
+
+    def evidence_correct(self, example, completion) -> bool:
+        return self.parse(completion)[0] == str(example["evidence"])
+
+    def chance_accuracy(self):
+        return 1.0 / len(self.colors)

@@ -1,0 +1,60 @@
+"""GridQA: the answer is the asked shape's colour read off the prompt, the evidence its cell;
+the shortcut biases training problems only; the teacher's evidence is wrong at the asked rate."""
+
+import numpy as np
+import pytest
+
+from jaxlm.data.grounded import GridQA
+from jaxlm.data.tasks import TASKS
+
+
+def read_grid(prompt: str) -> tuple[dict[str, tuple[int, str]], str]:
+    """``{shape: (cell, colour)}`` and the asked shape, parsed from the prompt text."""
+    cells, question = prompt.rsplit(" ?", 1)
+    grid = {tok[2]: (int(tok[0]), tok[1]) for tok in cells.split(" ")}
+    return grid, question.rstrip("=")
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_answer_and_evidence_are_read_off_the_prompt(split):
+    task = GridQA(evidence_noise=0.0)
+    for i in range(300):
+        e = task.example(i, split)
+        grid, asked = read_grid(e["prompt"])
+        cell, colour = grid[asked]
+        assert len(grid) == task.n_cells and e["completion"] == f"<evidence>{cell}</evidence>{colour}"
+        assert task.verify(e, e["completion"]) == 1.0 and task.evidence_correct(e, e["completion"])
+        wrong = next(c for c in task.colors if c != colour)
+        assert task.verify(e, f"<evidence>{cell}</evidence>{wrong}") == 0.0
+        assert task.verify(e, colour) == 0.0  # no evidence: not the format
+
+
+def test_shortcut_biases_training_problems_and_teacher_evidence_is_noisy():
+    task = GridQA(shortcut=0.6, evidence_noise=0.5)
+    train = [task.example(i, "train") for i in range(3000)]
+    held = [task.example(i, "eval") for i in range(3000)]
+    r_train = np.mean([e["answer"] == "r" for e in train])
+    r_held = np.mean([e["answer"] == "r" for e in held])
+    # 0.6 + 0.4 / 4 = 0.7, less the problems whose biased form would hash to the held-out split
+    assert 0.6 < r_train < 0.72 and abs(r_held - 0.25) < 0.03
+    grounded = np.mean([task.evidence_correct(e, e["completion"]) for e in train])
+    assert abs(grounded - 0.5) < 0.03
+    assert all(task.verify(e, e["completion"]) == 1.0 for e in train)  # the teacher's answers are right
+    assert all(task.evidence_correct(e, e["completion"]) for e in held)
+    assert not {e["prompt"] for e in train} & {e["prompt"] for e in held}
+    assert "grid_qa" in TASKS
+
+
+def test_parse():
+    assert GridQA.parse("<evidence>3</evidence> g") == ("3", "g")
+    assert GridQA.parse("g") == (None, "g")
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(n_cells=1), "n_cells"), (dict(n_cells=7), "shapes"), (dict(shapes="SSTCHX"), "shapes"),
+    (dict(colors="r"), "colors"), (dict(colors="rS"), "colors"), (dict(shortcut=1.2), "shortcut"),
+    (dict(evidence_noise=-0.1), "evidence_noise"),
+])
+def test_bad_settings_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"grid_qa.{field}"):
+        GridQA(**kw)
