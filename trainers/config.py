@@ -337,11 +337,11 @@ class GRPOConfig:
     buffer_sampler: str = "uniform"
     """How minibatches are drawn from the rollouts (`trainers.rl.buffer.BUFFER_SAMPLERS`)."""
     qpas_quantile: float = 0.25
-    """buffer_sampler=qpas: rollouts whose |advantage| is below this quantile are dropped."""
+    """buffer_sampler=q_pas: rollouts whose |advantage| is below this quantile are dropped."""
     qpas_alpha: float = 1.0
-    """buffer_sampler=qpas: slots drawn with probability proportional to |A|^qpas_alpha."""
+    """buffer_sampler=q_pas: slots drawn with probability proportional to |A|^qpas_alpha."""
     qpas_beta: float = 1.0
-    """buffer_sampler=qpas: prioritized-replay weight exponent (0: no correction)."""
+    """buffer_sampler=q_pas: prioritized-replay weight exponent (0: no correction)."""
     ccc_invalid_reward: float = -1.0
     """CCC-GRPO (reward ``ccc``): the reward of a rollout whose answer does not parse, r_min
     ([INFERRED] in the method card B.2; -1 is the worst CCC)."""
