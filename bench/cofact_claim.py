@@ -38,7 +38,7 @@ def model_config(d_model: int, n_layers: int) -> jaxlm.ModelConfig:
                                   max_seq_len=64)
 
 
-TASK = GridQA()
+TASK = GridQA()  # replaced in `main` by the command line's --shortcut / --evidence-noise
 ARMS = {
     "grpo": dict(),
     "bonus": dict(rewards=("verifier", "counterfactual_bonus")),
@@ -96,10 +96,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval", type=int, default=512)
+    ap.add_argument("--shortcut", type=float, default=GridQA.shortcut)
+    ap.add_argument("--evidence-noise", type=float, default=GridQA.evidence_noise)
     args = ap.parse_args(argv)
+    global TASK
+    TASK = GridQA(shortcut=args.shortcut, evidence_noise=args.evidence_noise)
     root = args.out or Path(tempfile.mkdtemp(prefix="cofact_claim_"))
     model = model_config(args.d_model, args.layers)
-    tag = f"d{args.d_model}x{args.layers}_sft{args.sft_steps}_lr{args.sft_lr}"
+    tag = f"d{args.d_model}x{args.layers}_sft{args.sft_steps}_lr{args.sft_lr}_sc{args.shortcut}_n{args.evidence_noise}"
     base = sft(root / tag, args.sft_steps, model, args.sft_lr)
     results = {"sft": evaluate(base, args.eval)}
     for name in args.arms.split(","):
