@@ -90,6 +90,22 @@ class KVCache:
             return self
         return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
 
+    def grow(self, max_len: int) -> "KVCache":
+        """The same cache with room for ``max_len`` slots: empty (invalid) slots appended.
+        A decode loop that runs in segments grows its cache between them, so that each step
+        reads only the slots its segment can reach."""
+        extra = max_len - self.max_len
+        if extra < 0:
+            raise ValueError(f"KVCache.grow({max_len}) would shrink the cache of {self.max_len} slots")
+        if extra == 0:
+            return self
+
+        def pad(x):  # [..., S, H]: slots on the second-to-last axis in both layouts
+            return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra), (0, 0)])
+
+        return self.replace(k=jax.tree.map(pad, self.k), v=jax.tree.map(pad, self.v),
+                            valid=jnp.pad(self.valid, ((0, 0), (0, extra))))
+
     @property
     def per_row_index(self) -> bool:
         """Each row has its own write slot (``end_index`` is ``[B]``)."""

@@ -76,10 +76,42 @@ class GenerateResult:
         return [prompts[b, P - plens[b]:].tolist() + c for b, c in enumerate(self.completions())]
 
 
+#: `auto_decode_segments`: one decode segment per this many bytes of keys and values at full
+#: length (below it the whole cache is cheap to read and a split only adds compilation)
+SEGMENT_CACHE_BYTES = 4 << 20
+#: `auto_decode_segments`: at most this many segments (each is one more compiled loop body),
+#: and each at least `MIN_SEGMENT_TOKENS` long
+MAX_DECODE_SEGMENTS = 4
+MIN_SEGMENT_TOKENS = 32
+
+
+def segment_ends(max_new_tokens: int, segments: int) -> tuple[int, ...]:
+    """Token counts at which each of ``segments`` decode loops ends: ``max_new_tokens`` split
+    into equal parts (the last one ends at ``max_new_tokens``), e.g. ``(32, 64, 96, 128)``."""
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"decode_segments={segments!r} is invalid: must be a positive int or None (automatic)")
+    segments = min(segments, max_new_tokens)
+    return tuple(-(-max_new_tokens * (j + 1) // segments) for j in range(segments))
+
+
+def auto_decode_segments(config, rows: int, prompt_len: int, max_new_tokens: int, cache_dtype=None) -> int:
+    """How many segments `generate_tokens` splits a decode loop into by default: one per
+    `SEGMENT_CACHE_BYTES` of keys and values at full length, at most `MAX_DECODE_SEGMENTS`
+    and at least `MIN_SEGMENT_TOKENS` tokens each. Small caches (batch 1, tests) keep one
+    loop; with ``k`` segments a step reads on average ``(P + N (k + 1) / 2k) / (P + N)`` of
+    the cache instead of all of it (decode attention is bound by reading the cache)."""
+    itemsize = jnp.dtype(config.dtype if cache_dtype is None else cache_dtype).itemsize
+    widths = sum(config.layer_config(i).qk_head_dim + config.layer_config(i).v_head_dim
+                 for i in range(config.n_layers))
+    cache_bytes = rows * config.n_kv_heads * (prompt_len + max_new_tokens) * widths * itemsize
+    by_size = -(-cache_bytes // SEGMENT_CACHE_BYTES)
+    return int(max(1, min(MAX_DECODE_SEGMENTS, by_size, max_new_tokens // MIN_SEGMENT_TOKENS)))
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "max_new_tokens", "processors", "greedy", "pad_id", "stop_tokens", "cache_dtype",
-                     "samples_per_prompt"),
+                     "samples_per_prompt", "decode_segments"),
 )
 def generate_tokens(
     graphdef,
@@ -101,6 +133,7 @@ def generate_tokens(
     grammar_start: jax.Array | None = None,
     prompt_embeds: jax.Array | None = None,
     prompt_positions: jax.Array | None = None,
+    decode_segments: int | None = None,
 ) -> SamplingState:
     """The jittable core: left-padded ``prompt_tokens [B, P]`` with ``prompt_mask`` -> final state.
     ``condition`` (ids ``[B, C]`` or ``(ids, mask)``) is passed to every forward (MeGan), and so
@@ -112,7 +145,11 @@ def generate_tokens(
     ``prompt_embeds [B, P, D]`` (a multimodal front end's spliced inputs, `jaxlm.models.omni`)
     replace the prompt's token lookup; ``prompt_positions [B, P]`` or ``[B, P, 3]``
     (``rope="mrope"``) are the prompt's positions, and generated tokens continue from the
-    largest one + 1 on every axis."""
+    largest one + 1 on every axis.
+    ``decode_segments``: the decode runs as this many consecutive loops (`segment_ends`) and
+    the cache grows between them, so a step's attention reads only the slots its segment can
+    reach instead of all ``P + max_new_tokens`` (None: `auto_decode_segments`). The tokens
+    are the same for any number of segments."""
     model = nnx.merge(graphdef, params)
     B, P = prompt_tokens.shape
     N = max_new_tokens
@@ -125,7 +162,11 @@ def generate_tokens(
     # one buffer per layer (unrolled models): each layer's keys/values are updated in place and
     # read by the attention matmuls directly, never sliced out of a stacked [L, ...] array
     per_layer = not model.config.scan_layers
-    cache = KVCache.init(model.config, B, P + N, cache_dtype, per_layer=per_layer)
+    if decode_segments is None:
+        decode_segments = auto_decode_segments(model.config, B * samples_per_prompt, P, N, cache_dtype)
+    ends = segment_ends(N, decode_segments)
+    # segment j writes tokens up to ends[j] - 2 (the last chosen token is fed in the next one)
+    cache = KVCache.init(model.config, B, P + ends[0], cache_dtype, per_layer=per_layer)
     out = model.backbone(
         prompt_tokens, prompt_positions, cache=cache, mask=prompt_mask, condition=condition,
         interventions=interventions, embeds=prompt_embeds,
@@ -191,8 +232,8 @@ def generate_tokens(
             rng=rng,
         )
 
-    def cond(s: SamplingState):
-        return (s.step < N) & ~jnp.all(s.done)
+    def cond(s: SamplingState, end: int):
+        return (s.step < end) & ~jnp.all(s.done)
 
     def body(s: SamplingState) -> SamplingState:
         last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
@@ -204,7 +245,11 @@ def generate_tokens(
         out = model.backbone(last, positions, cache=s.cache, condition=condition, interventions=interventions)
         return choose(s.replace(logits=model.unembed(out.hidden[:, 0]), cache=out.cache))
 
-    final = jax.lax.while_loop(cond, body, choose(state))
+    final = choose(state)
+    for j, end in enumerate(ends):
+        if j:
+            final = final.replace(cache=final.cache.grow(P + end))
+        final = jax.lax.while_loop(functools.partial(cond, end=end), body, final)
     if per_layer and not model.config.per_layer_kv:
         final = final.replace(cache=final.cache.stacked())  # the model's own cache layout
     return final
@@ -254,6 +299,7 @@ def generate(
     num_draft_tokens: int = 4,
     early_exit=None,
     grammar=None,
+    decode_segments: int | None = None,
 ) -> GenerateResult:
     """Sample up to ``max_new_tokens`` for each prompt.
 
@@ -278,6 +324,10 @@ def generate(
       per prompt (None: that row is free). Tokens the grammar does not allow are masked
       before the processors; a stop token is allowed only where the grammar is complete; a
       row whose grammar is complete stops. The grammar's state lives in the decode loop.
+    decode_segments: run the decode loop as this many consecutive loops over a growing KV
+      cache, so each step's attention reads only the slots reachable so far (None: chosen
+      from the cache's size, `auto_decode_segments`; 1: one loop over the full cache). The
+      output does not depend on it.
     """
     config = model.config
     if getattr(config, "mode", "causal") == "diffusion":
@@ -362,6 +412,10 @@ def generate(
             raise ValueError(f"grammar= has {len(rows)} entries for {B} prompts: pass one grammar or one per prompt")
         device_grammar, starts = merge_tables(rows, config.vocab_size, BITMASK_LIMIT)
         grammar_kw = dict(grammar=device_grammar, grammar_start=jnp.asarray(starts))
+    if decode_segments is not None:
+        segment_ends(max_new_tokens, decode_segments)  # validates
+        if draft is not None or early_exit is not None:
+            raise ValueError("decode_segments= applies to the plain decode loop, not with draft= or early_exit=")
     if early_exit is not None:
         return _early_exit(model, early_exit, block, mask, rng, tokenizer, draft=draft, condition=condition,
                            interventions=interventions, max_new_tokens=max_new_tokens, processors=tuple(processors),
@@ -375,7 +429,7 @@ def generate(
         graphdef, params, jnp.asarray(block), jnp.asarray(mask), rng,
         max_new_tokens=max_new_tokens, processors=tuple(processors), greedy=greedy,
         pad_id=pad_id, stop_tokens=stop_tokens, cache_dtype=cache_dtype, condition=condition,
-        interventions=interventions, **grammar_kw,
+        interventions=interventions, decode_segments=decode_segments, **grammar_kw,
     )
     result = GenerateResult(
         tokens=final.tokens,

@@ -39,7 +39,7 @@ from flax import nnx, struct
 
 from jaxlm.inference.cache import KVCache
 from jaxlm.inference.logits_processors import LogitsProcessor, compose
-from jaxlm.inference.sampling import _invert_cdf, _select
+from jaxlm.inference.sampling import _invert_cdf, _select, argmax_last
 
 
 class MedusaHeads(nnx.Module):
@@ -218,7 +218,7 @@ def speculative_generate_tokens(
         if heads:
             q_logits = _processed(process, target.unembed(draft(s.hidden)[:, :k]), s)
             if greedy:
-                return jnp.argmax(q_logits, -1).astype(jnp.int32), q_logits, None
+                return argmax_last(q_logits), q_logits, None
             keys = jax.random.split(key, k)
             d = jnp.stack([_draw(keys[j], jax.nn.softmax(q_logits[:, j], -1)) for j in range(k)], axis=1)
             return d, q_logits, None
@@ -228,7 +228,7 @@ def speculative_generate_tokens(
 
         def pick(logits, key):
             q = process(logits, s)
-            tok = jnp.argmax(q, -1).astype(jnp.int32) if greedy else _draw(key, jax.nn.softmax(q, -1))
+            tok = argmax_last(q) if greedy else _draw(key, jax.nn.softmax(q, -1))
             return tok, q
 
         def one(carry, key):

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlm.inference.sampling import argmax_last
+
 REMASKING = ("low_confidence", "random")
 #: which sensitivity group SPEED's Slow-Fast rule decodes jointly (the sources disagree)
 FAST_GROUPS = ("low", "high")
@@ -47,9 +49,9 @@ def predict(logits: jax.Array, rng: jax.Array, *, temperature: float, remasking:
     noise_key, order_key = jax.random.split(rng)
     if temperature > 0:
         gumbel = jax.random.gumbel(noise_key, logits.shape, jnp.float32)
-        proposal = jnp.argmax(logits + temperature * gumbel, axis=-1)
+        proposal = argmax_last(logits + temperature * gumbel)
     else:
-        proposal = jnp.argmax(logits, axis=-1)
+        proposal = argmax_last(logits)
     if remasking == "random":
         conf = jax.random.uniform(order_key, proposal.shape, jnp.float32)
     else:
