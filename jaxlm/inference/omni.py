@@ -52,7 +52,8 @@ def omni_generate(model: OmniModel, batch: dict, *, max_new_tokens: int, tempera
                             max_new_tokens=max_new_tokens, greedy=temperature == 0, pad_id=pad,
                             stop_tokens=tuple(int(t) for t in stop_tokens), prompt_embeds=embeds,
                             prompt_positions=jnp.asarray(batch["positions"]),
-                            processors=() if temperature in (0, 1) else (Temperature(temperature),))
+                            processors=() if temperature in (0, 1) else (Temperature(temperature),),
+                            return_cache=False)
     result = GenerateResult(tokens=final.tokens, logprobs=final.logprobs, sampling_logprobs=final.sampling_logprobs,
                             lengths=final.lengths, prompt_tokens=tokens, prompt_lengths=final.prompt_lengths)
     if tok is not None:

@@ -47,7 +47,7 @@ class SamplingState:
     done: jax.Array  # [B] bool
     prompt_lengths: jax.Array  # [B] int32
     logits: jax.Array  # [B, V] float32 next-token logits
-    cache: KVCache
+    cache: KVCache | None  # None in a final state from ``return_cache=False``
     rng: jax.Array
     grammar_state: jax.Array | None = None  # [B] int32 with grammar=: each row's grammar state
 
@@ -111,7 +111,7 @@ def auto_decode_segments(config, rows: int, prompt_len: int, max_new_tokens: int
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "max_new_tokens", "processors", "greedy", "pad_id", "stop_tokens", "cache_dtype",
-                     "samples_per_prompt", "decode_segments"),
+                     "samples_per_prompt", "decode_segments", "return_cache"),
 )
 def generate_tokens(
     graphdef,
@@ -134,6 +134,7 @@ def generate_tokens(
     prompt_embeds: jax.Array | None = None,
     prompt_positions: jax.Array | None = None,
     decode_segments: int | None = None,
+    return_cache: bool = True,
 ) -> SamplingState:
     """The jittable core: left-padded ``prompt_tokens [B, P]`` with ``prompt_mask`` -> final state.
     ``condition`` (ids ``[B, C]`` or ``(ids, mask)``) is passed to every forward (MeGan), and so
@@ -149,7 +150,9 @@ def generate_tokens(
     ``decode_segments``: the decode runs as this many consecutive loops (`segment_ends`) and
     the cache grows between them, so a step's attention reads only the slots its segment can
     reach instead of all ``P + max_new_tokens`` (None: `auto_decode_segments`). The tokens
-    are the same for any number of segments."""
+    are the same for any number of segments.
+    ``return_cache=False``: the final state's ``cache`` is None, so the program neither
+    restacks nor returns the keys and values (`generate` needs only the tokens)."""
     model = nnx.merge(graphdef, params)
     B, P = prompt_tokens.shape
     N = max_new_tokens
@@ -250,6 +253,8 @@ def generate_tokens(
         if j:
             final = final.replace(cache=final.cache.grow(P + end))
         final = jax.lax.while_loop(functools.partial(cond, end=end), body, final)
+    if not return_cache:
+        return final.replace(cache=None)
     if per_layer and not model.config.per_layer_kv:
         final = final.replace(cache=final.cache.stacked())  # the model's own cache layout
     return final
@@ -429,7 +434,7 @@ def generate(
         graphdef, params, jnp.asarray(block), jnp.asarray(mask), rng,
         max_new_tokens=max_new_tokens, processors=tuple(processors), greedy=greedy,
         pad_id=pad_id, stop_tokens=stop_tokens, cache_dtype=cache_dtype, condition=condition,
-        interventions=interventions, decode_segments=decode_segments, **grammar_kw,
+        interventions=interventions, decode_segments=decode_segments, return_cache=False, **grammar_kw,
     )
     result = GenerateResult(
         tokens=final.tokens,

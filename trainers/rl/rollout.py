@@ -73,7 +73,8 @@ def sample_block(graphdef, params, block, mask, rng, *, max_new_tokens: int, tem
     ``top_p``: its final `SamplingState` (``samples_per_prompt`` rows per prompt, each prompt
     prefilled once). ``prompt_sharding``: where the prompt rows go (e.g. split over a mesh's
     data-parallel devices, so each device decodes its own prompts); ignored when the number
-    of prompts does not divide over it (the prompts are then not split)."""
+    of prompts does not divide over it (the prompts are then not split). The state carries no
+    KV cache (``cache`` is None)."""
     block, mask = jnp.asarray(block), jnp.asarray(mask)
     if prompt_sharding is not None and divides_rows(prompt_sharding, block.shape[0]):
         block, mask = jax.device_put(block, prompt_sharding), jax.device_put(mask, prompt_sharding)
@@ -85,7 +86,7 @@ def sample_block(graphdef, params, block, mask, rng, *, max_new_tokens: int, tem
     return generate_tokens(
         graphdef, params, block, mask, rng, max_new_tokens=max_new_tokens,
         processors=tuple(processors), greedy=temperature == 0, pad_id=pad_id, stop_tokens=stop_tokens,
-        samples_per_prompt=samples_per_prompt,
+        samples_per_prompt=samples_per_prompt, return_cache=False,
     )
 
 
