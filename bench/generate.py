@@ -46,7 +46,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32, help="longest prompt; the others are 1/2 to 1x as long")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--host-allocator", choices=("system", "tuned"), default=None,
+                    help="JAXLM_HOST_ALLOCATOR for this run (`jaxlm.host_allocator`; default: the environment's, "
+                         "else system)")
     args = ap.parse_args()
+    if args.host_allocator:
+        os.environ["JAXLM_HOST_ALLOCATOR"] = args.host_allocator  # read by `import jaxlm`, below
 
     import jax
     import numpy as np
@@ -56,7 +61,8 @@ def main() -> None:
     import jaxlm
 
     versions = {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(),
+                "host_allocator": os.environ.get("JAXLM_HOST_ALLOCATOR", "system")}
     print(json.dumps({"setting": vars(args), "versions": versions}))
     header = (f"{'batch':>5} {'vocab':>6} {'mode':>8} | {'jaxlm tok/s':>11} {'HF tok/s':>9} {'ratio':>6} | "
               f"{'CPU ratio':>9} | greedy rows = HF")

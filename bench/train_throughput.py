@@ -234,7 +234,12 @@ def main() -> None:
     ap.add_argument("--hugepages", action="store_true",
                     help="re-run under GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (malloc asks for transparent huge "
                          "pages: far fewer page faults on the large buffers both frameworks allocate every step)")
+    ap.add_argument("--host-allocator", choices=("system", "tuned"), default=None,
+                    help="JAXLM_HOST_ALLOCATOR for this run (`jaxlm.host_allocator`; default: the environment's, "
+                         "else system): tuned keeps XLA:CPU's per-call buffers mapped between steps")
     args = ap.parse_args()
+    if args.host_allocator:
+        os.environ["JAXLM_HOST_ALLOCATOR"] = args.host_allocator  # read by `import jaxlm`, below
     if args.hugepages and "glibc.malloc.hugetlb=1" not in os.environ.get("GLIBC_TUNABLES", ""):
         tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.hugetlb=1"]))
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": tunables})
@@ -254,7 +259,8 @@ def main() -> None:
         rows[name] = run_shape(s)
         print(json.dumps({name: rows[name]}), flush=True)
     print(f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-          f"transformers {transformers.__version__}, GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}; "
+          f"transformers {transformers.__version__}, GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}, "
+          f"JAXLM_HOST_ALLOCATOR={os.environ.get('JAXLM_HOST_ALLOCATOR', 'system')}; "
           f"seconds are medians")
     print("| shape | jaxlm step | jaxlm floor | jaxlm step/floor | PyTorch step | PyTorch floor "
           "| PyTorch step/floor | jaxlm/PyTorch step time |")

@@ -7,6 +7,11 @@ Core API: `ModelConfig` (+ presets), `build_model`, `load_hf` / `save_hf`, `gene
 
 import importlib
 
+# before anything starts JAX's CPU client (`jaxlm.host_allocator`: XLA:CPU's per-call buffers)
+from jaxlm.host_allocator import configure_from_environment as _configure_host_allocator
+
+_configure_host_allocator()
+
 from jaxlm.data.tokenizers import ByteTokenizer, HFTokenizer
 from jaxlm.inference.cache import KVCache
 from jaxlm.inference.diffusion import DiffusionResult, diffusion_generate
