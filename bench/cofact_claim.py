@@ -2,7 +2,10 @@
 counterfactual evidence bonus and Q-PAS against plain GRPO, on a grounded task with a
 shortcut (`jaxlm.data.grounded.GridQA`).
 
-1. SFT from scratch on a flawed teacher's demonstrations: the answer is always right, the
+0. Pretraining on single-hop lookups over the same kind of grids (`GridLookup`: which cell
+   holds shape S, what colour is cell i), so that the model can read a grid; it is never
+   asked a shape's colour directly, so the answer runs through the evidence.
+1. SFT from that model on a flawed teacher's demonstrations: the answer is always right, the
    evidence cell is wrong in half of them, and the asked object is usually colour ``r`` in
    training (the shortcut).
 2. From that policy, the same GRPO budget in four arms: plain (verifier reward), + the
@@ -25,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 import jaxlm
-from jaxlm.data.grounded import GridQA
+from jaxlm.data.grounded import GridLookup, GridQA
 from jaxlm.data.pipeline import DataConfig
 from jaxlm.eval.accuracy import task_accuracy
 from trainers.config import ExperimentConfig, GRPOConfig, OptimizerConfig, SFTConfig, TrainerConfig
@@ -35,7 +38,7 @@ from trainers.loop import train
 
 def model_config(d_model: int, n_layers: int) -> jaxlm.ModelConfig:
     return jaxlm.ModelConfig.tiny(d_model=d_model, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=3 * d_model,
-                                  max_seq_len=64)
+                                  max_seq_len=96)
 
 
 TASK = GridQA()  # replaced in `main` by the command line's --shortcut / --evidence-noise
@@ -47,12 +50,22 @@ ARMS = {
 }
 
 
-def sft(out: Path, steps: int, model: jaxlm.ModelConfig, lr: float) -> Path:
+def pretrain(out: Path, steps: int, model: jaxlm.ModelConfig, lr: float) -> Path:
+    if not (out / "model").exists():
+        train(ExperimentConfig(
+            model=model, data=DataConfig(source=GridLookup(), seq_len=96, batch_size=64, eval_examples=32),
+            optimizer=OptimizerConfig(lr=lr, warmup_steps=30, min_lr_ratio=0.05),
+            trainer=TrainerConfig.quiet(steps, str(out)), algorithm=SFTConfig(), tokenizer="byte"))
+    return out / "model"
+
+
+def sft(out: Path, steps: int, model: jaxlm.ModelConfig, lr: float, init_from: Path | None) -> Path:
     if not (out / "model").exists():
         train(ExperimentConfig(
             model=model, data=DataConfig(source=TASK, seq_len=56, batch_size=64, pack=True, eval_examples=32),
             optimizer=OptimizerConfig(lr=lr, warmup_steps=30, min_lr_ratio=0.05),
-            trainer=TrainerConfig.quiet(steps, str(out)), algorithm=SFTConfig(), tokenizer="byte"))
+            trainer=TrainerConfig.quiet(steps, str(out)), algorithm=SFTConfig(), tokenizer="byte",
+            init_from=str(init_from) if init_from else None))
     return out / "model"
 
 
@@ -86,6 +99,8 @@ def evaluate(path: Path, n: int) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--pretrain-steps", type=int, default=2500, help="GridLookup pretraining (0: none)")
+    ap.add_argument("--pretrain-lr", type=float, default=3e-3)
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--d-model", type=int, default=64)
@@ -103,10 +118,12 @@ def main(argv=None) -> dict:
     TASK = GridQA(shortcut=args.shortcut, evidence_noise=args.evidence_noise)
     root = args.out or Path(tempfile.mkdtemp(prefix="cofact_claim_"))
     model = model_config(args.d_model, args.layers)
-    tag = f"d{args.d_model}x{args.layers}_sft{args.sft_steps}_lr{args.sft_lr}_sc{args.shortcut}_n{args.evidence_noise}"
-    base = sft(root / tag, args.sft_steps, model, args.sft_lr)
+    pre_tag = f"d{args.d_model}x{args.layers}_pre{args.pretrain_steps}_lr{args.pretrain_lr}"
+    pre = pretrain(root / pre_tag, args.pretrain_steps, model, args.pretrain_lr) if args.pretrain_steps else None
+    tag = f"{pre_tag}_sft{args.sft_steps}_lr{args.sft_lr}_sc{args.shortcut}_n{args.evidence_noise}"
+    base = sft(root / tag, args.sft_steps, model, args.sft_lr, pre)
     results = {"sft": evaluate(base, args.eval)}
-    for name in args.arms.split(","):
+    for name in [a for a in args.arms.split(",") if a]:
         run = root / f"{tag}_{name}_it{args.iterations}_lr{args.lr}_w{args.bonus_weight}_s{args.seed}"
         results[name] = evaluate(grpo(run, base, args.iterations, ARMS[name], args.bonus_weight, args.lr, args.seed,
                                       model), args.eval)

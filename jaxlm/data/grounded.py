@@ -14,6 +14,18 @@ come from a flawed teacher whose evidence is a wrong cell with probability
 ``evidence_noise`` (its answer is always right), so imitation alone does not learn to
 ground. `verify` scores the answer (after ``</evidence>``); `evidence_of` / `evidence_correct`
 read the predicted cell.
+
+`GridLookup` is the pretraining that lets a small model read such grids at all: the same
+grids, and a completion of single-hop queries in random order, "which cell holds shape S"
+(``?S=1``) and "what colour is cell 1" (``#1=g``)::
+
+    prompt:     "0rS 1gT 2bC 3rH 4yX 5gO "
+    completion: "#3=r ?T=1 #0=r ?S=0 ..."
+
+It never asks a shape's colour directly, so in GridQA the answer is reached through the
+evidence (question -> cell -> colour) or not at all: the evidence is the mediator of the
+answer, as in CofactGVR's causal grounding graph. A grid that any held-out GridQA question
+uses is itself held out, so pretraining never sees an evaluation grid.
 """
 
 from __future__ import annotations
@@ -107,3 +119,30 @@ class GridQA(Task):
 
     def chance_accuracy(self):
         return 1.0 / len(self.colors)
+
+
+@TASKS.register("grid_lookup")
+@dataclasses.dataclass(frozen=True)
+class GridLookup(GridQA):
+    """GridQA's grids with single-hop lookups to learn (see the module docstring)."""
+
+    def _draw(self, rng):
+        shapes, colors, _ = self._grid(rng, biased=False)
+        queries = [f"?{s}={i}" for i, s in enumerate(shapes)] + [f"#{i}={c}" for i, c in enumerate(colors)]
+        order = rng.permutation(len(queries))
+        return {"prompt": " ".join(f"{i}{c}{s}" for i, (c, s) in enumerate(zip(colors, shapes))) + " ",
+                "completion": " ".join(queries[j] for j in order), "colors": colors, "shapes": shapes}
+
+    def example(self, index: int, split: str = "train") -> dict:
+        return Task.example(self, index, split)
+
+    def split_of(self, ex: dict) -> str:
+        """Held out if any GridQA question on this grid is (the unbiased problems decide)."""
+        problems = (self._example_from(ex["shapes"], ex["colors"], t) for t in range(self.n_cells))
+        return "eval" if any(Task.split_of(self, p) == "eval" for p in problems) else "train"
+
+    def verify(self, example, completion):
+        return float(completion.strip() == example["completion"])
+
+    def chance_accuracy(self):
+        return 0.0

@@ -4,7 +4,7 @@ the shortcut biases training problems only; the teacher's evidence is wrong at t
 import numpy as np
 import pytest
 
-from jaxlm.data.grounded import GridQA
+from jaxlm.data.grounded import GridLookup, GridQA
 from jaxlm.data.tasks import TASKS
 
 
@@ -58,3 +58,35 @@ def test_parse():
 def test_bad_settings_name_the_field(kw, field):
     with pytest.raises(ValueError, match=f"grid_qa.{field}"):
         GridQA(**kw)
+
+
+def test_lookup_queries_are_read_off_the_grid():
+    """Every GridLookup completion holds each "which cell holds shape S" and "what colour is
+    cell i" query once, answered from the prompt, in an order that varies between grids."""
+    task = GridLookup()
+    orders = set()
+    for i in range(200):
+        e = task.example(i, "train")
+        cells = e["prompt"].split()
+        grid = {int(tok[0]): (tok[1], tok[2]) for tok in cells}
+        assert len(grid) == task.n_cells and e["prompt"].endswith(" ")
+        queries = e["completion"].split(" ")
+        expected = {f"?{shape}={cell}" for cell, (_, shape) in grid.items()}
+        expected |= {f"#{cell}={colour}" for cell, (colour, _) in grid.items()}
+        assert sorted(queries) == sorted(expected)
+        orders.add(tuple(q[0] for q in queries))
+        assert task.verify(e, e["completion"]) == 1.0 and task.verify(e, " ".join(reversed(queries))) == 0.0
+    assert len(orders) > 100
+    assert "grid_lookup" in TASKS and task.chance_accuracy() == 0.0
+
+
+def test_lookup_never_trains_on_a_held_out_grid_qa_grid():
+    """A grid space small enough (6 orders x 8 colourings) that every grid is drawn: each grid
+    behind a held-out GridQA problem is held out of GridLookup's training set too."""
+    kw = dict(n_cells=3, shapes="STC", colors="rg")
+    qa, lookup = GridQA(**kw), GridLookup(**kw)
+    held = {qa.example(i, "eval")["prompt"].rsplit(" ?", 1)[0] for i in range(400)}
+    train = {lookup.example(i, "train")["prompt"].strip() for i in range(400)}
+    evals = {lookup.example(i, "eval")["prompt"].strip() for i in range(400)}
+    assert len(train | evals) == 48 and held and train
+    assert not held & train and held <= evals and not train & evals
