@@ -34,13 +34,18 @@ def _rows(rng, V, kind):
         x[0] = -np.inf  # a row of -inf only
         x[1, V // 2] = np.inf
         x[2, V - 1] = np.inf
+    elif kind == "mixed":  # +inf and -inf in blocks before a row's first NaN; NaN after +inf
+        x[rng.random(x.shape) < 0.2] = -np.inf
+        x[:, 0] = np.inf
+        x[:3, -1] = np.nan
+        x[3, V // 2] = np.nan
     elif kind == "normal":
         x = rng.normal(size=(6, V)).astype(np.float32)
     return x
 
 
 @pytest.mark.parametrize("V", [1, 128, 129, 1000])
-@pytest.mark.parametrize("kind", ["ties", "nan", "inf", "normal"])
+@pytest.mark.parametrize("kind", ["ties", "nan", "inf", "mixed", "normal"])
 def test_argmax_last_equals_numpy_argmax(V, kind):
     """First index of the maximum, a NaN counting as the largest (numpy's and jnp's rule), for
     every vocabulary size (blocks of 128, a padded last block), eager, jitted and vmapped."""
