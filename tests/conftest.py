@@ -1,7 +1,13 @@
 """Shared test setup: CPU only, quiet libraries, tiny HF reference models built in code."""
 
+import faulthandler
+import gc
 import os
+import signal
+import sys
 import tempfile
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # On CPU the suite's time goes mostly to XLA compiling many tiny programs. Compile them
@@ -54,6 +60,53 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=key)  # stable: the order within a file, and of the other files, is kept
 
 
+_STDERR_FD = pytest.StashKey[int]()
+
+
 def pytest_configure(config):
+    config.stash[_STDERR_FD] = os.dup(sys.__stderr__.fileno())  # output capture is off here
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --dist loadfile/loadscope
         config.option.loadscopereorder = False
+
+
+def pytest_collection_finish(session):
+    """Put back the default fatal-signal handling that a test module's imports replaced.
+
+    Loading ``libtvm_ffi`` (xgrammar's runtime) installs a SIGSEGV handler that prints a native
+    backtrace through the unwinder; a fault inside the unwinder then deadlocks in that handler
+    and the worker hangs instead of failing. With the default action (and Python's fault
+    handler, where pytest enabled it) a crash ends the worker and is reported."""
+    enabled = faulthandler.is_enabled()
+    faulthandler.disable()
+    signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+    if enabled:  # to a copy of the real stderr: a test's output capture replaces fd 2
+        faulthandler.enable(file=session.config.stash[_STDERR_FD], all_threads=True)
+
+
+def _memory_map_count() -> tuple[int, int] | None:
+    """(mappings this process holds, the kernel's per-process limit), or None off Linux."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f), limit
+    except OSError:
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after a test module once the process holds half its
+    memory-map budget.
+
+    Each XLA:CPU executable keeps a few memory mappings for its code, and jitted library
+    functions keep one executable per static configuration for as long as the process lives.
+    A test worker runs hundreds of modules; past ``vm.max_map_count`` (65530 by default) every
+    mmap fails, so compiles, allocations and C++ exceptions abort or hang the worker."""
+    yield
+    maps = _memory_map_count()
+    if maps is not None and maps[0] > maps[1] // 2:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()

@@ -1,7 +1,10 @@
 """Grammar-constrained decoding: token masks against XGrammar at every prefix, on-device
 generation that always validates, compile-time errors, the table cache."""
 
+import ctypes
 import json
+import platform
+import signal
 
 import jsonschema
 import numpy as np
@@ -454,6 +457,26 @@ def test_bitmask_and_category_paths_give_the_same_mask():
     np.testing.assert_array_equal(np.asarray(allowed_tokens(without, states)),
                                   np.stack([g.tables.allowed(s) for s in range(g.tables.num_states)]))
     assert np.asarray(allowed_tokens(without, jnp.asarray(starts[1:]))).all()  # the free row
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads the handler with glibc's sigaction and dladdr")
+def test_crash_handling_is_not_left_to_libtvm_ffi():
+    """xgrammar's runtime installs a SIGSEGV handler that can deadlock (a fault in the unwinder
+    hangs the process); the suite puts the default handling back after collecting this module."""
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p),
+                    ("sname", ctypes.c_char_p), ("saddr", ctypes.c_void_p)]
+
+    libc = ctypes.CDLL(None)
+    action = ctypes.create_string_buffer(256)  # struct sigaction; its handler is the first field
+    assert libc.sigaction(signal.SIGSEGV, None, action) == 0
+    handler = ctypes.c_void_p.from_buffer(action).value
+    if handler in (None, 0):  # SIG_DFL
+        return
+    info = DlInfo()
+    assert libc.dladdr(ctypes.c_void_p(handler), ctypes.byref(info)) != 0
+    assert b"tvm_ffi" not in (info.fname or b""), info.fname
 
 
 @pytest.mark.slow  # trains a tiny model for 1000 steps (about 4 minutes on 2 cores); the exactness tests above run by default
