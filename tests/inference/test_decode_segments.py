@@ -64,6 +64,19 @@ def test_argmax_last_keeps_leading_axes():
     np.testing.assert_array_equal(np.asarray(got), x.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.float16])
+def test_argmax_last_other_dtypes(dtype):
+    """Integer rows (padded with the type's minimum, ties with it included) and half floats."""
+    rng = np.random.default_rng(2)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        x = rng.integers(info.min, info.min + 3, size=(6, 300)).astype(dtype)  # many ties at the minimum
+        x[0] = info.min
+    else:
+        x = rng.normal(size=(6, 300)).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax_last)(x)), x.argmax(-1))
+
+
 def test_first_true_against_numpy():
     hit = np.random.default_rng(1).random((50, 37)) < 0.05
     hit[0] = False  # no True: the length
