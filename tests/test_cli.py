@@ -105,6 +105,16 @@ def test_generate_chat_renders_the_prompt_as_a_user_turn(capsys):
     assert f"'hi' -> {expected!r}" in chat
 
 
+def test_generate_with_beams_prints_each_hypothesis(capsys):
+    main(["generate", "--prompt", "ab", "--num-beams", "3", "--num-return-sequences", "2",
+          "--max-new-tokens", "3", "--length-penalty", "0.5"])
+    out = capsys.readouterr().out.splitlines()
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(init_std=0.5), tokenizer=jaxlm.ByteTokenizer())
+    expected = jaxlm.generate(model, ["ab"], max_new_tokens=3, num_beams=3, num_return_sequences=2,
+                              length_penalty=0.5)
+    assert out == [f"'ab' -> {t!r} (beam score {float(s):.3f})" for t, s in zip(expected.texts, expected.beam_scores)]
+
+
 def test_generate_under_a_regex_or_a_json_schema(tmp_path, capsys):
     """The embedded default's random weights write noise; constrained, every completion is
     in the grammar's language."""

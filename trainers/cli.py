@@ -6,7 +6,7 @@ call into a library function.
     jaxlm train CONFIG --help                             # the config's keys, types, defaults
     jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--chat] [--max-new-tokens 32] [--temperature 0]
-                   [--regex PATTERN | --json-schema FILE]
+                   [--regex PATTERN | --json-schema FILE] [--num-beams K --num-return-sequences R]
     jaxlm convert SRC DST [--to orbax|hf] [--overwrite]
     jaxlm quantize MODEL --out DIR [--method wush] [--format nvfp4] [--inner gptq]
     jaxlm compress MODEL --out DIR [--budget 0.5] [--components qk,ov,mlp]
@@ -79,6 +79,12 @@ class GenerateArgs:
     """Constrain every completion to match this regular expression (on-device token masks)."""
     json_schema: Annotated[Path | None, tyro.conf.arg(metavar="FILE")] = None
     """Constrain every completion to JSON valid under the schema in this file."""
+    num_beams: int = 1
+    """Beam search with this many beams (1: sample, or greedy at temperature 0)."""
+    length_penalty: float = 1.0
+    """Beam search: hypotheses are ranked by sum log p / length ** length_penalty."""
+    num_return_sequences: int = 1
+    """Beam search: print this many best hypotheses per prompt (at most --num-beams)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,11 +364,14 @@ def run_generate(args: GenerateArgs) -> list[str]:
     start = time.perf_counter()
     result = jaxlm.generate(
         model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, rng=args.seed, grammar=grammar,
+        top_k=args.top_k, top_p=args.top_p, rng=args.seed, grammar=grammar, num_beams=args.num_beams,
+        length_penalty=args.length_penalty, num_return_sequences=args.num_return_sequences,
     )
     elapsed = time.perf_counter() - start
-    for prompt, text in zip(args.prompt, result.texts):
-        print(f"{prompt!r} -> {text!r}")
+    R = args.num_return_sequences
+    for i, text in enumerate(result.texts):
+        score = "" if result.beam_scores is None else f" (beam score {float(result.beam_scores[i]):.3f})"
+        print(f"{args.prompt[i // R]!r} -> {text!r}{score}")
     n = int(result.lengths.sum())
     print(f"{n} tokens in {elapsed:.2f}s (including compilation)", file=sys.stderr)
     return result.texts

@@ -106,6 +106,14 @@ class KVCache:
         return self.replace(k=jax.tree.map(pad, self.k), v=jax.tree.map(pad, self.v),
                             valid=jnp.pad(self.valid, ((0, 0), (0, extra))))
 
+    def take_rows(self, rows: jax.Array) -> "KVCache":
+        """The cache of sequences ``rows [B']`` (int indices into this cache's batch): beam
+        search's reorder after each step, or ``G`` copies of each prompt's cache."""
+        take = lambda x: jnp.take(x, rows, axis=batch_axis(x))  # noqa: E731
+        end = self.end_index[rows] if self.per_row_index else self.end_index
+        return self.replace(k=jax.tree.map(take, self.k), v=jax.tree.map(take, self.v),
+                            valid=self.valid[rows], lengths=self.lengths[rows], end_index=end)
+
     @property
     def per_row_index(self) -> bool:
         """Each row has its own write slot (``end_index`` is ``[B]``)."""

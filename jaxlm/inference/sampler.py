@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jaxlm.dtypes import optional_dtype_name
+from jaxlm.inference.beam_search import beam_search_tokens, check_beam_settings
 from jaxlm.inference.cache import KVCache, batch_axis
 from jaxlm.inference.early_exit import ExitWindow, early_exit_generate_tokens
 from jaxlm.inference.grammar.decoding import DeviceGrammar, advance, mask_logits, merge_tables
@@ -64,6 +65,7 @@ class GenerateResult:
     accepted_lengths: jax.Array | None = None  # speculative: [B, N] drafts accepted per verify round (-1 after)
     verify_rounds: jax.Array | None = None  # speculative: [B] target verify rounds per row
     exit_layers: jax.Array | None = None  # early exit: [B, N] layers run for each token (0 after the end)
+    beam_scores: jax.Array | None = None  # beam search: [B] length-normalised score of each returned hypothesis
 
     def completions(self) -> list[list[int]]:
         tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
@@ -305,6 +307,10 @@ def generate(
     early_exit=None,
     grammar=None,
     decode_segments: int | None = None,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    num_return_sequences: int = 1,
 ) -> GenerateResult:
     """Sample up to ``max_new_tokens`` for each prompt.
 
@@ -333,6 +339,13 @@ def generate(
       cache, so each step's attention reads only the slots reachable so far (None: chosen
       from the cache's size, `auto_decode_segments`; 1: one loop over the full cache). The
       output does not depend on it.
+    num_beams: > 1 decodes by beam search (`jaxlm.inference.beam_search`) instead of
+      sampling: deterministic, so ``temperature`` must stay 0 or 1 and ``top_k`` / ``top_p``
+      unset; ``logits_processors`` apply to the log-probs the beams are ranked by. Hypotheses
+      are scored ``sum log p / len ** length_penalty``; ``early_stopping`` (True, False or
+      "never") says when a prompt stops looking for better ones, as in HF ``generate``. The
+      result has ``num_return_sequences`` rows per prompt (row ``b * R + r`` is prompt
+      ``b``'s ``r``-th best), with their scores in ``beam_scores``.
     """
     config = model.config
     if getattr(config, "mode", "causal") == "diffusion":
@@ -417,6 +430,19 @@ def generate(
             raise ValueError(f"grammar= has {len(rows)} entries for {B} prompts: pass one grammar or one per prompt")
         device_grammar, starts = merge_tables(rows, config.vocab_size, BITMASK_LIMIT)
         grammar_kw = dict(grammar=device_grammar, grammar_start=jnp.asarray(starts))
+    check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences)
+    if num_beams > 1:
+        if draft is not None or early_exit is not None or grammar is not None or decode_segments is not None:
+            raise ValueError("num_beams > 1 does not combine with draft=, early_exit=, grammar= or decode_segments=")
+        if temperature not in (0, 1) or top_k is not None or top_p not in (None, 1):
+            raise ValueError(f"num_beams={num_beams} is deterministic beam search: temperature={temperature!r}, "
+                             f"top_k={top_k!r} and top_p={top_p!r} would be ignored (leave temperature 0 or 1 "
+                             "and top_k / top_p unset)")
+        return _beam_search(model, block, mask, tokenizer, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                            processors=tuple(logits_processors), pad_id=pad_id, stop_tokens=stop_tokens,
+                            cache_dtype=cache_dtype, length_penalty=float(length_penalty),
+                            early_stopping=early_stopping, num_return_sequences=num_return_sequences,
+                            condition=condition, interventions=interventions)
     if decode_segments is not None:
         segment_ends(max_new_tokens, decode_segments)  # validates
         if draft is not None or early_exit is not None:
@@ -443,6 +469,24 @@ def generate(
         lengths=final.lengths,
         prompt_tokens=jnp.asarray(block),
         prompt_lengths=final.prompt_lengths,
+    )
+    if tokenizer is not None:
+        result.texts = [tokenizer.decode(c) for c in result.completions()]
+    return result
+
+
+def _beam_search(model, block, mask, tokenizer, *, num_return_sequences, **kw) -> GenerateResult:
+    graphdef, params = nnx.split(model)
+    final = beam_search_tokens(graphdef, params, jnp.asarray(block), jnp.asarray(mask),
+                               num_return_sequences=num_return_sequences, **kw)
+    R = num_return_sequences
+    flat = lambda x: x[:, :R].reshape((-1,) + x.shape[2:])  # noqa: E731
+    result = GenerateResult(
+        tokens=flat(final.final_tokens), logprobs=flat(final.final_logprobs),
+        sampling_logprobs=flat(final.final_sampling_logprobs), lengths=flat(final.final_lengths),
+        prompt_tokens=jnp.repeat(jnp.asarray(block), R, axis=0),
+        prompt_lengths=jnp.repeat(jnp.asarray(mask).sum(axis=1, dtype=jnp.int32), R),
+        beam_scores=flat(final.final_scores),
     )
     if tokenizer is not None:
         result.texts = [tokenizer.decode(c) for c in result.completions()]

@@ -1,0 +1,150 @@
+"""Beam search (`generate(num_beams=K)`): token-for-token and score parity with HF transformers'
+beam search, exhaustive search against brute-force enumeration, log-probs against a fresh
+forward pass, batch independence and bad settings."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxlm
+
+torch = pytest.importorskip("torch")  # the reference implementation
+pytest.importorskip("transformers")
+
+from hf_reference import build_hf_model, padded_batch  # noqa: E402
+
+N = 10  # new tokens
+PAD = 1  # HF fills finished beams with pad_token_id only when it is truthy
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny HF Llama with a sharpened LM head (peaked distributions, so the chosen stop
+    tokens are reached early) and the same weights loaded into jaxlm."""
+    hf = build_hf_model("llama_llama3_rope", seed=3)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(20.0)
+    path = tmp_path_factory.mktemp("beam_hf")
+    hf.save_pretrained(path)
+    tokens, mask, _ = padded_batch(batch=3, length=7)
+    ours = jaxlm.load_hf(path, dtype="float32")
+    prompts = [t[m].tolist() for t, m in zip(tokens, mask)]
+    greedy = np.asarray(jaxlm.generate(ours, prompts, max_new_tokens=N, temperature=0).tokens)
+    return dict(hf=hf, ours=ours, tokens=tokens, mask=mask, prompts=prompts, greedy=greedy)
+
+
+SETTINGS = [  # (num_beams, length_penalty, early_stopping, num_return_sequences, stop tokens from greedy)
+    (4, 1.0, False, 2, [(0, 3)]),
+    (3, 0.5, True, 3, [(0, 3)]),
+    (4, 2.0, "never", 4, [(0, 3), (1, 2)]),
+    (2, 1.0, False, 1, []),
+    (5, -1.0, "never", 3, [(2, 1)]),
+]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"K{s[0]}-lp{s[1]}-es{s[2]}-R{s[3]}-stops{len(s[4])}")
+def test_beams_match_transformers(pair, setting):
+    K, lp, early, R, stop_at = setting
+    stops = [int(pair["greedy"][b, j]) for b, j in stop_at]  # tokens the beams do reach
+    with torch.no_grad():
+        ref = pair["hf"].generate(
+            input_ids=torch.tensor(pair["tokens"], dtype=torch.long),
+            attention_mask=torch.tensor(pair["mask"].astype(np.int64)),
+            num_beams=K, max_new_tokens=N, do_sample=False, length_penalty=lp, early_stopping=early,
+            num_return_sequences=R, pad_token_id=PAD, eos_token_id=stops or None,
+            output_scores=True, return_dict_in_generate=True,
+        )
+    ref_tokens = ref.sequences[:, pair["tokens"].shape[1]:].numpy()
+    out = jaxlm.generate(pair["ours"], pair["prompts"], max_new_tokens=N, num_beams=K, length_penalty=lp,
+                         early_stopping=early, num_return_sequences=R, stop_tokens=stops, pad_id=PAD)
+    tokens = np.asarray(out.tokens)
+    assert tokens.shape == (3 * R, N)
+    width = ref_tokens.shape[1]  # HF crops to the longest returned hypothesis
+    np.testing.assert_array_equal(tokens[:, :width], ref_tokens)
+    assert (tokens[:, width:] == PAD).all()
+    np.testing.assert_allclose(np.asarray(out.beam_scores), ref.sequences_scores.numpy(), atol=2e-6, rtol=1e-6)
+    lengths = np.asarray(out.lengths)
+    for row, n in zip(tokens, lengths):  # the length counts up to and including the stop token
+        assert n == N or row[n - 1] in stops
+        assert (row[n:] == PAD).all()
+    if stops and lp <= 1:  # (length_penalty 2 prefers the full-length hypotheses)
+        assert (lengths < N).any()  # a stop token was reached: finishing is exercised
+
+
+def test_logprobs_and_scores_are_the_returned_tokens(pair):
+    """Each returned token's log-prob equals a fresh forward pass on prompt + hypothesis, and
+    the beam score is their sum over length ** length_penalty."""
+    model, lp = pair["ours"], 0.7
+    stop = int(pair["greedy"][0, 3])
+    out = jaxlm.generate(model, pair["prompts"], max_new_tokens=N, num_beams=3, num_return_sequences=3,
+                         length_penalty=lp, stop_tokens=[stop], pad_id=PAD)
+    lengths, logprobs = np.asarray(out.lengths), np.asarray(out.logprobs)
+    seqs = out.sequences()
+    T = max(map(len, seqs))  # one left-padded forward over every hypothesis
+    tokens = np.array([[PAD] * (T - len(q)) + q for q in seqs], np.int32)
+    mask = np.array([[False] * (T - len(q)) + [True] * len(q) for q in seqs])
+    logp = np.asarray(jax.nn.log_softmax(model(jnp.asarray(tokens), mask=jnp.asarray(mask)).logits, axis=-1))
+    for r, n in enumerate(lengths):
+        fresh = logp[r, np.arange(T - n - 1, T - 1), tokens[r, T - n:]]
+        np.testing.assert_allclose(logprobs[r, :n], fresh, atol=1e-4)
+        assert (logprobs[r, n:] == 0).all()
+        np.testing.assert_allclose(out.beam_scores[r], fresh.sum() / n ** lp, rtol=1e-5)
+    scores = np.asarray(out.beam_scores).reshape(3, 3)
+    assert (np.diff(scores, axis=1) <= 0).all()  # best first
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_wide_beams_are_exhaustive(scan_layers):
+    """With K >= V ** (N - 1) beams no prefix is ever pruned: the K returned hypotheses are
+    exactly the K most likely of all V ** N continuations (length_penalty 0), found here by
+    scoring every sequence with a full forward pass (per-layer and stacked caches)."""
+    V, n, K = 5, 3, 25
+    config = jaxlm.ModelConfig.tiny(vocab_size=V, init_std=0.5, max_seq_len=16, scan_layers=scan_layers)
+    model = jaxlm.build_model(config, seed=1)
+    prompt = [2, 0, 4]
+    out = jaxlm.generate(model, [prompt], max_new_tokens=n, num_beams=K, num_return_sequences=K,
+                         length_penalty=0.0, early_stopping="never", stop_tokens=[], pad_id=0)
+    conts = np.array(list(itertools.product(range(V), repeat=n)), np.int32)
+    seqs = np.concatenate([np.tile(prompt, (len(conts), 1)), conts], axis=1)
+    graphdef, params = nnx.split(model)
+    logp = jax.nn.log_softmax(nnx.merge(graphdef, params)(jnp.asarray(seqs)).logits, axis=-1)
+    P = len(prompt)
+    total = np.asarray(jnp.take_along_axis(logp[:, P - 1:-1], jnp.asarray(conts)[..., None], -1)[..., 0].sum(-1))
+    order = np.argsort(-total, kind="stable")[:K]
+    np.testing.assert_array_equal(np.asarray(out.tokens), conts[order])
+    # cached decoding vs one full forward: float32 sums in a different order (as in test_generate)
+    np.testing.assert_allclose(np.asarray(out.beam_scores), total[order], atol=1e-4)
+
+
+def test_rows_are_independent_of_the_batch(pair):
+    """A prompt's beams do not depend on the other prompts in its batch (left padding, the
+    per-prompt stopping rule, the cache reorder across prompts)."""
+    model, stop = pair["ours"], int(pair["greedy"][1, 2])
+    kw = dict(max_new_tokens=N, num_beams=3, num_return_sequences=2, stop_tokens=[stop], pad_id=PAD)
+    batched = jaxlm.generate(model, pair["prompts"], **kw)
+    for b, prompt in enumerate(pair["prompts"]):
+        alone = jaxlm.generate(model, [prompt], **kw)
+        np.testing.assert_array_equal(np.asarray(batched.tokens)[2 * b: 2 * b + 2], np.asarray(alone.tokens))
+        np.testing.assert_allclose(np.asarray(batched.beam_scores)[2 * b: 2 * b + 2], alone.beam_scores, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_beams=0), "num_beams=0 is invalid"),
+        (dict(num_beams=2, early_stopping="sometimes"), "early_stopping='sometimes' is invalid"),
+        (dict(num_beams=2, num_return_sequences=3), "num_return_sequences=3 is invalid"),
+        (dict(num_return_sequences=2), "num_return_sequences=2 is invalid"),
+        (dict(num_beams=2, length_penalty=float("nan")), "length_penalty=nan is invalid"),
+        (dict(num_beams=2, temperature=0.7), "deterministic beam search"),
+        (dict(num_beams=2, top_p=0.9), "deterministic beam search"),
+        (dict(num_beams=2, decode_segments=2), "does not combine"),
+    ],
+)
+def test_bad_beam_settings(pair, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jaxlm.generate(pair["ours"], [[3, 4]], max_new_tokens=4, **kwargs)
