@@ -328,6 +328,12 @@ class GRPOConfig:
     rewards: tuple[str, ...] = ("verifier",)
     """Reward functions (`trainers.rl.rewards.REWARDS`), summed with ``reward_weights``."""
     reward_weights: tuple[float, ...] = (1.0,)
+    reward_model: str | None = None
+    """reward ``reward_model``: a directory written by `trainers.reward_model.save_reward_model`."""
+    reward_model_output: str = "probability"
+    """reward ``reward_model``: score (the raw head output) | probability (sigmoid(score - offset))."""
+    judge_model: str | None = None
+    """reward ``judge``: the judge (a jaxlm checkpoint or HF directory); the reward is its P(yes)."""
     filter_zero_variance: bool = False
     """Dynamic sampling (DAPO): groups whose rewards are all equal carry no loss."""
     use_sampler_logprobs: bool = False

@@ -12,12 +12,19 @@ P(compliant). Losses (`csrm_loss`):
 ``lambda = 0`` is the plain Bradley-Terry reward model (the uncalibrated baseline). The step
 is a pure ``(state, batch) -> (state, metrics)``; `train_reward_model` runs it over
 (points, pairs) batches drawn from `jaxlm.data.safety.augment` or any such lists.
+
+`save_reward_model` / `load_reward_model` write and read a reward model directory (the
+backbone as a jaxlm checkpoint, the head and offset as safetensors). A saved reward model is a
+GRPO reward: ``rewards=("reward_model",)`` with ``GRPOConfig.reward_model=<dir>`` scores each
+``prompt + completion`` (``reward_model_output``: the raw score or ``sigmoid(s - b)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 from typing import Sequence
 
 import jax
@@ -26,7 +33,13 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxlm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from jaxlm.eval.scoring import encode_prompts
+from jaxlm.fileio import atomic_directory, read_json
+from trainers.rl.rewards import REWARDS
+
+HEAD_FILE = "head.safetensors"
+META_FILE = "reward_model.json"
 
 
 class RewardModel(nnx.Module):
@@ -164,3 +177,78 @@ def score_texts(model: RewardModel, texts: Sequence[str], *, batch_size: int = 6
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _score(graphdef, state, tokens, mask):
     return nnx.merge(graphdef, state)(tokens, mask)
+
+
+def save_reward_model(model: RewardModel, path, *, overwrite: bool = False) -> Path:
+    """Write ``model`` to the directory ``path``: ``backbone/`` (a jaxlm checkpoint, with its
+    tokenizer), ``head.safetensors`` (head kernel and bias, the calibration offset) and
+    ``reward_model.json``. The directory appears complete or not at all."""
+    from safetensors.numpy import save_file
+
+    path = Path(path).absolute()
+    head = {"head.kernel": np.asarray(model.head.kernel[...], np.float32),
+            "head.bias": np.asarray(model.head.bias[...], np.float32),
+            "offset": np.asarray(model.offset[...], np.float32).reshape(1)}
+    with atomic_directory(path, overwrite=overwrite) as staging:
+        save_checkpoint(model.lm, staging / "backbone")
+        save_file(head, str(staging / HEAD_FILE))
+        (staging / META_FILE).write_text(json.dumps({"format": "jaxlm.reward_model", "version": 1}) + "\n")
+    return path
+
+
+def load_reward_model(path) -> RewardModel:
+    """Read a directory written by `save_reward_model` (`CheckpointError` naming what is
+    missing or does not fit)."""
+    from safetensors.numpy import load_file
+
+    path = Path(path).absolute()
+    meta = path / META_FILE
+    if not meta.exists():
+        raise CheckpointError(f"{path} is not a reward model directory (no {META_FILE}); write one with "
+                              "save_reward_model")
+    fmt = read_json(meta, what="reward model metadata").get("format")
+    if fmt != "jaxlm.reward_model":
+        raise CheckpointError(f"{meta} has format={fmt!r}, expected 'jaxlm.reward_model'")
+    if not (path / HEAD_FILE).exists():
+        raise CheckpointError(f"{path}/{HEAD_FILE} is missing: the reward model's head was not saved")
+    backbone = load_checkpoint(path / "backbone")
+    head = load_file(str(path / HEAD_FILE))
+    d = backbone.config.d_model
+    for key, shape in (("head.kernel", (d, 1)), ("head.bias", (1,)), ("offset", (1,))):
+        if key not in head:
+            raise CheckpointError(f"{path}/{HEAD_FILE} lacks {key!r}")
+        if tuple(head[key].shape) != shape:
+            raise CheckpointError(f"{path}/{HEAD_FILE}: {key} has shape {tuple(head[key].shape)}, the backbone "
+                                  f"(d_model={d}) needs {shape}")
+    model = RewardModel(backbone, rngs=nnx.Rngs(0))
+    model.head.kernel[...] = jnp.asarray(head["head.kernel"])
+    model.head.bias[...] = jnp.asarray(head["head.bias"])
+    model.offset[...] = jnp.asarray(head["offset"][0])
+    return model
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_reward_model(path: str) -> RewardModel:
+    return load_reward_model(path)
+
+
+REWARD_MODEL_OUTPUTS = ("score", "probability")
+
+
+@REWARDS.register("reward_model")
+def reward_model_reward(prompts, completions, *, config=None, **_) -> np.ndarray:
+    """A trained reward model's judgment of ``prompt + completion``: the raw score ``s``
+    (``config.reward_model_output="score"``) or ``sigmoid(s - b)`` ("probability", CSRM's
+    calibrated P(compliant)). The model is read once per directory and kept."""
+    path = getattr(config, "reward_model", None)
+    if path is None:
+        raise ValueError("the reward 'reward_model' needs GRPOConfig.reward_model=<directory written by "
+                         "save_reward_model>")
+    output = getattr(config, "reward_model_output", "probability")
+    if output not in REWARD_MODEL_OUTPUTS:
+        raise ValueError(f"GRPOConfig.reward_model_output={output!r} is invalid: must be one of {REWARD_MODEL_OUTPUTS}")
+    model = _cached_reward_model(str(Path(path).absolute()))
+    scores = score_texts(model, [p + c for p, c in zip(prompts, completions)])
+    if output == "score":
+        return scores.astype(np.float32)
+    return np.asarray(model.p_compliant(jnp.asarray(scores)), np.float32)

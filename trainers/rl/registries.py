@@ -6,6 +6,8 @@ import trainers.rl.agent  # noqa: F401  (registers the agent collector)
 import trainers.rl.ccc  # noqa: F401  (registers the CCC-GRPO rewards)
 import trainers.rl.counterfactual  # noqa: F401  (registers counterfactual_bonus)
 import trainers.rl.memopilot  # noqa: F401  (registers the rps_memory collector)
+import trainers.reward_model  # noqa: F401  (registers the reward_model reward)
+import trainers.rl.judge_reward  # noqa: F401  (registers the judge reward)
 from trainers.rl.advantages import ADVANTAGES
 from trainers.rl.aggregation import AGGREGATORS
 from trainers.rl.buffer import BUFFER_SAMPLERS
@@ -39,6 +41,15 @@ def check_grpo_config(c) -> None:
     for name in c.rewards:
         if name not in REWARDS:
             raise ValueError(f"GRPOConfig.rewards has {name!r}: must be one of {sorted(REWARDS)}")
+    if "reward_model" in c.rewards and c.reward_model is None:
+        raise ValueError("GRPOConfig.rewards has 'reward_model' but GRPOConfig.reward_model is None: set it to a "
+                         "directory written by trainers.reward_model.save_reward_model")
+    if "judge" in c.rewards and c.judge_model is None:
+        raise ValueError("GRPOConfig.rewards has 'judge' but GRPOConfig.judge_model is None: set it to a jaxlm "
+                         "checkpoint or HF directory")
+    if c.reward_model_output not in ("score", "probability"):
+        raise ValueError(f"GRPOConfig.reward_model_output={c.reward_model_output!r} is invalid: must be one of "
+                         "('score', 'probability')")
     if len(c.rewards) != len(c.reward_weights) or not c.rewards:
         raise ValueError(
             f"GRPOConfig.rewards={c.rewards!r} and reward_weights={c.reward_weights!r} must be "

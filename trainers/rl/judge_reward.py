@@ -1,0 +1,33 @@
+"""A jaxlm judge as a GRPO reward (``judge``): each rollout is scored by the judge model's
+P(yes) for (prompt, completion) under the pointwise template (`jaxlm.eval.judge.judge_points`,
+one batched call). The judge is any jaxlm checkpoint or HF directory,
+``GRPOConfig.judge_model``, read once per path and kept."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from jaxlm.checkpoint import load_model
+from jaxlm.eval.judge import judge_points
+from trainers.rl.rewards import REWARDS
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_judge(path: str):
+    model = load_model(path)
+    if model.tokenizer is None:
+        raise ValueError(f"GRPOConfig.judge_model={path!r} has no tokenizer: the judge reads text")
+    return model
+
+
+@REWARDS.register("judge")
+def judge_reward(prompts, completions, *, config=None, **_) -> np.ndarray:
+    """``P(yes | "Question: {prompt}\\nAnswer: {completion}\\nCorrect: ")`` from the judge."""
+    path = getattr(config, "judge_model", None)
+    if path is None:
+        raise ValueError("the reward 'judge' needs GRPOConfig.judge_model=<a jaxlm checkpoint or HF directory>")
+    judge = _cached_judge(str(Path(path).absolute()))
+    return np.asarray(judge_points(judge, list(prompts), list(completions)).p_yes, np.float32)
