@@ -115,6 +115,26 @@ def test_generate_with_beams_prints_each_hypothesis(capsys):
     assert out == [f"'ab' -> {t!r} (beam score {float(s):.3f})" for t, s in zip(expected.texts, expected.beam_scores)]
 
 
+def test_generate_on_a_masked_diffusion_checkpoint(tmp_path, capsys):
+    """`jaxlm generate` on a diffusion checkpoint decodes with `diffusion_generate`
+    (gen_length = --max-new-tokens); flags of the other kind of decoding are refused."""
+    config = jaxlm.ModelConfig.tiny(vocab_size=260, mode="diffusion", mask_token_id=259, init_std=0.3)
+    model = jaxlm.build_model(config, seed=1, tokenizer=jaxlm.ByteTokenizer())
+    jaxlm.save_checkpoint(model, tmp_path / "dllm")
+    main(["generate", "--model", str(tmp_path / "dllm"), "--prompt", "12+34=", "7+8=", "--max-new-tokens", "8",
+          "--steps", "4", "--block-length", "4", "--temperature", "0"])
+    out = capsys.readouterr()
+    want = jaxlm.diffusion_generate(model, ["12+34=", "7+8="], gen_length=8, steps=4, block_length=4)
+    assert out.out.splitlines() == [f"{p!r} -> {t!r}" for p, t in zip(["12+34=", "7+8="], want.texts)]
+    assert "4 denoising steps" in out.err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tmp_path / "dllm"), "--prompt", "x", "--num-beams", "2"])
+    assert "--num-beams apply to left-to-right decoding" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--steps", "4"])  # the embedded default is causal
+    assert "--steps apply to masked diffusion models" in capsys.readouterr().err
+
+
 def test_generate_under_a_regex_or_a_json_schema(tmp_path, capsys):
     """The embedded default's random weights write noise; constrained, every completion is
     in the grammar's language."""

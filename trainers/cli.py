@@ -7,6 +7,7 @@ call into a library function.
     jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--chat] [--max-new-tokens 32] [--temperature 0]
                    [--regex PATTERN | --json-schema FILE] [--num-beams K --num-return-sequences R]
+                   [--steps S --block-length L | --threshold T]   # a masked diffusion checkpoint
     jaxlm convert SRC DST [--to orbax|hf] [--overwrite]
     jaxlm quantize MODEL --out DIR [--method wush] [--format nvfp4] [--inner gptq]
     jaxlm compress MODEL --out DIR [--budget 0.5] [--components qk,ov,mlp]
@@ -85,6 +86,13 @@ class GenerateArgs:
     """Beam search: hypotheses are ranked by sum log p / length ** length_penalty."""
     num_return_sequences: int = 1
     """Beam search: print this many best hypotheses per prompt (at most --num-beams)."""
+    steps: int | None = None
+    """Masked diffusion models: denoising steps (default: one per generated token)."""
+    block_length: int | None = None
+    """Masked diffusion models: decode in blocks of this many tokens, left to right (default: one block)."""
+    threshold: float | None = None
+    """Masked diffusion models: commit every token whose confidence is above this (Fast-dLLM) instead of a
+    fixed number per step."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +356,17 @@ def run_generate(args: GenerateArgs) -> list[str]:
         model = _load(args.model, **({"dtype": args.dtype} if args.dtype else {}))
     if model.tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer (tokenizer.json); cannot encode text prompts")
+    prompts: list = list(args.prompt)
+    if args.chat:
+        prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                   for p in prompts]
+    if getattr(model.config, "mode", "causal") == "diffusion":
+        return _generate_diffusion(args, model, prompts)
+    diffusion_only = [f"--{n.replace('_', '-')}" for n in ("steps", "block_length", "threshold")
+                      if getattr(args, n) is not None]
+    if diffusion_only:
+        raise UsageError(f"{', '.join(diffusion_only)} apply to masked diffusion models; this model decodes left "
+                         "to right")
     if args.regex is not None and args.json_schema is not None:
         raise UsageError("--regex and --json-schema are exclusive: pass one grammar")
     grammar = None
@@ -357,10 +376,6 @@ def run_generate(args: GenerateArgs) -> list[str]:
 
         grammar = (compile_regex(args.regex, model.tokenizer) if args.regex is not None else
                    compile_json_schema(read_json(args.json_schema, what="JSON schema"), model.tokenizer))
-    prompts: list = list(args.prompt)
-    if args.chat:
-        prompts = [model.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-                   for p in prompts]
     start = time.perf_counter()
     result = jaxlm.generate(
         model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -374,6 +389,34 @@ def run_generate(args: GenerateArgs) -> list[str]:
         print(f"{args.prompt[i // R]!r} -> {text!r}{score}")
     n = int(result.lengths.sum())
     print(f"{n} tokens in {elapsed:.2f}s (including compilation)", file=sys.stderr)
+    return result.texts
+
+
+def _generate_diffusion(args: GenerateArgs, model, prompts: list) -> list[str]:
+    """`run_generate` on a masked diffusion LM: `jaxlm.diffusion_generate` with
+    ``gen_length = --max-new-tokens``."""
+    import jaxlm
+
+    causal_only = [flag for flag, used in (("--regex", args.regex is not None),
+                                           ("--json-schema", args.json_schema is not None),
+                                           ("--num-beams", args.num_beams != 1),
+                                           ("--num-return-sequences", args.num_return_sequences != 1),
+                                           ("--top-k", args.top_k is not None), ("--top-p", args.top_p is not None))
+                   if used]
+    if causal_only:
+        raise UsageError(f"{', '.join(causal_only)} apply to left-to-right decoding; this model is a masked "
+                         "diffusion LM (use --steps, --block-length, --threshold)")
+    steps = None if args.threshold is not None else (args.steps or args.max_new_tokens)
+    start = time.perf_counter()
+    result = jaxlm.diffusion_generate(
+        model, prompts, gen_length=args.max_new_tokens, steps=steps, block_length=args.block_length,
+        threshold=args.threshold, temperature=args.temperature, rng=args.seed,
+    )
+    elapsed = time.perf_counter() - start
+    for prompt, text in zip(args.prompt, result.texts):
+        print(f"{prompt!r} -> {text!r}")
+    print(f"masked diffusion: {result.steps} denoising steps, {result.forwards} forwards in {elapsed:.2f}s "
+          "(including compilation)", file=sys.stderr)
     return result.texts
 
 
