@@ -24,3 +24,18 @@ def test_evidence_drop_detects_and_localises_planted_wrong_steps():
     assert got["auroc_evidence_drop"] > got["auroc_mean_logprob"], got
     assert got["aurc_evidence_drop"] < got["aurc_mean_logprob"], got
     assert got["localisation"] > 2 * got["localisation_chance"], got
+
+
+@pytest.mark.slow  # trains a small model on noisy numeric answers (about 3.5 minutes on 2 cores)
+def test_bayes_optimal_answers_beat_greedy_and_beam_and_the_risk_predicts_errors():
+    """Each loss's Bayes-optimal answer from 32 samples beats greedy and beam decoding on that
+    loss (median on absolute error, mean on squared error); the Bayes risk ranks the questions
+    whose answer will be off better than the greedy log-probability or the beam score."""
+    got = run_bench("bayes_optimal_claim.py")
+    d = got["decoders"]
+    for loss, ours in (("abs_error", "bayes_abs"), ("squared_error", "bayes_sq")):
+        assert d[ours][loss] < 0.95 * min(d["greedy"][loss], d["beam"][loss]), (loss, d)
+    # under 0-1 loss the mode is Bayes-optimal: the sampled mode is as good as beam search
+    assert d["bayes_01"]["exact_match"] > d["bayes_abs"]["exact_match"], d
+    off = got["uncertainty"]["bayes_abs"]["auroc_off_by_more_than_3"]
+    assert off["bayes_risk_abs"] > max(off["neg_greedy_logprob"], off["neg_beam_score"]) + 0.1, off
