@@ -1,5 +1,6 @@
-"""Grammar-constrained decoding: token masks against XGrammar at every prefix, on-device
-generation that always validates, compile-time errors, the table cache."""
+"""Grammar-constrained decoding: token masks against XGrammar at every prefix (and regex masks
+against llguidance), on-device generation that always validates, compile-time errors, the
+table cache."""
 
 import ctypes
 import json
@@ -7,6 +8,7 @@ import platform
 import signal
 
 import jsonschema
+import llguidance as llg  # a second reference for regex masks (a [test] dependency)
 import numpy as np
 import pytest
 import xgrammar as xgr  # the reference masks (a [test] dependency: a missing install fails loudly)
@@ -100,11 +102,9 @@ def _byte_tokenizer_setup():
     return tok, info
 
 
-def _bpe_tokenizer_setup():
-    """A tiny byte-level BPE trained here, read by XGrammar through transformers' wrapper
-    (its own decoding of the byte-level alphabet) and by jaxlm through `token_byte_strings`."""
+def _tiny_bpe():
+    """A tiny byte-level BPE trained here: the `tokenizers` object and jaxlm's wrapper of it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     from jaxlm.data.tokenizers import HFTokenizer
 
@@ -117,7 +117,15 @@ def _bpe_tokenizer_setup():
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tk.train_from_iterator(corpus, trainer)
-    ours = HFTokenizer(tk, eos_id=tk.token_to_id("<eos>"), pad_id=tk.token_to_id("<pad>"))
+    return tk, HFTokenizer(tk, eos_id=tk.token_to_id("<eos>"), pad_id=tk.token_to_id("<pad>"))
+
+
+def _bpe_tokenizer_setup():
+    """The tiny BPE read by XGrammar through transformers' wrapper (its own decoding of the
+    byte-level alphabet) and by jaxlm through `token_byte_strings`."""
+    from transformers import PreTrainedTokenizerFast
+
+    tk, ours = _tiny_bpe()
     hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
     decoded = list(xgr.TokenizerInfo.from_huggingface(hf, vocab_size=ours.vocab_size).decoded_vocab)
     for special in (ours.pad_id, ours.eos_id):  # XGrammar would read "<pad>" as text; specials write nothing
@@ -226,6 +234,87 @@ def test_masks_equal_xgrammar_at_every_prefix(kind, source, setup):
             ids = _random_walk(ours, rng, V)
             problem = _compare_along(ours, theirs, ids, V)
             assert problem is None, f"{kind} {source!r} (any_whitespace={ws}), random walk: {problem}"
+
+
+# ECMAScript's WhiteSpace and LineTerminator code points (ECMA-262 §12.2, §12.3): what \s means
+# in jaxlm's dialect (and XGrammar's); written out for llguidance, whose \s is Unicode White_Space
+JS_SPACE = "\\t\\n\\x0b\\x0c\\r \\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000\\ufeff"
+
+
+def _llguidance_dialect(pattern: str) -> str:
+    """The same language in llguidance's (Rust) regex syntax: its \\d and \\w are Unicode
+    classes, its \\s is Unicode White_Space and its ``.`` stops at a newline, while jaxlm
+    (like XGrammar) reads \\d, \\w as ASCII, \\s as JavaScript's set and ``.`` as any code point."""
+    out, i = [], 0
+    classes = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]",
+               "s": f"[{JS_SPACE}]", "S": f"[^{JS_SPACE}]"}
+    in_brackets = False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            nxt = pattern[i + 1]
+            out.append(classes[nxt] if nxt in classes and not in_brackets else pattern[i:i + 2])
+            i += 2
+            continue
+        if c == "[" and not in_brackets:
+            in_brackets = True
+        elif c == "]" and in_brackets:
+            in_brackets = False
+        out.append("(?s:.)" if c == "." and not in_brackets else c)
+        i += 1
+    return "".join(out)
+
+
+class _ByteVocab:
+    """jaxlm's byte tokenizer as llguidance reads a tokenizer: specials marked by a 0xFF byte."""
+
+    def __init__(self, tok):
+        self.eos_token_id, self.bos_token_id = tok.eos_id, None
+        self.special_token_ids = [0, 1, 2]
+        self.tokens = [b"\xff[pad]", b"\xff[bos]", b"\xff[eos]"] + [bytes([b]) for b in range(256)]
+
+    def __call__(self, data: bytes) -> list[int]:
+        return [b + 3 for b in data]
+
+
+@pytest.fixture(scope="module")
+def llguidance_setup():
+    """The byte tokenizer only: on a BPE vocabulary llguidance allows just the canonical
+    tokenization of each string (after "y", the token "es" but not "e" when "yes" tokenizes
+    as y|es), while jaxlm, like XGrammar, allows every tokenization of an allowed string."""
+    tok = jaxlm.ByteTokenizer()
+    assert tok.vocab_size == 259 and tok.eos_id == 2 and tok.encode("a") == [ord("a") + 3]
+    return tok, llg.LLTokenizer(llg.TokenizerWrapper(_ByteVocab(tok)), slices=[])
+
+
+def _llguidance_allowed(matcher, V):
+    words = np.frombuffer(matcher.compute_bitmask(), np.uint32)
+    ids = np.arange(V)
+    return ((words[ids >> 5] >> (ids & 31)) & 1).astype(bool)
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_regex_masks_equal_llguidance_at_every_prefix(pattern, llguidance_setup):
+    """A second, independent implementation: llguidance's matcher on the same language (the
+    pattern rewritten into its dialect) allows exactly our tokens along the valid strings and
+    along random walks through our tables."""
+    tok, lltok = llguidance_setup
+    V = tok.vocab_size
+    ours = compile_regex(pattern, tok, cache_dir=None)
+    grammar = llg.LLMatcher.grammar_from_regex(_llguidance_dialect(pattern))
+    rng = np.random.default_rng(0)
+    walks = [tok.encode(t) for t in _valid_texts("regex", pattern)] + [_random_walk(ours, rng, V) for _ in range(4)]
+    for ids in walks:
+        matcher = llg.LLMatcher(lltok, grammar, log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        state = ours.tables.start
+        for k in range(len(ids) + 1):
+            mine, ref = ours.tables.allowed(state), _llguidance_allowed(matcher, V)
+            diff = np.flatnonzero(mine != ref)[:8]
+            assert not diff.size, f"{pattern!r} after {tok.decode(ids[:k])!r}: tokens {diff.tolist()} ours {mine[diff]}"
+            if k < len(ids):
+                state = ours.tables.step(state, ids[k])
+                assert matcher.consume_token(ids[k]), (pattern, ids[:k + 1])
 
 
 def test_json_outputs_of_walks_validate():
