@@ -227,8 +227,15 @@ def load_reward_model(path) -> RewardModel:
     return model
 
 
+def directory_stamp(path: str) -> tuple[int, int]:
+    """``(inode, mtime)`` of a directory: it changes when a directory is rewritten (an atomic
+    save swaps a new directory in), so a model cached by ``(path, stamp)`` is never stale."""
+    st = Path(path).stat()
+    return st.st_ino, st.st_mtime_ns
+
+
 @functools.lru_cache(maxsize=4)
-def _cached_reward_model(path: str) -> RewardModel:
+def _cached_reward_model(path: str, stamp: tuple[int, int]) -> RewardModel:
     return load_reward_model(path)
 
 
@@ -239,7 +246,8 @@ REWARD_MODEL_OUTPUTS = ("score", "probability")
 def reward_model_reward(prompts, completions, *, config=None, **_) -> np.ndarray:
     """A trained reward model's judgment of ``prompt + completion``: the raw score ``s``
     (``config.reward_model_output="score"``) or ``sigmoid(s - b)`` ("probability", CSRM's
-    calibrated P(compliant)). The model is read once per directory and kept."""
+    calibrated P(compliant)). The model is read once per directory (and again if the directory
+    is rewritten) and kept."""
     path = getattr(config, "reward_model", None)
     if path is None:
         raise ValueError("the reward 'reward_model' needs GRPOConfig.reward_model=<directory written by "
@@ -247,7 +255,10 @@ def reward_model_reward(prompts, completions, *, config=None, **_) -> np.ndarray
     output = getattr(config, "reward_model_output", "probability")
     if output not in REWARD_MODEL_OUTPUTS:
         raise ValueError(f"GRPOConfig.reward_model_output={output!r} is invalid: must be one of {REWARD_MODEL_OUTPUTS}")
-    model = _cached_reward_model(str(Path(path).absolute()))
+    path = str(Path(path).absolute())
+    if not Path(path).is_dir():
+        raise ValueError(f"GRPOConfig.reward_model={path!r} is not a directory (write one with save_reward_model)")
+    model = _cached_reward_model(path, directory_stamp(path))
     scores = score_texts(model, [p + c for p, c in zip(prompts, completions)])
     if output == "score":
         return scores.astype(np.float32)

@@ -81,26 +81,29 @@ def retrieve(history: Sequence[CorrectnessRecord], record: CorrectnessRecord, k:
 
 
 def verdict_prompt(record: CorrectnessRecord, variant: str = "standard",
-                   context: Sequence[CorrectnessRecord] = ()) -> str:
-    """The correctness model's prompt for ``record`` (module docstring)."""
+                   context: Sequence[CorrectnessRecord] = (), template: JudgeTemplate = GCM_TEMPLATE) -> str:
+    """The correctness model's prompt for ``record`` (module docstring); ``template.pointwise``
+    formats each (question, answer)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
     if variant == "answerless":
         return f"Q: {record.question}\nCorrect? "
-    query = GCM_TEMPLATE.pointwise.format(question=record.question, response=record.answer)
+    query = template.pointwise.format(question=record.question, response=record.answer)
     if variant == "standard":
         return query
     lines = ["Model Alpha's record:"]
     for h in context:
-        lines.append(GCM_TEMPLATE.pointwise.format(question=h.question, response=h.answer) + ("Y" if h.correct else "N"))
+        lines.append(template.pointwise.format(question=h.question, response=h.answer)
+                     + (template.yes if h.correct else template.no))
     return "\n".join(lines) + "\nNow:\n" + query
 
 
 def gcm_rows(records: Sequence[CorrectnessRecord], *, variant: str = "standard", k: int = 3,
-             history: Sequence[CorrectnessRecord] | None = None, retrieval: str = "random", seed: int = 0
-             ) -> list[dict[str, str]]:
-    """Prompt/completion rows (completion ``"Y"`` or ``"N"``) for training or scoring a
-    correctness model; ``history`` (default: ``records``) feeds the in-context variant."""
+             history: Sequence[CorrectnessRecord] | None = None, retrieval: str = "random", seed: int = 0,
+             template: JudgeTemplate = GCM_TEMPLATE) -> list[dict[str, str]]:
+    """Prompt/completion rows (completion ``template.yes`` or ``template.no``: "Y" / "N") for
+    training or scoring a correctness model; ``history`` (default: ``records``) feeds the
+    in-context variant; score the trained model with the same ``template``."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
     if k < 0:
@@ -110,5 +113,6 @@ def gcm_rows(records: Sequence[CorrectnessRecord], *, variant: str = "standard",
     rows = []
     for r in records:
         ctx = retrieve(pool, r, k, how=retrieval, rng=rng) if variant == "history" else ()
-        rows.append({"prompt": verdict_prompt(r, variant, ctx), "completion": "Y" if r.correct else "N"})
+        rows.append({"prompt": verdict_prompt(r, variant, ctx, template),
+                     "completion": template.yes if r.correct else template.no})
     return rows

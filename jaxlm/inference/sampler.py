@@ -65,7 +65,7 @@ class GenerateResult:
     accepted_lengths: jax.Array | None = None  # speculative: [B, N] drafts accepted per verify round (-1 after)
     verify_rounds: jax.Array | None = None  # speculative: [B] target verify rounds per row
     exit_layers: jax.Array | None = None  # early exit: [B, N] layers run for each token (0 after the end)
-    beam_scores: jax.Array | None = None  # beam search: [B] length-normalised score of each returned hypothesis
+    beam_scores: jax.Array | None = None  # beam search: [B * R] length-normalised score of each hypothesis
 
     def completions(self) -> list[list[int]]:
         tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
@@ -421,15 +421,6 @@ def generate(
         rng = 0
     if isinstance(rng, int):
         rng = jax.random.key(rng)
-    grammar_kw = {}
-    if grammar is not None:
-        if draft is not None or early_exit is not None:
-            raise ValueError("grammar= does not combine with draft= or early_exit= yet")
-        rows = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * B
-        if len(rows) != B:
-            raise ValueError(f"grammar= has {len(rows)} entries for {B} prompts: pass one grammar or one per prompt")
-        device_grammar, starts = merge_tables(rows, config.vocab_size, BITMASK_LIMIT)
-        grammar_kw = dict(grammar=device_grammar, grammar_start=jnp.asarray(starts))
     check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences)
     if num_beams > 1:
         if draft is not None or early_exit is not None or grammar is not None or decode_segments is not None:
@@ -443,6 +434,15 @@ def generate(
                             cache_dtype=cache_dtype, length_penalty=float(length_penalty),
                             early_stopping=early_stopping, num_return_sequences=num_return_sequences,
                             condition=condition, interventions=interventions)
+    grammar_kw = {}
+    if grammar is not None:
+        if draft is not None or early_exit is not None:
+            raise ValueError("grammar= does not combine with draft= or early_exit= yet")
+        rows = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * B
+        if len(rows) != B:
+            raise ValueError(f"grammar= has {len(rows)} entries for {B} prompts: pass one grammar or one per prompt")
+        device_grammar, starts = merge_tables(rows, config.vocab_size, BITMASK_LIMIT)
+        grammar_kw = dict(grammar=device_grammar, grammar_start=jnp.asarray(starts))
     if decode_segments is not None:
         segment_ends(max_new_tokens, decode_segments)  # validates
         if draft is not None or early_exit is not None:

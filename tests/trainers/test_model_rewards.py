@@ -84,6 +84,21 @@ def test_reward_model_reward_is_the_calibrated_score(saved):
     assert got.dtype == np.float32 and got.shape == (3,)
 
 
+def test_a_rewritten_reward_model_is_read_again(saved, tmp_path):
+    """The reward reads a directory once, but a directory saved over is read again."""
+    path = tmp_path / "rm"
+    rm = load_reward_model(saved["path"])
+    save_reward_model(rm, path)
+    cfg = GRPOConfig(rewards=("reward_model",), reward_model=str(path), reward_model_output="score")
+    before = REWARDS["reward_model"](PROMPTS, COMPLETIONS, config=cfg)
+    rm.head.bias[...] = rm.head.bias[...] + 1.5
+    save_reward_model(rm, path, overwrite=True)
+    after = REWARDS["reward_model"](PROMPTS, COMPLETIONS, config=cfg)
+    np.testing.assert_allclose(after, before + 1.5, atol=1e-5)
+    with pytest.raises(ValueError, match="is not a directory"):
+        REWARDS["reward_model"](PROMPTS, COMPLETIONS, config=dataclasses.replace(cfg, reward_model=str(tmp_path / "x")))
+
+
 def test_judge_reward_is_p_yes_from_the_verdict_logits(saved):
     judge = saved["judge"]
     cfg = GRPOConfig(rewards=("judge",), judge_model=str(saved["judge_path"]))

@@ -1,7 +1,7 @@
 """A jaxlm judge as a GRPO reward (``judge``): each rollout is scored by the judge model's
 P(yes) for (prompt, completion) under the pointwise template (`jaxlm.eval.judge.judge_points`,
 one batched call). The judge is any jaxlm checkpoint or HF directory,
-``GRPOConfig.judge_model``, read once per path and kept."""
+``GRPOConfig.judge_model``, read once per directory (again if it is rewritten) and kept."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import numpy as np
 
 from jaxlm.checkpoint import load_model
 from jaxlm.eval.judge import judge_points
+from trainers.reward_model import directory_stamp
 from trainers.rl.rewards import REWARDS
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_judge(path: str):
+def _cached_judge(path: str, stamp: tuple[int, int]):
     model = load_model(path)
     if model.tokenizer is None:
         raise ValueError(f"GRPOConfig.judge_model={path!r} has no tokenizer: the judge reads text")
@@ -29,5 +30,8 @@ def judge_reward(prompts, completions, *, config=None, **_) -> np.ndarray:
     path = getattr(config, "judge_model", None)
     if path is None:
         raise ValueError("the reward 'judge' needs GRPOConfig.judge_model=<a jaxlm checkpoint or HF directory>")
-    judge = _cached_judge(str(Path(path).absolute()))
+    path = str(Path(path).absolute())
+    if not Path(path).is_dir():
+        raise ValueError(f"GRPOConfig.judge_model={path!r} is not a directory (a jaxlm checkpoint or HF directory)")
+    judge = _cached_judge(path, directory_stamp(path))
     return np.asarray(judge_points(judge, list(prompts), list(completions)).p_yes, np.float32)
