@@ -20,6 +20,12 @@ defines it, so the two can be compared token for token:
 
 The large negative constant ``-1e9`` plays minus infinity where the reference uses it, so
 ties and exhausted beams order the same way.
+
+Under a grammar (`jaxlm.inference.grammar`, one per prompt) each beam carries its grammar
+state: tokens the grammar does not allow get log-prob ``-inf`` (after the log-softmax, as a
+logits processor does in the reference, so allowed tokens keep the model's own log-probs),
+the state follows the chosen token, and a candidate whose grammar is complete is finished
+like one that ends in a stop token.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jaxlm.inference.cache import KVCache
+from jaxlm.inference.grammar.decoding import DeviceGrammar, advance, mask_logits
 from jaxlm.inference.logits_processors import LogitsProcessor, compose
 
 NEG = -1.0e9  # "minus infinity" for scores, as in the reference implementation
@@ -60,6 +67,7 @@ class BeamState:
     finished: jax.Array  # [B, K] bool: the slot holds a finished hypothesis
     improvable: jax.Array  # [B] bool: a running beam may still beat a finished one
     stalled: jax.Array  # [] bool: every candidate of the last step stopped
+    grammar_state: jax.Array | None = None  # [B, K] int32 with grammar=: each running beam's state
 
 
 def check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences) -> None:
@@ -104,11 +112,14 @@ def beam_search_tokens(
     num_return_sequences: int = 1,
     condition=None,
     interventions=(),
+    grammar: DeviceGrammar | None = None,
+    grammar_start: jax.Array | None = None,
 ) -> BeamState:
     """Left-padded ``prompt_tokens [B, P]`` with ``prompt_mask`` -> the final `BeamState`; its
     ``final_*`` fields hold each prompt's ``num_beams`` hypotheses, best first (the caller
     keeps the first ``num_return_sequences``). ``condition`` and ``interventions`` are passed
-    to every forward, as in `jaxlm.inference.sampler.generate_tokens`."""
+    to every forward, as in `jaxlm.inference.sampler.generate_tokens`; ``grammar`` with
+    ``grammar_start [B]`` constrains every beam of prompt ``b`` (module docstring)."""
     check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences)
     model = nnx.merge(graphdef, params)
     B, P = prompt_tokens.shape
@@ -141,13 +152,17 @@ def beam_search_tokens(
         finished=jnp.zeros((B, K), bool),
         improvable=jnp.ones((B,), bool),
         stalled=jnp.zeros((), bool),
+        grammar_state=None if grammar is None else jnp.repeat(jnp.asarray(grammar_start, jnp.int32)[:, None], K, 1),
     )
 
     def choose(s: BeamState) -> BeamState:
         t = s.step
         V = s.logits.shape[-1]
         model_lp = jax.nn.log_softmax(s.logits, axis=-1)
-        lp = process(model_lp, s).astype(jnp.float32).reshape(B, K, V)
+        lp = process(model_lp, s)
+        if grammar is not None:
+            lp = mask_logits(grammar, s.grammar_state.reshape(-1), lp)
+        lp = lp.astype(jnp.float32).reshape(B, K, V)
         total = (lp + s.scores[..., None]).reshape(B, K * V)
         cand_scores, flat = jax.lax.top_k(total, C)  # [B, C], best first
         src, tok = flat // V, flat % V
@@ -163,6 +178,11 @@ def beam_search_tokens(
         hits = jnp.broadcast_to(t + 1 >= N, (B, C))
         if stop is not None:
             hits = hits | jnp.isin(tok, stop)
+        if grammar is not None:
+            # a candidate drawn from -inf (fewer allowed continuations than C) is dead: its state
+            # is clamped to a valid index and its score stays -inf, so it never finishes
+            cand_state = jnp.maximum(advance(grammar, _along_beams(s.grammar_state, src), tok), 0)
+            hits = hits | grammar.terminal[cand_state]
 
         # the best K candidates that did not stop run on
         run_scores = cand_scores + NEG * hits
@@ -204,6 +224,7 @@ def beam_search_tokens(
             finished=finished,
             improvable=improvable,
             stalled=jnp.all(hits),
+            grammar_state=None if grammar is None else _along_beams(cand_state, keep),
         )
 
     def cond(s: BeamState):

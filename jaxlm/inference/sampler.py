@@ -345,7 +345,8 @@ def generate(
       are scored ``sum log p / len ** length_penalty``; ``early_stopping`` (True, False or
       "never") says when a prompt stops looking for better ones, as in HF ``generate``. The
       result has ``num_return_sequences`` rows per prompt (row ``b * R + r`` is prompt
-      ``b``'s ``r``-th best), with their scores in ``beam_scores``.
+      ``b``'s ``r``-th best), with their scores in ``beam_scores``. With ``grammar=`` every
+      hypothesis is in the grammar's language (disallowed tokens get log-prob -inf).
     """
     config = model.config
     if getattr(config, "mode", "causal") == "diffusion":
@@ -423,17 +424,12 @@ def generate(
         rng = jax.random.key(rng)
     check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences)
     if num_beams > 1:
-        if draft is not None or early_exit is not None or grammar is not None or decode_segments is not None:
-            raise ValueError("num_beams > 1 does not combine with draft=, early_exit=, grammar= or decode_segments=")
+        if draft is not None or early_exit is not None or decode_segments is not None:
+            raise ValueError("num_beams > 1 does not combine with draft=, early_exit= or decode_segments=")
         if temperature not in (0, 1) or top_k is not None or top_p not in (None, 1):
             raise ValueError(f"num_beams={num_beams} is deterministic beam search: temperature={temperature!r}, "
                              f"top_k={top_k!r} and top_p={top_p!r} would be ignored (leave temperature 0 or 1 "
                              "and top_k / top_p unset)")
-        return _beam_search(model, block, mask, tokenizer, num_beams=num_beams, max_new_tokens=max_new_tokens,
-                            processors=tuple(logits_processors), pad_id=pad_id, stop_tokens=stop_tokens,
-                            cache_dtype=cache_dtype, length_penalty=float(length_penalty),
-                            early_stopping=early_stopping, num_return_sequences=num_return_sequences,
-                            condition=condition, interventions=interventions)
     grammar_kw = {}
     if grammar is not None:
         if draft is not None or early_exit is not None:
@@ -443,6 +439,12 @@ def generate(
             raise ValueError(f"grammar= has {len(rows)} entries for {B} prompts: pass one grammar or one per prompt")
         device_grammar, starts = merge_tables(rows, config.vocab_size, BITMASK_LIMIT)
         grammar_kw = dict(grammar=device_grammar, grammar_start=jnp.asarray(starts))
+    if num_beams > 1:
+        return _beam_search(model, block, mask, tokenizer, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                            processors=tuple(logits_processors), pad_id=pad_id, stop_tokens=stop_tokens,
+                            cache_dtype=cache_dtype, length_penalty=float(length_penalty),
+                            early_stopping=early_stopping, num_return_sequences=num_return_sequences,
+                            condition=condition, interventions=interventions, **grammar_kw)
     if decode_segments is not None:
         segment_ends(max_new_tokens, decode_segments)  # validates
         if draft is not None or early_exit is not None:

@@ -148,3 +148,52 @@ def test_rows_are_independent_of_the_batch(pair):
 def test_bad_beam_settings(pair, kwargs, match):
     with pytest.raises(ValueError, match=match):
         jaxlm.generate(pair["ours"], [[3, 4]], max_new_tokens=4, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def byte_model():
+    return jaxlm.build_model(jaxlm.ModelConfig.tiny(init_std=0.5, max_seq_len=64), seed=5,
+                             tokenizer=jaxlm.ByteTokenizer())
+
+
+def test_grammar_beams_are_the_best_strings_of_a_finite_language(byte_model):
+    """Under the grammar ab|cd|efg|h, four beams find every string of the language, ranked by
+    the model's own log-probs (summed over the string, over length ** length_penalty) as a
+    full forward pass scores them; a string ends where the grammar is complete."""
+    from jaxlm.inference.grammar import compile_regex
+
+    tok = byte_model.tokenizer
+    words = ["ab", "cd", "efg", "h"]
+    g = compile_regex("|".join(words), tok, cache_dir=None)
+    prompt = tok.encode("Q?", add_bos=True)
+    lp = 0.5
+    out = jaxlm.generate(byte_model, [prompt], max_new_tokens=6, num_beams=4, num_return_sequences=4,
+                         length_penalty=lp, grammar=g, add_bos=False)
+    scores = []
+    for w in words:
+        ids = tok.encode(w)
+        logp = jax.nn.log_softmax(byte_model(jnp.asarray([prompt + ids])).logits[0], axis=-1)
+        scores.append(float(sum(logp[len(prompt) - 1 + j, t] for j, t in enumerate(ids))) / len(ids) ** lp)
+    order = np.argsort(scores)[::-1]
+    assert out.texts == [words[i] for i in order]
+    np.testing.assert_allclose(np.asarray(out.beam_scores), np.asarray(scores)[order], atol=1e-4)
+
+
+def test_grammar_beams_stay_in_the_language(byte_model):
+    from jaxlm.inference.grammar import compile_json_schema, compile_regex
+
+    tok = byte_model.tokenizer
+    grammars = [compile_regex(r"[a-c]{2,5}(-[0-9]+)?", tok, cache_dir=None),
+                compile_json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+                                    tok, any_whitespace=False, cache_dir=None)]
+    out = jaxlm.generate(byte_model, ["x=", "{"], max_new_tokens=16, num_beams=3, num_return_sequences=3,
+                         grammar=grammars)
+    for i, text in enumerate(out.texts):
+        g = grammars[i // 3]
+        if out.lengths[i] < 16:  # finished: the whole string is in the language
+            assert g.matches(text), text
+        else:  # cut by max_new_tokens: a prefix of the language (every token was allowed)
+            state = g.tables.start
+            for t in tok.encode(text):
+                state = g.tables.step(state, t)
+                assert state >= 0, text
