@@ -21,6 +21,7 @@ held-out schema-valid rate and accuracy unconstrained vs constrained, greedy and
     python bench/grammar.py                      # the grid
     python bench/grammar.py --vocab 32000        # the grid with a BPE-sized vocabulary
     python bench/grammar.py --miniature          # + the trained miniature (runs/grammar)
+    python bench/grammar.py --compile-only --vocab 32000 --repeats 5   # compile times only
 """
 
 from __future__ import annotations
@@ -123,6 +124,30 @@ def synthetic_vocabulary(size: int, seed: int = 0) -> list[bytes]:
             seen.add(t)
             vocab.append(t)
     return vocab
+
+
+def compile_times(vocab_size: int, repeats: int) -> dict:
+    """Schema -> tables with no cache, jaxlm vs XGrammar, best of ``repeats`` (after one warm-up)."""
+    import xgrammar as xgr
+
+    import jaxlm
+    from jaxlm.inference.grammar import compile_json_schema
+
+    tok = jaxlm.ByteTokenizer()
+    vocab = synthetic_vocabulary(vocab_size)
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[tok.eos_id])
+    ours, theirs = [], []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        compile_json_schema(SCHEMA, token_bytes=vocab, stop_tokens=[tok.eos_id], any_whitespace=False, cache_dir=None)
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        xgr.GrammarCompiler(info, cache_enabled=False).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+        theirs.append(time.perf_counter() - start)
+    best = {"jaxlm": min(ours[1:]), "xgrammar": min(theirs[1:])}
+    print(f"compile, vocab {vocab_size}: jaxlm {best['jaxlm'] * 1e3:.1f} ms, XGrammar {best['xgrammar'] * 1e3:.1f} ms "
+          f"({best['jaxlm'] / best['xgrammar']:.1f}x)")
+    return best
 
 
 def overhead_grid(args) -> list[dict]:
@@ -258,13 +283,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--miniature", action="store_true")
     ap.add_argument("--no-grid", action="store_true")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="only the compile times (best of --repeats) at the byte vocabulary and at --vocab")
     ap.add_argument("--run", default="runs/grammar")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--sample-temperature", type=float, default=2.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     result = {}
-    if not args.no_grid:
+    if args.compile_only:
+        result["compile_s"] = {v: compile_times(v, args.repeats) for v in sorted({259, args.vocab})}
+    elif not args.no_grid:
         result["grid"] = overhead_grid(args)
     if args.miniature:
         result["miniature"] = miniature(Path(args.run), args.steps, sample_temperature=args.sample_temperature)

@@ -592,3 +592,18 @@ def test_schema_constrained_extraction_is_always_valid_and_no_less_accurate(tmp_
         free, constrained = result[f"{decoding} unconstrained"], result[f"{decoding} constrained"]
         assert constrained["valid"] == 1.0
         assert constrained["accuracy"] >= free["accuracy"]
+
+
+@pytest.mark.parametrize("V", [1, 31, 32, 33, 259, 1000])
+def test_pack_bits_layout(V):
+    """Token ``j`` sits at bit ``j % 32`` of int32 word ``j // 32`` (XGrammar's layout), word by
+    word from the definition; padding bits are 0."""
+    from jaxlm.inference.grammar.tables import pack_bits
+
+    allowed = np.random.default_rng(V).random((3, V)) < 0.4
+    got = pack_bits(allowed)
+    assert got.dtype == np.int32 and got.shape == (3, -(-V // 32))
+    for r in range(3):
+        for w in range(got.shape[1]):
+            word = sum(1 << b for b in range(32) if 32 * w + b < V and allowed[r, 32 * w + b])
+            assert int(got[r, w]) & 0xFFFFFFFF == word

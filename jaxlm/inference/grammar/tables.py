@@ -141,25 +141,27 @@ def pack_bits(allowed: np.ndarray) -> np.ndarray:
     W = -(-V // 32)
     padded = np.zeros((N, W * 32), bool)
     padded[:, :V] = allowed
-    bits = padded.reshape(N, W, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
-    return bits.sum(-1).astype(np.uint32).view(np.int32)
+    # little-endian bit order within bytes and bytes within words: bit j % 32 of word j // 32
+    packed = np.packbits(padded, axis=1, bitorder="little")
+    return np.ascontiguousarray(packed).view("<u4").astype(np.uint32).view(np.int32).reshape(N, W)
 
 
-def _outcomes(dfa: ByteDFA, tokens: Sequence[bytes]) -> np.ndarray:
-    """``[S, n]``: state after each token from each state (-1: rejected), by token length."""
-    S = dfa.num_states
-    delta = np.concatenate([dfa.delta, np.full((1, 256), S, np.int32)])  # state S: the sink
-    delta = np.where(delta < 0, S, delta)
-    out = np.full((S, len(tokens)), -1, np.int32)
-    by_len: dict[int, list[int]] = {}
-    for j, t in enumerate(tokens):
-        by_len.setdefault(len(t), []).append(j)
-    for n, idx in by_len.items():
-        data = np.frombuffer(b"".join(tokens[j] for j in idx), np.uint8).reshape(len(idx), n)
-        state = np.broadcast_to(np.arange(S, dtype=np.int32)[:, None], (S, len(idx)))
-        for k in range(n):
-            state = delta[state, data[None, :, k]]
-        out[:, idx] = np.where(state == S, -1, state)
+def _outcomes(class_delta: np.ndarray, classes: np.ndarray) -> np.ndarray:
+    """``[S, R]``: the state after each class sequence ``classes [R, n]`` from each state (-1:
+    rejected), with ``class_delta [S, n_classes]`` the DFA on byte classes. Only the (state,
+    token) pairs still alive are walked: most die at their first byte."""
+    S, R = class_delta.shape[0], classes.shape[0]
+    first = class_delta[:, classes[:, 0]]  # [S, R]
+    if classes.shape[1] == 1:
+        return first
+    out = np.full((S, R), -1, np.int32)
+    s_idx, r_idx = np.nonzero(first >= 0)
+    state = first[s_idx, r_idx]
+    for k in range(1, classes.shape[1]):
+        state = class_delta[state, classes[r_idx, k]]
+        keep = state >= 0
+        s_idx, r_idx, state = s_idx[keep], r_idx[keep], state[keep]
+    out[s_idx, r_idx] = state
     return out
 
 
@@ -197,7 +199,7 @@ def build_tables(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens:
     # sequence of classes have the same outcome everywhere, so only one of each is run.
     _, first, byte_class = np.unique(dfa.delta.T, axis=0, return_index=True, return_inverse=True)
     byte_class = byte_class.reshape(-1).astype(np.uint8 if len(first) <= 256 else np.int32)
-    rep_byte = first.astype(np.uint8)  # a byte of each class
+    class_delta = np.ascontiguousarray(dfa.delta[:, first])  # [S, n_classes]: a byte of each class
     by_len: dict[int, list[int]] = {}
     for i in regular:
         by_len.setdefault(len(token_bytes[i]), []).append(i)
@@ -206,14 +208,17 @@ def build_tables(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens:
         classes = np.ascontiguousarray(byte_class[data])
         keys = classes.view(np.dtype((np.void, classes.shape[1] * classes.itemsize))).ravel()
         _, rep, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        unique_cat = np.empty(len(rep), np.int32)
         for lo in range(0, len(rep), chunk):
             reps = rep[lo: lo + chunk]
-            out = _outcomes(dfa, [rep_byte[classes[j]].tobytes() for j in reps])
+            out = _outcomes(class_delta, classes[reps])
             out = np.concatenate([out, np.full((1, len(reps)), -1, np.int32)])  # finished: nothing allowed
-            cats = np.array([assign(out[:, j]) for j in range(len(reps))], np.int32)
-            if lo == 0:
-                unique_cat = np.empty(len(rep), np.int32)
-            unique_cat[lo: lo + len(reps)] = cats
+            # equal outcome columns share a category: hash each distinct column once
+            cols = np.ascontiguousarray(out.T)
+            col_keys = cols.view(np.dtype((np.void, cols.shape[1] * cols.itemsize))).ravel()
+            _, col_rep, col_inverse = np.unique(col_keys, return_index=True, return_inverse=True)
+            cats = np.array([assign(cols[j]) for j in col_rep], np.int32)
+            unique_cat[lo: lo + len(reps)] = cats[col_inverse.reshape(-1)]
         category[np.asarray(ids)] = unique_cat[inverse.reshape(-1)]
     nxt = np.stack(columns, axis=1).astype(np.int32)  # [S + 1, C]
     accepting = np.append(dfa.accepting, True)
