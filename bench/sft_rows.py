@@ -14,9 +14,11 @@ from trainers.loop import train
 
 
 def sft_on_rows(out: Path, rows: list[dict], model: jaxlm.ModelConfig, *, steps: int, seq_len: int,
-                lr: float = 3e-3, warmup_steps: int = 50, batch_size: int = 32):
-    """Write ``rows`` to ``out/rows.jsonl``, train ``steps`` steps into ``out``, return the model."""
+                lr: float = 3e-3, warmup_steps: int = 50, batch_size: int = 32, init_from: str | None = None):
+    """Write ``rows`` to ``out/rows.jsonl``, train ``steps`` steps into ``out`` (from the
+    weights at ``init_from``, else from scratch), return the model."""
     data = Path(out) / "rows.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     train(ExperimentConfig(
         model=model,
@@ -24,6 +26,6 @@ def sft_on_rows(out: Path, rows: list[dict], model: jaxlm.ModelConfig, *, steps:
                         pack=True, eval_examples=200),
         optimizer=OptimizerConfig(lr=lr, warmup_steps=warmup_steps, min_lr_ratio=0.1),
         trainer=TrainerConfig.quiet(steps=steps, out_dir=str(out)),
-        algorithm=SFTConfig(), tokenizer="byte",
+        algorithm=SFTConfig(), tokenizer="byte", init_from=init_from,
     ))
     return jaxlm.load_checkpoint(Path(out) / "model")

@@ -39,3 +39,4 @@ def test_bayes_optimal_answers_beat_greedy_and_beam_and_the_risk_predicts_errors
     assert d["bayes_01"]["exact_match"] > d["bayes_abs"]["exact_match"], d
     off = got["uncertainty"]["bayes_abs"]["auroc_off_by_more_than_3"]
     assert off["bayes_risk_abs"] > max(off["neg_greedy_logprob"], off["neg_beam_score"]) + 0.1, off
+
