@@ -188,23 +188,20 @@ def build_tables(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens:
 
     never = np.full(S + 1, -1, np.int32)
     stop_col = np.where(np.append(dfa.accepting, False), finished, -1).astype(np.int32)
-    stop_set = set(stop)
-    regular = [i for i in range(V) if i not in stop_set and token_bytes[i]]
-    for i in range(V):
-        if i in stop_set:
-            category[i] = assign(stop_col)
-        elif not token_bytes[i]:
-            category[i] = assign(never)
+    lengths = np.fromiter((len(t) if t else 0 for t in token_bytes), np.int64, V)
+    special = np.zeros(V, bool)
+    special[stop] = True
+    for i in np.flatnonzero(special | (lengths == 0)):  # stop tokens; tokens that write nothing
+        category[i] = assign(stop_col if special[i] else never)
+    regular = ~special & (lengths > 0)
     # Bytes no state tells apart (equal columns of delta) form classes; tokens with the same
     # sequence of classes have the same outcome everywhere, so only one of each is run.
     _, first, byte_class = np.unique(dfa.delta.T, axis=0, return_index=True, return_inverse=True)
     byte_class = byte_class.reshape(-1).astype(np.uint8 if len(first) <= 256 else np.int32)
     class_delta = np.ascontiguousarray(dfa.delta[:, first])  # [S, n_classes]: a byte of each class
-    by_len: dict[int, list[int]] = {}
-    for i in regular:
-        by_len.setdefault(len(token_bytes[i]), []).append(i)
-    for n, ids in by_len.items():
-        data = np.frombuffer(b"".join(token_bytes[i] for i in ids), np.uint8).reshape(len(ids), n)
+    for n in np.unique(lengths[regular]).tolist():
+        ids = np.flatnonzero(regular & (lengths == n))
+        data = np.frombuffer(b"".join([token_bytes[i] for i in ids.tolist()]), np.uint8).reshape(len(ids), n)
         classes = np.ascontiguousarray(byte_class[data])
         keys = classes.view(np.dtype((np.void, classes.shape[1] * classes.itemsize))).ravel()
         _, rep, inverse = np.unique(keys, return_index=True, return_inverse=True)
@@ -219,7 +216,7 @@ def build_tables(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens:
             _, col_rep, col_inverse = np.unique(col_keys, return_index=True, return_inverse=True)
             cats = np.array([assign(cols[j]) for j in col_rep], np.int32)
             unique_cat[lo: lo + len(reps)] = cats[col_inverse.reshape(-1)]
-        category[np.asarray(ids)] = unique_cat[inverse.reshape(-1)]
+        category[ids] = unique_cat[inverse.reshape(-1)]
     nxt = np.stack(columns, axis=1).astype(np.int32)  # [S + 1, C]
     accepting = np.append(dfa.accepting, True)
     # a state no token leaves and that does not accept is a dead end at the token level (the
