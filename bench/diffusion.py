@@ -5,6 +5,8 @@ Prints accuracy, steps, tokens/s, the FLOPs reduction and the wall-time ratio ag
 
     python bench/diffusion.py                      # trains configs/diffusion_sort.py first (~3 min)
     python bench/diffusion.py --model runs/diffusion_sort/model --n 200
+    python bench/diffusion.py --model runs/diffusion_sort8/model --sort-length 8 --gen-length 16 \
+        --block-length 16 --dllm-cache 16,8,0.1 16,16,0   # 6 layers, 8 digits (docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -38,11 +40,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a trained diffusion checkpoint (default: train configs/diffusion_sort.py)")
     ap.add_argument("--n", type=int, default=200, help="held-out prompts")
+    ap.add_argument("--sort-length", type=int, default=None,
+                    help="digits per list of the model's sorting task (default: configs/diffusion_sort.py's)")
     ap.add_argument("--gen-length", type=int, default=8)
     ap.add_argument("--block-length", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per method (after one warm-up)")
+    ap.add_argument("--dllm-cache", nargs="*", default=[], metavar="KP,KR,RHO",
+                    help="more dLLM-Cache settings to compare, e.g. 16,8,0.1")
     args = ap.parse_args()
     model, task = trained_model(args.model)
+    if args.sort_length is not None:
+        task = dataclasses.replace(task, length=args.sort_length)
     examples = [task.example(i, "eval") for i in range(args.n)]
     prompts = [e["prompt"] for e in examples]
     G, L = args.gen_length, args.block_length
@@ -53,6 +61,8 @@ def main():
         "Fast-dLLM threshold 0.9 + dual cache": dict(threshold=0.9, cache="dual"),
         "dLLM-Cache K_p=8 K_r=4 rho=0.25": dict(steps=G, cache=DLLMCache(8, 4, 0.25)),
         "dLLM-Cache K_p=8 K_r=8 rho=0": dict(steps=G, cache=DLLMCache(8, 8, 0.0)),
+        **{f"dLLM-Cache K_p={kp} K_r={kr} rho={rho}": dict(steps=G, cache=DLLMCache(int(kp), int(kr), float(rho)))
+           for kp, kr, rho in (c.split(",") for c in args.dllm_cache)},
         "SPEED slow-fast (low jointly)": dict(slow_fast=SlowFast(jsd_threshold=0.05, confidence=0.5, fast="low")),
         "SPEED slow-fast (high jointly)": dict(slow_fast=SlowFast(jsd_threshold=0.05, confidence=0.5, fast="high")),
     }
