@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ def main():
     ap.add_argument("--gen-length", type=int, default=8)
     ap.add_argument("--block-length", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per method (after one warm-up)")
+    ap.add_argument("--json", action="store_true", help="also print the rows as one JSON list (last line)")
     ap.add_argument("--dllm-cache", nargs="*", default=[], metavar="KP,KR,RHO",
                     help="more dLLM-Cache settings to compare, e.g. 16,8,0.1")
     args = ap.parse_args()
@@ -83,6 +85,10 @@ def main():
     for name, acc, steps, fwd, flops, t in rows:
         print(f"{name:40s} {acc:6.3f} {steps:5d} {fwd:4d} {len(prompts) * G / t:8.0f} {base[4] / flops:8.2f} "
               f"{base[5] / t:7.2f}")
+    if args.json:
+        print(json.dumps([{"method": name, "accuracy": acc, "steps": steps, "forwards": fwd,
+                           "flops_reduction": base[4] / flops, "wall_ratio": base[5] / t}
+                          for name, acc, steps, fwd, flops, t in rows]))
 
 
 if __name__ == "__main__":
