@@ -11,7 +11,9 @@ step's time.
 `configure_host_allocator` makes every thread allocate from glibc's main heap
 (``M_ARENA_MAX=1``), serves large blocks from that heap instead of ``mmap``
 (``M_MMAP_MAX=0``) and keeps up to `TRIM_THRESHOLD` bytes of free memory at its top
-(``M_TRIM_THRESHOLD``), so the block of one call is reused by the next with no page faults.
+(``M_TRIM_THRESHOLD``), so the block of one call is reused by the next with no page faults
+(once the heap has settled, after a few dozen calls; XLA's threads free and allocate in varying
+order, so a call now and then still grows it).
 The price is memory: freed blocks stay with the process, and the heap fragments. Measured:
 the quickstart-shape SFT loop holds 800 MB instead of 650 MB; a loop of calls with ~200 MB of
 temporaries grew to 2.1 GB instead of 0.55 GB before it levelled off. Hence opt-in.
