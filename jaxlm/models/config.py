@@ -186,6 +186,9 @@ class ModelConfig:
     next_token_head: bool = False
     """diffusion: a second LM head beside the current-token one whose logits at position i
     predict the token to insert after i (ME-DLM's edit model); ``ModelOutput.next_logits``."""
+    delete_token_id: int | None = None
+    """next_token_head: the id the current-token head predicts for a token to delete (ME-DLM's
+    ``<|del|>``; < vocab_size, not mask_token_id); needed by edit decoding and edit training."""
     init_std: float = 0.02
     """Standard deviation of the random initial weights."""
 
@@ -301,11 +304,20 @@ class ModelConfig:
             if self.sliding_window is not None:
                 raise _err("sliding_window", self.sliding_window, "must be None with mode='diffusion' "
                            "(attention is bidirectional)")
+            d = self.delete_token_id
+            if d is not None:
+                if not self.next_token_head:
+                    raise _err("delete_token_id", d, "needs next_token_head=True (ME-DLM's edit model)")
+                if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < self.vocab_size or d == m:
+                    raise _err("delete_token_id", d, f"must be an int in [0, vocab_size={self.vocab_size}) other "
+                               f"than mask_token_id={m}")
         else:
             if self.mask_token_id is not None:
                 raise _err("mask_token_id", self.mask_token_id, "is only used with mode='diffusion'")
             if self.next_token_head:
                 raise _err("next_token_head", True, "needs mode='diffusion' (ME-DLM's edit model)")
+            if self.delete_token_id is not None:
+                raise _err("delete_token_id", self.delete_token_id, "is only used with mode='diffusion'")
 
     def _validate_layer_dims(self) -> None:
         """Per-layer widths: a tuple of ``n_layers`` values, each valid where the scalar field is."""

@@ -12,6 +12,11 @@ position of the current block (`commit.predict`) and commits some of them:
 * ``slow_fast=`` (`SlowFast`): SPEED's Slow-Fast decoding, one extra forward per step with
   the preceding block masked to measure each token's sensitivity (JSD).
 
+With ``edit_rounds=R`` (a model with ``next_token_head`` and ``delete_token_id``), ME-DLM's edit
+rounds (`edit`) follow in the same `jit`: the response's stop tokens are dropped, one EOS closes
+it, and up to R rounds delete, replace and insert tokens (one forward each, stopping early
+once no row changes), so the response may grow to ``edit_max_length`` tokens.
+
 How each forward is computed is ``cache=``: None (the full sequence every step), ``"prefix"``
 / ``"dual"`` (Fast-dLLM's block-wise prefix and dual KV caches) or a `DLLMCache` (dLLM-Cache).
 Classifier-free guidance (``cfg_scale = w``): ``un + (w + 1) (cond - un)``, ``un`` the logits
@@ -30,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.inference.diffusion import forward as fw
+from jaxlm.inference.diffusion import edit
 from jaxlm.inference.diffusion.commit import (
     FAST_GROUPS,
     commit_slow_fast,
@@ -81,6 +87,11 @@ class _Plan:
     cache: Any
     mask_id: int
     banned: tuple[int, ...]
+    edit_rounds: int = 0
+    edit_max_length: int = 0
+    delete_id: int = -1
+    eos_id: int = -1
+    stops: tuple[int, ...] = ()
 
     @property
     def n_blocks(self) -> int:
@@ -89,7 +100,8 @@ class _Plan:
 
 @dataclasses.dataclass
 class DiffusionResult:
-    tokens: np.ndarray  # [B, gen_length] the decoded response (EOS and what follows included)
+    tokens: np.ndarray  # [B, gen_length] the decoded response (EOS and what follows included);
+    # after edit rounds [B, edit_max_length + 1], each response closed by EOS and EOS-filled
     completions: list[list[int]]  # per row: the response up to its first stop token (excluded)
     texts: list[str] | None  # decoded completions when a tokenizer is known
     prompt_tokens: np.ndarray  # [B, P] left-padded prompts
@@ -97,6 +109,9 @@ class DiffusionResult:
     forwards: int  # model forwards (a guided or Slow-Fast step counts two)
     flops: float  # matmul FLOPs of all forwards, the whole batch
     tokens_per_step: float  # response tokens committed per iteration, mean over rows
+    edit_rounds: int = 0  # edit rounds run (forwards included in ``forwards``)
+    edits: np.ndarray | None = None  # [B] edit rounds that changed each row
+    mask_completions: list[list[int]] | None = None  # with edit rounds: the completions before them
 
 
 def _logits(model, plan: _Plan, x, valid, caches, step_in_block, block, forward_index):
@@ -244,7 +259,19 @@ def diffusion_tokens(graphdef, params, prompt_tokens, prompt_mask, rng, *, plan:
         "committed": jnp.zeros((B,), jnp.int32),
     }
     out = jax.lax.while_loop(cond, body, carry)
-    return out["x"][:, P:], out["steps"], out["forwards"], out["flops"], out["committed"]
+    tokens, forwards, flops = out["x"][:, P:], out["forwards"], out["flops"]
+    mask_tokens, edits, rounds = tokens, jnp.zeros((B,), jnp.int32), jnp.zeros((), jnp.int32)
+    if plan.edit_rounds:
+        W = plan.edit_max_length + 1
+        stop = jnp.isin(tokens, jnp.asarray(plan.stops or (plan.eos_id,), jnp.int32))
+        response, lengths = edit.close_response(tokens, stop, eos_id=plan.eos_id, width=W)
+        tokens, _, edits, rounds = edit.edit_rounds(
+            model, prompt_tokens, prompt_mask, response, lengths, rounds=plan.edit_rounds, del_id=plan.delete_id,
+            eos_id=plan.eos_id, max_len=plan.edit_max_length, banned=(plan.mask_id,))
+        c = model.config
+        round_flops = fw.full_flops(c, B, P + W, W) + fw.head_flops(c, W) * B  # + the next-token head
+        forwards, flops = forwards + rounds, flops + rounds.astype(jnp.float32) * round_flops
+    return tokens, out["steps"], forwards, flops, out["committed"], mask_tokens, edits, rounds
 
 
 def _positive_int(name: str, value) -> int:
@@ -281,6 +308,8 @@ def diffusion_generate(
     stop_tokens: Sequence[int] | None = None,
     banned_tokens: Sequence[int] = (),
     logits_eos_inf: bool = False,
+    edit_rounds: int = 0,
+    edit_max_length: int | None = None,
     bucket: int = 8,
 ) -> DiffusionResult:
     """Decode ``gen_length`` response tokens per prompt with a masked diffusion LM.
@@ -294,6 +323,9 @@ def diffusion_generate(
     cache: None | "prefix" | "dual" (Fast-dLLM) | `DLLMCache` (dLLM-Cache).
     banned_tokens: ids never proposed (e.g. ME-DLM's delete token); ``logits_eos_inf`` bans EOS.
     stop_tokens: where a completion ends (default the tokenizer's EOS).
+    edit_rounds: ME-DLM's edit rounds after mask diffusion (see the module docstring); needs
+      ``ModelConfig.next_token_head`` and ``delete_token_id`` and a tokenizer with an EOS.
+    edit_max_length: the longest response the edits may produce (default gen_length).
     """
     check_diffusion_model(model)
     config = model.config
@@ -345,8 +377,24 @@ def diffusion_generate(
     for t in banned:
         if not 0 <= t < config.vocab_size:
             raise ValueError(f"banned_tokens has {t}, outside [0, vocab_size={config.vocab_size})")
+    if isinstance(edit_rounds, bool) or not isinstance(edit_rounds, (int, np.integer)) or edit_rounds < 0:
+        raise ValueError(f"edit_rounds={edit_rounds!r} is invalid: must be an int >= 0")
+    if edit_rounds:
+        if not config.next_token_head or config.delete_token_id is None:
+            raise ValueError(f"edit_rounds={edit_rounds} needs an edit model: ModelConfig.next_token_head=True and "
+                             f"delete_token_id set (got {config.next_token_head} and {config.delete_token_id})")
+        if eos is None:
+            raise ValueError("edit_rounds needs a tokenizer with an EOS id (it closes the response)")
+        if cfg_scale:
+            raise ValueError("edit_rounds run without guidance (cfg_scale=0)")
+    edit_max_length = gen_length if edit_max_length is None else _positive_int("edit_max_length", edit_max_length)
+    if edit_rounds and edit_max_length < gen_length:
+        raise ValueError(f"edit_max_length={edit_max_length} is shorter than gen_length={gen_length}")
     longest = max(len(p) for p in token_lists)
     P = -(-longest // bucket) * bucket
+    if edit_rounds and P + edit_max_length + 1 > config.max_seq_len:
+        raise ValueError(f"prompt ({longest} tokens, padded to {P}) + edit_max_length={edit_max_length} + the closing "
+                         f"EOS exceeds ModelConfig.max_seq_len={config.max_seq_len}")
     if P + gen_length > config.max_seq_len:
         raise ValueError(f"prompt ({longest} tokens, padded to {P}) + gen_length={gen_length} exceeds "
                          f"ModelConfig.max_seq_len={config.max_seq_len}")
@@ -361,25 +409,32 @@ def diffusion_generate(
         threshold=None if threshold is None else float(threshold), slow_fast=slow_fast, cache=cache,
         mask_id=int(config.mask_token_id), banned=banned,
     )
+    if stop_tokens is None:
+        stop_tokens = () if eos is None else (int(eos),)
+    stops = tuple(sorted(set(int(t) for t in stop_tokens)))
+    if edit_rounds:
+        plan = dataclasses.replace(plan, edit_rounds=int(edit_rounds), edit_max_length=edit_max_length,
+                                   delete_id=int(config.delete_token_id), eos_id=int(eos), stops=stops)
     if rng is None:
         rng = 0
     if isinstance(rng, int):
         rng = jax.random.key(rng)
     graphdef, state = nnx.split(model)
-    out, n_steps, n_forwards, flops, committed = diffusion_tokens(
+    out, n_steps, n_forwards, flops, committed, mask_out, edits, rounds = diffusion_tokens(
         graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), rng, plan=plan)
     out = np.asarray(out)
-    if stop_tokens is None:
-        stop_tokens = () if eos is None else (int(eos),)
-    stops = set(int(t) for t in stop_tokens)
-    completions = []
-    for row in out.tolist():
-        end = next((i for i, t in enumerate(row) if t in stops), len(row))
-        completions.append(row[:end])
+
+    def cut(rows: np.ndarray) -> list[list[int]]:
+        ends = [next((i for i, t in enumerate(row) if t in stops), len(row)) for row in rows.tolist()]
+        return [row[:end] for row, end in zip(rows.tolist(), ends)]
+
+    completions = cut(out)
     texts = [tokenizer.decode(c) for c in completions] if tokenizer is not None else None
     n_steps = int(n_steps)
     return DiffusionResult(
         tokens=out, completions=completions, texts=texts, prompt_tokens=tokens, steps=n_steps,
         forwards=int(n_forwards), flops=float(flops),
         tokens_per_step=float(np.mean(np.asarray(committed))) / max(n_steps, 1),
+        edit_rounds=int(rounds), edits=np.asarray(edits) if edit_rounds else None,
+        mask_completions=cut(np.asarray(mask_out)) if edit_rounds else None,
     )
