@@ -196,13 +196,16 @@ class DiffusionConfig:
     """Masked-diffusion training (LLaDA, Nie et al. 2025; `trainers.diffusion`) of a
     ``model.mode="diffusion"`` model: each document draws ``t ~ U(0, 1)``, each eligible token
     is masked with ``p_mask = (1 - eps) t + eps`` and the loss is the cross-entropy on masked
-    tokens divided by ``p_mask``. Optional SPEED sharpened-teacher distillation."""
+    tokens divided by ``p_mask``. Optional SPEED sharpened-teacher distillation. ``objective="edit"``
+    is ME-DLM's mask + edit training (`trainers.edit_batches`)."""
 
     name: Literal["diffusion"] = "diffusion"
     """The algorithm's registered name (`trainers.algorithm.ALGORITHMS`)."""
-    objective: Literal["pretrain", "sft"] = "sft"
+    objective: Literal["pretrain", "sft", "edit"] = "sft"
     """pretrain: every real token may be masked, loss / (B L); sft: the prompt is never masked and
-    each document's loss is divided by its answer length, then averaged over documents."""
+    each document's loss is divided by its answer length, then averaged over documents; edit
+    (ME-DLM, needs model.next_token_head and delete_token_id): batches of masked answers or of
+    the model's own intermediate outputs, loss (CE(current head) + CE(next head)) / t."""
     eps: float = 1e-3
     """Smallest masking probability."""
     pad_answers: bool = True
@@ -220,6 +223,23 @@ class DiffusionConfig:
     """SPEED: tau_T < 1 sharpens the teacher's distribution."""
     student_temperature: float = 1.0
     """SPEED: tau, the student's temperature (the KL is scaled by tau^2)."""
+    edit_intermediate_ratio: float = 0.5
+    """edit: probability that a batch is built from the model's own outputs (mask diffusion of a
+    masked answer, then self edit rounds) instead of masked answers (0: ME-DLM's stage 2)."""
+    edit_fill_per_step: tuple[int, ...] = (2, 4, 8)
+    """edit: tokens committed per step when the model fills an intermediate batch's masks (one
+    value drawn per batch)."""
+    edit_fill_order: Literal["random", "confidence"] = "random"
+    """edit: which masked tokens the fill commits first (ME-DLM's trainer: random)."""
+    edit_max_rounds: int = 32
+    """edit: self edit rounds after the fill grow as floor(progress * edit_max_rounds), progress
+    being the fraction of the current cycle of edit_round_cycle steps (ME-DLM: of the epoch)."""
+    edit_round_cycle: int | None = None
+    """edit: steps per cycle of the self-edit schedule (None: trainer.steps)."""
+    edit_swap_rule: Literal["reference", "safe"] = "reference"
+    """edit: `jaxlm.data.edit_labels.edit_labels`'s swap rule for the labels."""
+    eval_edit_rounds: int = 0
+    """Edit rounds of the held-out accuracy sampler after mask diffusion (0: none)."""
 
     def __post_init__(self):
         if not 0 < self.eps < 1:
@@ -233,6 +253,26 @@ class DiffusionConfig:
         for name in ("teacher_temperature", "student_temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"algorithm.{name}={getattr(self, name)!r} is invalid: must be > 0")
+        if not 0 <= self.edit_intermediate_ratio <= 1:
+            raise ValueError(f"algorithm.edit_intermediate_ratio={self.edit_intermediate_ratio!r} is invalid: "
+                             "must be in [0, 1]")
+        k = self.edit_fill_per_step
+        if not isinstance(k, tuple) or not k or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in k):
+            raise ValueError(f"algorithm.edit_fill_per_step={k!r} is invalid: must be a non-empty tuple of "
+                             "positive ints")
+        for name in ("edit_max_rounds", "eval_edit_rounds"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"algorithm.{name}={v!r} is invalid: must be an int >= 0")
+        c = self.edit_round_cycle
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c <= 0):
+            raise ValueError(f"algorithm.edit_round_cycle={c!r} is invalid: must be a positive int or None")
+        if self.edit_fill_order not in ("random", "confidence"):
+            raise ValueError(f"algorithm.edit_fill_order={self.edit_fill_order!r} is invalid: must be 'random' or "
+                             "'confidence'")
+        if self.edit_swap_rule not in ("reference", "safe"):
+            raise ValueError(f"algorithm.edit_swap_rule={self.edit_swap_rule!r} is invalid: must be 'reference' "
+                             "or 'safe'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,6 +460,16 @@ class ExperimentConfig:
             if self.algorithm.objective == "sft" and self.algorithm.pad_answers and self.data.pack:
                 raise ValueError("algorithm.pad_answers=True needs data.pack=False (one example per row, its "
                                  "padding turned into EOS answer tokens)")
+            if self.algorithm.objective == "edit":
+                if not self.model.next_token_head or self.model.delete_token_id is None:
+                    raise ValueError("algorithm.objective='edit' (ME-DLM) needs model.next_token_head=True and "
+                                     "model.delete_token_id")
+                if self.data.pack:
+                    raise ValueError("algorithm.objective='edit' needs data.pack=False (one example per row)")
+            if self.algorithm.eval_edit_rounds and (not self.model.next_token_head
+                                                    or self.model.delete_token_id is None):
+                raise ValueError("algorithm.eval_edit_rounds needs model.next_token_head=True and "
+                                 "model.delete_token_id")
         elif self.model.mode == "diffusion":
             raise ValueError(f"model.mode='diffusion' is trained with algorithm=DiffusionConfig(), not "
                              f"{self.algorithm.name!r}")

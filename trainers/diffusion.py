@@ -9,6 +9,10 @@ masked tokens divided by ``p_mask``:
 * SFT: the prompt is never masked; ``L = 1/B sum_b sum_{i masked} CE_i / (p_mask |answer_b|)``,
   with each row's padding turned into EOS answer tokens (``pad_answers``).
 
+ME-DLM's mask + edit training (``objective="edit"``, `trainers.edit_batches`): host-built
+batches of masked answers or of the live model's own filled and self-edited outputs, both heads
+trained, ``L = sum_b (mean CE_cur_b + mean CE_next_b) / p_b`` over documents.
+
 SPEED's sharpened-teacher distillation (ICML 2026; method card B.8): with ``teacher`` set,
 ``L = L_MLM + lambda tau^2 mean_{i in S} KL(softmax(z^T_i / tau_T) || softmax(z^S_i / tau))``
 over ``S``, the masked positions where the teacher's argmax is the clean token.
@@ -30,6 +34,7 @@ import jaxlm
 from jaxlm.data.pipeline import eval_examples, train_dataset
 from jaxlm.eval import task_accuracy
 from jaxlm.sharding import model_shardings, place, to_host
+from trainers import edit_batches
 from trainers.algorithm import ALGORITHMS, RunSetup
 from trainers.config import ConfigError
 from trainers.losses import token_nll
@@ -96,10 +101,29 @@ def sharpened_kl(student_logits, teacher_logits, targets, masked, *, teacher_tem
     return jnp.sum(jnp.where(correct, kl, 0.0)), jnp.sum(correct, dtype=jnp.float32)
 
 
+def edit_loss_sum(logits, next_logits, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """``(sum, count)`` of ME-DLM's loss on an edit batch: per document ``weight * (mean CE of
+    the current-token head + mean CE of the next-token head)`` over its labelled slots (a head
+    without labels adds 0), ``count`` = documents with a label."""
+    total = jnp.zeros((logits.shape[0],), jnp.float32)
+    any_label = jnp.zeros((logits.shape[0],), bool)
+    for head_logits, labels in ((logits, batch["cur_labels"]), (next_logits, batch["next_labels"])):
+        has = labels >= 0
+        ce = token_nll(head_logits, jnp.maximum(labels, 0))
+        n = jnp.sum(has, axis=1, dtype=jnp.float32)
+        total = total + jnp.sum(jnp.where(has, ce, 0.0), axis=1) / jnp.maximum(n, 1.0)
+        any_label = any_label | (n > 0)
+    return jnp.sum(jnp.where(any_label, batch["weight"] * total, 0.0)), jnp.sum(any_label, dtype=jnp.float32)
+
+
 def make_loss_fn(graphdef, algo, mask_id: int, teacher_graphdef=None):
     """``loss(params, batch, rng, teacher_params) -> (sum, count)`` (see the module docstring)."""
 
     def loss_fn(params, batch, rng, teacher_params):
+        if algo.objective == "edit":  # the noise is in the host-built batch
+            out = nnx.merge(graphdef, params)(batch["tokens"], batch["positions"],
+                                              mask=document_mask(batch["segment_ids"]))
+            return edit_loss_sum(out.logits, out.next_logits, batch)
         chex.assert_rank(batch["tokens"], 2)
         noisy, masked, p_mask = noise_batch(rng, batch, mask_id=mask_id, eps=algo.eps, objective=algo.objective)
         mask = document_mask(batch["segment_ids"])
@@ -189,6 +213,8 @@ class Diffusion:
                               f" is not divisible by the mesh's data x fsdp = {batch_shards} devices")
         if a.objective == "sft" and a.pad_answers and getattr(setup.tokenizer, "eos_id", None) is None:
             raise ConfigError("algorithm.pad_answers=True needs a tokenizer with an EOS token")
+        if a.objective == "edit" and getattr(setup.tokenizer, "eos_id", None) is None:
+            raise ConfigError("algorithm.objective='edit' needs a tokenizer with an EOS token")
         self.graphdef, state = nnx.split(setup.model)
         self._params = place(nnx.to_pure_dict(state), nnx.to_pure_dict(model_shardings(setup.model, mesh)))
         self.tx, schedule = make_optimizer(cfg.optimizer, t.steps)
@@ -218,10 +244,25 @@ class Diffusion:
 
     def batch(self, state: TrainState, k: int):
         batch = next(self.batches)
-        if self.algo.objective == "sft" and self.algo.pad_answers:
+        a = self.algo
+        if a.objective in ("sft", "edit") and a.pad_answers:
             rng = np.random.default_rng([self.cfg.trainer.seed, k])
             batch = pad_answers(batch, self.tokenizer.eos_id, rng)
-        return batch, {}
+        if a.objective != "edit":
+            return batch, {}
+        # the batch kind, its masks and the fill order are fixed by (seed, step): resume rebuilds them
+        rng = np.random.default_rng([self.cfg.trainer.seed, k, 1])
+        m = self.cfg.model
+        if rng.random() >= a.edit_intermediate_ratio:
+            return edit_batches.mask_batch(batch, rng, mask_id=m.mask_token_id, eps=a.eps), {"intermediate": 0.0}
+        cycle = a.edit_round_cycle or self.cfg.trainer.steps
+        rounds = int((k % cycle) / cycle * a.edit_max_rounds)
+        per_step = int(rng.choice(a.edit_fill_per_step))
+        built = edit_batches.intermediate_batch(
+            batch, rng, nnx.merge(self.graphdef, state.params), mask_id=m.mask_token_id, del_id=m.delete_token_id,
+            eos_id=self.tokenizer.eos_id, eps=a.eps, per_step=per_step, rounds=rounds, order=a.edit_fill_order,
+            swap_rule=a.edit_swap_rule)
+        return built, {"intermediate": 1.0, "self_edit_rounds": float(rounds)}
 
     def tokens(self, batch) -> float:
         return float((batch["segment_ids"] > 0).sum())
@@ -239,10 +280,19 @@ class Diffusion:
             acc = task_accuracy(
                 nnx.merge(self.graphdef, state.params), self._examples, self._verify, tokenizer=self.tokenizer,
                 max_new_tokens=n, batch_size=min(64, len(self._examples)),
-                generate_kwargs={"steps": self.algo.eval_steps or n, "block_length": self.algo.eval_block_length},
+                generate_kwargs=self._eval_generate_kwargs(n),
             )
             result["accuracy"], samples = acc.accuracy, acc.samples
         return result, samples
+
+    def _eval_generate_kwargs(self, n: int) -> dict[str, Any]:
+        kw: dict[str, Any] = {"steps": self.algo.eval_steps or n, "block_length": self.algo.eval_block_length}
+        m = self.cfg.model
+        if m.delete_token_id is not None:
+            kw["banned_tokens"] = (m.delete_token_id,)  # mask diffusion never proposes a deletion
+        if self.algo.eval_edit_rounds:
+            kw["edit_rounds"] = self.algo.eval_edit_rounds
+        return kw
 
     # the data position and the final model are kept as SFT keeps them
     data_state = SFT.data_state

@@ -33,36 +33,42 @@ def _scatter_rows(width: int, fill: int, slots: jax.Array, values: jax.Array) ->
     return jax.vmap(lambda o, s, v: o.at[s].set(v, mode="drop"))(out, slots, values)
 
 
-def close_response(tokens: jax.Array, stop: jax.Array, *, eos_id: int, width: int) -> tuple[jax.Array, jax.Array]:
+def close_response(tokens: jax.Array, stop: jax.Array, *, eos_id: int, width: int,
+                   max_len: int | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The decoded response ``tokens [B, G]`` with its stop tokens (``stop [B, G]``) dropped,
-    cut to ``width - 1`` tokens and closed by one EOS: ``(buffer [B, width], lengths [B])``."""
+    cut to ``max_len`` (an int or one per row; at most and by default ``width - 1``) tokens
+    and closed by one EOS: ``(buffer [B, width], lengths [B])``."""
+    cap = width - 1 if max_len is None else jnp.minimum(jnp.asarray(max_len, jnp.int32), width - 1)
+    cap = jnp.broadcast_to(jnp.asarray(cap, jnp.int32).reshape(-1, 1), (tokens.shape[0], 1))
     keep = ~stop
     slot = jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, width)
-    slot = jnp.where(slot < width - 1, slot, width)
+    slot = jnp.where(slot < cap, slot, width)
     out = _scatter_rows(width, eos_id, slot, tokens.astype(jnp.int32))
-    lengths = jnp.minimum(keep.sum(1), width - 1).astype(jnp.int32) + 1
+    lengths = jnp.minimum(keep.sum(1), cap[:, 0]).astype(jnp.int32) + 1
     return out, lengths
 
 
 def apply_predictions(response: jax.Array, lengths: jax.Array, cur: jax.Array, nxt: jax.Array, *, del_id: int,
-                      eos_id: int, max_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      eos_id: int, max_len: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One round of edits on ``response [B, W]`` (``lengths`` with the trailing EOS).
 
     ``cur [B, W]``: what response token ``i`` becomes (``del_id``: deleted); ``nxt [B, W]``: the
     token for gap ``i`` (before token ``i``; gap ``lengths - 1`` is before the trailing EOS).
-    Returns ``(response, lengths, changed [B])``; the response keeps at most ``max_len``
-    tokens before its EOS (surviving tokens are never cut) and must fit: ``max_len < W``.
+    Returns ``(response, lengths, changed [B])``; the response keeps at most ``max_len`` (an
+    int or one per row) tokens before its EOS (surviving tokens are never cut) and must fit:
+    ``max_len < W``.
     """
     B, W = response.shape
-    if max_len >= W:
+    if isinstance(max_len, int) and max_len >= W:
         raise ValueError(f"max_len={max_len} leaves no slot for the trailing EOS in a buffer of width {W}")
+    max_len = jnp.minimum(jnp.broadcast_to(jnp.asarray(max_len, jnp.int32).reshape(-1, 1), (B, 1)), W - 1)
     slot = jnp.arange(W)[None]
     body = slot < (lengths[:, None] - 1)
     closing = slot == (lengths[:, None] - 1)
     value = jnp.where(body, cur, jnp.where(closing, eos_id, response))
     keep = (body & (cur != del_id)) | closing
     wants = keep & (nxt != value)
-    budget = max_len - jnp.sum(keep & body, axis=1, keepdims=True)
+    budget = max_len - jnp.sum(keep & body, axis=1, keepdims=True, dtype=jnp.int32)
     insert = wants & (jnp.cumsum(wants, axis=1) <= budget)
     count = keep.astype(jnp.int32) * (1 + insert.astype(jnp.int32))
     start = jnp.cumsum(count, axis=1) - count
@@ -117,3 +123,32 @@ def edit_rounds(model, prompt, prompt_valid, response, lengths, *, rounds: int, 
             "any_changed": jnp.ones((), bool), "edits": jnp.zeros((B,), jnp.int32)}
     out = jax.lax.while_loop(cond, body, init)
     return out["resp"], out["lens"], out["edits"], out["round"]
+
+
+def fill_masks(model, x: jax.Array, valid: jax.Array, *, mask_id: int, per_step: jax.Array, rng: jax.Array,
+               order: str = "random", banned: tuple[int, ...] = ()) -> jax.Array:
+    """Every ``mask_id`` slot of ``x [B, T]`` filled by the model's greedy proposals, ``per_step``
+    (traced) slots per row and forward: the most confident ones (``order="confidence"``) or
+    random ones (``"random"``, ME-DLM's trainer ``mask_diffusion``); ``banned`` ids never proposed."""
+    if order not in ("random", "confidence"):
+        raise ValueError(f"order={order!r} is invalid: must be 'random' or 'confidence'")
+    ids = jnp.asarray(banned, jnp.int32) if banned else None
+
+    def body(c):
+        x, i = c
+        logits = model.unembed(model.backbone(x, mask=valid).hidden)
+        if ids is not None:
+            logits = logits.at[..., ids].set(-jnp.inf)
+        proposal = argmax_last(logits).astype(jnp.int32)
+        masked = x == mask_id
+        if order == "confidence":
+            score = jnp.take_along_axis(jax.nn.softmax(logits, -1), proposal[..., None], -1)[..., 0]
+        else:
+            score = jax.random.uniform(jax.random.fold_in(rng, i), x.shape)
+        score = jnp.where(masked, score, -jnp.inf)
+        rank = jnp.argsort(jnp.argsort(-score, axis=1), axis=1)
+        commit = masked & (rank < per_step)
+        return jnp.where(commit, proposal, x), i + 1
+
+    x, _ = jax.lax.while_loop(lambda c: jnp.any(c[0] == mask_id), body, (x.astype(jnp.int32), jnp.zeros((), jnp.int32)))
+    return x

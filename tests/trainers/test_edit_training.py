@@ -1,0 +1,179 @@
+"""ME-DLM's mask + edit training (`trainers.edit_batches`, ``DiffusionConfig(objective="edit")``):
+the two batch kinds against direct constructions, the loss against numpy, and harness runs with
+resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm.checkpoint import load_model
+from jaxlm.data.pipeline import DataConfig
+from jaxlm.data.tasks import Sorting
+from jaxlm.models.config import ModelConfig
+from jaxlm.models.transformer import build_model
+from trainers import edit_batches
+from trainers.config import DiffusionConfig, ExperimentConfig, OptimizerConfig, TrainerConfig
+from trainers.diffusion import edit_loss_sum
+from trainers.edit_batches import IGNORE
+from trainers.loop import train
+
+MASK, DELETE, EOS = 259, 260, 2
+
+
+def _rows(T=12):
+    """Two SFT rows: BOS + prompt (untrained), answer + EOS padding (trained), then padding."""
+    tokens = np.zeros((2, T), np.int32)
+    loss_mask = np.zeros((2, T), bool)
+    seg = np.zeros((2, T), np.int32)
+    for b, (prompt, answer) in enumerate([([1, 51, 50, 61], [48, 49, 50, EOS, EOS]), ([1, 55, 61], [70, EOS])]):
+        row = prompt + answer
+        tokens[b, :len(row)], seg[b, :len(row)] = row, 1
+        loss_mask[b, len(prompt):len(row)] = True
+    return {"tokens": tokens, "loss_mask": loss_mask, "segment_ids": seg,
+            "positions": np.where(seg > 0, np.arange(T)[None], 0).astype(np.int32)}
+
+
+def test_mask_batch_labels_follow_the_masks():
+    batch = _rows()
+    for seed in range(20):
+        out = edit_batches.mask_batch(batch, np.random.default_rng(seed), mask_id=MASK, eps=1e-3)
+        for b in range(2):
+            real = batch["segment_ids"][b] > 0
+            trained = batch["loss_mask"][b]
+            masked = out["tokens"][b] == MASK
+            assert not (masked & ~trained).any()  # the prompt is never masked
+            np.testing.assert_array_equal(out["tokens"][b][~masked & real], batch["tokens"][b][~masked & real])
+            np.testing.assert_array_equal(out["cur_labels"][b], np.where(masked, batch["tokens"][b], IGNORE))
+            np.testing.assert_array_equal(out["next_labels"][b], np.append(out["cur_labels"][b][1:], IGNORE))
+            np.testing.assert_array_equal(out["segment_ids"][b], batch["segment_ids"][b])
+            assert 1.0 <= out["weight"][b] <= 1 / 1e-3
+    # the masking rate is p = 1 / weight: over many draws the masked fraction matches it
+    rng = np.random.default_rng(0)
+    big = {k: np.repeat(v, 500, 0) for k, v in batch.items()}
+    out = edit_batches.mask_batch(big, rng, mask_id=MASK, eps=1e-3)
+    expected = np.sum(big["loss_mask"].sum(1) / out["weight"])
+    assert abs((out["tokens"] == MASK).sum() - expected) < 4 * np.sqrt(expected)
+
+
+@pytest.fixture(scope="module")
+def edit_model():
+    config = ModelConfig.tiny(vocab_size=261, mode="diffusion", mask_token_id=MASK, next_token_head=True,
+                              delete_token_id=DELETE, init_std=0.3, max_seq_len=64)
+    return build_model(config, seed=2, tokenizer=jaxlm.ByteTokenizer())
+
+
+def test_intermediate_batch_without_rounds_is_the_models_fill(edit_model):
+    """One forward fills every mask (per_step >= answer length) with the greedy proposals of
+    an eager forward (delete and mask banned); EOS dropped, one EOS closes the response, and the
+    labels are the canonical alignment's against the clean answer."""
+    from jaxlm.data.edit_labels import edit_labels, position_labels
+    batch = _rows()
+    rng_draws = np.random.default_rng(5)
+    out = edit_batches.intermediate_batch(batch, np.random.default_rng(5), edit_model, mask_id=MASK, del_id=DELETE,
+                                          eos_id=EOS, eps=1e-3, per_step=16, rounds=0, order="confidence")
+    draws = edit_batches._draw_masks(edit_batches.split_rows(batch), rng_draws, 1e-3)
+    for b, ((prompt, answer), (p, masked)) in enumerate(zip(edit_batches.split_rows(batch), draws)):
+        x = jnp.asarray([prompt + np.where(masked, MASK, answer).tolist()], jnp.int32)
+        logits = np.array(edit_model(x).logits[0])
+        logits[:, [DELETE, MASK]] = -np.inf
+        filled = np.where(masked, logits[len(prompt):].argmax(-1), answer)
+        noisy = [int(t) for t in filled if t != EOS][:12 - len(prompt) - 1]
+        L = len(prompt) + len(noisy) + 1
+        assert out["tokens"][b, :L].tolist() == prompt + noisy + [EOS]
+        assert out["weight"][b] == pytest.approx(1 / p)
+        clean = [t for t in answer if t != EOS]
+        cur, nxt = position_labels(*edit_labels(noisy, clean, del_id=DELETE, eos_id=EOS, ignore_id=IGNORE),
+                                   prompt_len=len(prompt), eos_id=EOS, ignore_id=IGNORE)
+        assert out["cur_labels"][b, :L].tolist() == cur.tolist() and out["next_labels"][b, :L].tolist() == nxt.tolist()
+        assert (out["cur_labels"][b, L:] == IGNORE).all() and (out["segment_ids"][b, L:] == 0).all()
+
+
+def test_intermediate_batch_rows_fit_after_self_edits(edit_model):
+    batch = _rows()
+    for seed in range(3):
+        out = edit_batches.intermediate_batch(batch, np.random.default_rng(seed), edit_model, mask_id=MASK,
+                                              del_id=DELETE, eos_id=EOS, eps=1e-3, per_step=2, rounds=4)
+        for b in range(2):
+            L = int((out["segment_ids"][b] > 0).sum())
+            assert out["tokens"][b, L - 1] == EOS and out["cur_labels"][b, L - 1] == EOS
+            assert MASK not in out["tokens"][b, :L].tolist()
+
+
+def test_edit_loss_sum_matches_numpy():
+    rng = np.random.default_rng(0)
+    B, T, V = 3, 6, 7
+    logits, next_logits = rng.normal(size=(2, B, T, V)).astype(np.float32)
+    cur = np.where(rng.random((B, T)) < 0.5, rng.integers(0, V, (B, T)), IGNORE)
+    nxt = np.where(rng.random((B, T)) < 0.5, rng.integers(0, V, (B, T)), IGNORE)
+    cur[2], nxt[2] = IGNORE, IGNORE  # a document without labels adds nothing
+    nxt[1] = IGNORE  # a head without labels adds 0
+    weight = np.asarray([1.5, 3.0, 7.0], np.float32)
+
+    def ce(z, t):
+        z = z.astype(np.float64)
+        return np.log(np.exp(z - z.max()).sum()) + z.max() - z[t]
+
+    expected, docs = 0.0, 0
+    for b in range(B):
+        row = 0.0
+        for z, labels in ((logits, cur), (next_logits, nxt)):
+            terms = [ce(z[b, i], labels[b, i]) for i in range(T) if labels[b, i] != IGNORE]
+            row += np.mean(terms) if terms else 0.0
+        if (cur[b] != IGNORE).any() or (nxt[b] != IGNORE).any():
+            expected += weight[b] * row
+            docs += 1
+    batch = {"cur_labels": jnp.asarray(cur), "next_labels": jnp.asarray(nxt), "weight": jnp.asarray(weight)}
+    total, count = edit_loss_sum(jnp.asarray(logits), jnp.asarray(next_logits), batch)
+    assert float(count) == docs == 2
+    np.testing.assert_allclose(float(total), expected, rtol=1e-5)
+
+
+def _config(tmp_path, ratio=0.5, **trainer):
+    return ExperimentConfig(
+        model=ModelConfig.tiny(vocab_size=261, mode="diffusion", mask_token_id=MASK, next_token_head=True,
+                               delete_token_id=DELETE, d_model=32, ffn_dim=64, max_seq_len=64),
+        data=DataConfig(source=Sorting(length=3, max_value=9), seq_len=24, batch_size=8, eval_examples=8),
+        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2),
+        trainer=TrainerConfig(**{"steps": 4, "out_dir": str(tmp_path), "progress": False, "log_every": 1,
+                                 "eval_every": 0, "save_every": 2, "eval_generate": 4, "eval_max_new_tokens": 8,
+                                 "async_checkpoint": False, **trainer}),
+        algorithm=DiffusionConfig(objective="edit", eval_steps=4, eval_edit_rounds=2, edit_intermediate_ratio=ratio,
+                                  edit_max_rounds=4),
+    )
+
+
+def test_edit_training_runs_and_resumes_exactly(tmp_path):
+    straight = train(_config(tmp_path / "a"))
+    assert 0.0 <= straight.final_eval["accuracy"] <= 1.0 and straight.samples
+    lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    kinds = [json.loads(line).get("intermediate") for line in lines]
+    assert 0.0 in kinds and 1.0 in kinds  # both batch kinds were trained on
+    train(_config(tmp_path / "b", stop_after=2))
+    train(_config(tmp_path / "b"))
+    a, b = load_model(str(tmp_path / "a" / "model")), load_model(str(tmp_path / "b" / "model"))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert a.config.next_token_head and a.config.delete_token_id == DELETE
+
+
+def test_edit_config_errors(tmp_path):
+    cfg = _config(tmp_path)
+    with pytest.raises(ValueError, match="needs model.next_token_head=True and model.delete_token_id"):
+        dataclasses.replace(cfg, model=ModelConfig.tiny(vocab_size=261, mode="diffusion", mask_token_id=MASK))
+    with pytest.raises(ValueError, match="data.pack=False"):
+        dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack=True))
+    with pytest.raises(ValueError, match="edit_intermediate_ratio"):
+        DiffusionConfig(objective="edit", edit_intermediate_ratio=1.5)
+    with pytest.raises(ValueError, match="edit_fill_per_step"):
+        DiffusionConfig(objective="edit", edit_fill_per_step=(0,))
+    with pytest.raises(ValueError, match="edit_max_rounds"):
+        DiffusionConfig(objective="edit", edit_max_rounds=-1)
+    with pytest.raises(ValueError, match="edit_round_cycle"):
+        DiffusionConfig(objective="edit", edit_round_cycle=0)
