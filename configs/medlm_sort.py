@@ -17,13 +17,13 @@ from trainers.config import DiffusionConfig, ExperimentConfig, OptimizerConfig, 
 
 def get_config() -> ExperimentConfig:
     return ExperimentConfig(
-        model=ModelConfig.tiny(vocab_size=261, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
-                               max_seq_len=96, mode="diffusion", mask_token_id=259, next_token_head=True,
+        model=ModelConfig.tiny(vocab_size=261, d_model=128, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=384,
+                               max_seq_len=64, mode="diffusion", mask_token_id=259, next_token_head=True,
                                delete_token_id=260),
         data=DataConfig(source=Sorting(length=8, max_value=9), seq_len=48, batch_size=64),
         optimizer=OptimizerConfig(lr=3e-3, warmup_steps=50, min_lr_ratio=0.05, weight_decay=0.01),
         trainer=TrainerConfig(
-            steps=1500, out_dir="runs/medlm_sort", log_every=50, eval_every=500, eval_generate=200,
+            steps=1000, out_dir="runs/medlm_sort", log_every=50, eval_every=500, eval_generate=200,
             eval_max_new_tokens=16, save_every=500,
         ),
         algorithm=DiffusionConfig(objective="edit", eval_steps=4, eval_edit_rounds=4),

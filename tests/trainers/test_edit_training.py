@@ -177,3 +177,19 @@ def test_edit_config_errors(tmp_path):
         DiffusionConfig(objective="edit", edit_max_rounds=-1)
     with pytest.raises(ValueError, match="edit_round_cycle"):
         DiffusionConfig(objective="edit", edit_round_cycle=0)
+
+
+def test_add_edit_head_keeps_the_model_and_copies_its_head():
+    from jaxlm.models.edit_head import add_edit_head
+    base = build_model(ModelConfig.tiny(vocab_size=260, mode="diffusion", mask_token_id=MASK, init_std=0.3), seed=4)
+    edit_model = add_edit_head(base)
+    assert edit_model.config.vocab_size == 261 and edit_model.config.delete_token_id == 260
+    x = jnp.asarray([[1, 50, 51, MASK, MASK, 7]])
+    before, after = base(x), edit_model(x)
+    np.testing.assert_allclose(np.asarray(after.logits[..., :260]), np.asarray(before.logits), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(after.logits[..., 260]), 0.0)
+    np.testing.assert_array_equal(np.asarray(after.next_logits), np.asarray(after.logits))
+    with pytest.raises(ValueError, match="already has a next-token head"):
+        add_edit_head(edit_model)
+    with pytest.raises(ValueError, match="masked diffusion LM"):
+        add_edit_head(build_model(ModelConfig.tiny(vocab_size=260), seed=0))
