@@ -31,6 +31,8 @@ _LLAMA_ROWS: tuple[Row, ...] = (
     ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj.kernel", True),
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj.kernel", True),
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.kernel", True),
+    # ME-DLM's next-token head of a diffusion edit model (`jaxlm.models.hf.llada`)
+    ("next_token_head.weight", "next_head.kernel", True),
 )
 _QKV_BIAS_ROWS: tuple[Row, ...] = (
     ("model.layers.{i}.self_attn.q_proj.bias", "layers.{i}.attn.q_proj.bias", False),

@@ -26,6 +26,7 @@ from jaxlm.data.tokenizers import load_tokenizer, save_tokenizer
 from jaxlm.dtypes import optional_dtype_name
 from jaxlm.fileio import LOCK_FILE, atomic_directory, describe_leftovers, recover_directory
 from jaxlm.models.hf.configs import config_from_hf, config_to_hf
+from jaxlm.models.hf import llada
 from jaxlm.models.hf.families import FAMILIES
 from jaxlm.models.params import flat_params, init_params, model_from_flat, param_axes, param_shapes
 from jaxlm.models.transformer import Transformer
@@ -85,6 +86,17 @@ def _iter_tensors(file: Path):
                 raise CheckpointError(f"{file}: tensor {name!r} could not be read: {e}") from None
 
 
+def _tensor_names(file: Path) -> list[str]:
+    """The tensor names of one safetensors file (its header only)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
+
+
 @functools.partial(jax.jit, static_argnames=("transpose", "dtype"))
 def _transpose_cast(x, *, transpose: bool, dtype):
     return (x.T if transpose else x).astype(dtype)
@@ -111,7 +123,9 @@ def load_hf(
     tokenizer: bool = True,
     **config_overrides: Any,
 ) -> Transformer:
-    """Load a local HF ``*ForCausalLM`` directory (Llama, Qwen2, Qwen3, Mistral).
+    """Load a local HF ``*ForCausalLM`` directory (Llama, Qwen2, Qwen3, Mistral), or a LLaDA
+    diffusion LM (``LLaDAModelLM`` or the Llama-named ``LLaDAForCausalLM``, with ME-DLM's
+    next-token head when present; `jaxlm.models.hf.llada`) as a ``mode="diffusion"`` model.
 
     dtype: compute dtype, a name (``"bfloat16"``) or a jnp/numpy dtype (default: the
     checkpoint's dtype if float32/bfloat16/float16, else float32); param_dtype defaults to
@@ -135,6 +149,11 @@ def load_hf(
     ckpt_dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
     if dtype is None:
         dtype = ckpt_dtype if ckpt_dtype in ("float32", "bfloat16", "float16") else "float32"
+    is_llada = llada.is_llada(hf_config)
+    if is_llada:
+        names = [llada.tensor_name(n) for file in _safetensors_files(path) for n in _tensor_names(file)]
+        config_overrides = {**llada.diffusion_overrides(hf_config, names), **config_overrides}
+        hf_config = llada.as_llama(hf_config)
     config = config_from_hf(
         hf_config, dtype=dtype, param_dtype=param_dtype or dtype, scan_layers=scan_layers,
         **config_overrides,
@@ -146,6 +165,8 @@ def load_hf(
     flat: dict[str, jax.Array] = {}
     for file in _safetensors_files(path):
         for hf_name, tensor in _iter_tensors(file):
+            if is_llada:
+                hf_name = llada.tensor_name(hf_name)
             if family.ignored(hf_name):
                 continue
             mapped = family.to_jaxlm(hf_name)
