@@ -1,18 +1,19 @@
 """ME-DLM's claim in miniature: edit rounds after mask diffusion raise accuracy over mask
 diffusion alone at a fixed total budget of forwards (denoising steps + edit rounds).
 
-Two models of the same run length, both from one stage-2 model (masked answers only, both heads
-trained): the **edit** model continues with ME-DLM's stage 3 (half the batches the model's own
-filled and self-edited outputs), the **control** continues with stage 2. On the same held-out
+Two models of the same run length, both from one trained masked diffusion LM given the edit head
+(`jaxlm.models.edit_head`): the **edit** model is trained with ME-DLM's stage 3 (half the batches
+the model's own filled and self-edited outputs), the **control** with stage 2 (masked answers
+only, both heads trained). On the same held-out
 prompts each model decodes with mask diffusion alone at S steps, and the edit model also with
 S - R steps followed by up to R edit rounds. Accuracy is exact match; "forwards" counts the
 forwards actually run (edit rounds stop once no row changes).
 
-    jaxlm train medlm_sort algorithm.edit_intermediate_ratio=0 trainer.out_dir=runs/medlm_stage2
-    jaxlm train medlm_sort init_from=runs/medlm_stage2/model trainer.out_dir=runs/medlm_stage3
-    jaxlm train medlm_sort init_from=runs/medlm_stage2/model algorithm.edit_intermediate_ratio=0 \\
-        trainer.out_dir=runs/medlm_control
-    python bench/medlm_claim.py --edit runs/medlm_stage3/model --control runs/medlm_control/model --n 500
+    (train the base and add the edit head as configs/medlm_sort.py describes, then)
+    jaxlm train medlm_sort init_from=runs/medlm_base_digits trainer.out_dir=runs/medlm_stage3_digits
+    jaxlm train medlm_sort init_from=runs/medlm_base_digits algorithm.edit_intermediate_ratio=0 \\
+        trainer.out_dir=runs/medlm_control_digits
+    python bench/medlm_claim.py --edit runs/medlm_stage3_digits/model --control runs/medlm_control_digits/model
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def main():
     ap.add_argument("--edit", required=True, help="the stage-3 checkpoint")
     ap.add_argument("--control", required=True, help="the stage-2-only checkpoint of the same length")
     ap.add_argument("--n", type=int, default=500, help="held-out prompts")
-    ap.add_argument("--gen-length", type=int, default=16)
-    ap.add_argument("--budgets", type=int, nargs="*", default=[2, 4, 8, 16], help="total forwards S")
+    ap.add_argument("--gen-length", type=int, default=12)
+    ap.add_argument("--budgets", type=int, nargs="*", default=[2, 3, 4, 6, 12], help="total forwards S")
     ap.add_argument("--rounds", type=int, nargs="*", default=[1, 2, 4], help="edit rounds R taken from S")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -1,12 +1,20 @@
-"""ME-DLM (edit-based refinement of a masked diffusion LM) on sorting eight digits, from scratch.
+"""ME-DLM (edit-based refinement of a masked diffusion LM) on sorting eight digits written
+without separators (one byte per item, so an insertion or deletion is one token).
 
 The model has the next-token head and a delete token (ids: [MASK] 259, ``<|del|>`` 260, past
-the byte tokenizer's 259). ``algorithm.edit_intermediate_ratio=0`` is ME-DLM's stage 2 (masked
-answers only, both heads trained); the default 0.5 is stage 3 (half the batches are the model's
-own filled and self-edited outputs, labelled by the canonical edit alignment).
+the byte tokenizer's 259). As in ME-DLM, it starts from a trained masked diffusion LM whose
+next-token head is a copy of its LM head (`jaxlm.models.edit_head`):
 
-    jaxlm train medlm_sort algorithm.edit_intermediate_ratio=0 trainer.out_dir=runs/medlm_stage2
-    jaxlm train medlm_sort init_from=runs/medlm_stage2/model trainer.out_dir=runs/medlm_stage3
+    jaxlm train diffusion_sort model.n_layers=6 data.source.length=8 data.source.separator= \\
+        data.seq_len=40 trainer.steps=2000 trainer.eval_max_new_tokens=12 \\
+        trainer.out_dir=runs/diffusion_sort8_digits
+    python -m jaxlm.models.edit_head runs/diffusion_sort8_digits/model runs/medlm_base_digits
+    jaxlm train medlm_sort init_from=runs/medlm_base_digits trainer.out_dir=runs/medlm_stage3_digits
+
+``algorithm.edit_intermediate_ratio=0`` is ME-DLM's stage 2 (masked answers only, both heads
+trained); the default 0.5 is stage 3 (half the batches are the model's own filled and
+self-edited outputs, labelled by the canonical edit alignment). From scratch (no
+``init_from``) the recipe trains too, but the edit rounds need a model that sorts first.
 """
 
 from jaxlm.data.pipeline import DataConfig
@@ -20,12 +28,12 @@ def get_config() -> ExperimentConfig:
         model=ModelConfig.tiny(vocab_size=261, d_model=128, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=384,
                                max_seq_len=64, mode="diffusion", mask_token_id=259, next_token_head=True,
                                delete_token_id=260),
-        data=DataConfig(source=Sorting(length=8, max_value=9), seq_len=48, batch_size=64),
-        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=50, min_lr_ratio=0.05, weight_decay=0.01),
+        data=DataConfig(source=Sorting(length=8, max_value=9, separator=""), seq_len=40, batch_size=64),
+        optimizer=OptimizerConfig(lr=5e-4, warmup_steps=50, min_lr_ratio=0.05, weight_decay=0.01),
         trainer=TrainerConfig(
             steps=1000, out_dir="runs/medlm_sort", log_every=50, eval_every=500, eval_generate=200,
-            eval_max_new_tokens=16, save_every=500,
+            eval_max_new_tokens=12, save_every=500,
         ),
-        algorithm=DiffusionConfig(objective="edit", eval_steps=4, eval_edit_rounds=4),
+        algorithm=DiffusionConfig(objective="edit", eval_steps=2, eval_edit_rounds=2),
         tokenizer="byte",
     )

@@ -218,18 +218,27 @@ class Sorting(Task):
     """Integers per list."""
     max_value: int = 99
     """Largest integer."""
+    separator: str = " "
+    """Between the integers of the prompt's list and of the answer ("" for single digits: one
+    byte per item, e.g. ``sort 8305:`` -> ``0358``)."""
 
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.length, int) or not 2 <= self.length <= 32:
             raise ValueError(f"sorting.length={self.length!r} must be an int in [2, 32]")
+        if not isinstance(self.separator, str):
+            raise ValueError(f"sorting.separator={self.separator!r} must be a str")
+        if self.separator == "" and self.max_value > 9:
+            raise ValueError(f"sorting.separator='' needs single digits (max_value <= 9), got max_value={self.max_value}")
 
     def _draw(self, rng):
         xs = [int(x) for x in rng.integers(0, self.max_value + 1, self.length)]
-        return {"prompt": "sort " + " ".join(map(str, xs)) + ":", "completion": " ".join(map(str, sorted(xs))), "values": xs}
+        sep = self.separator
+        return {"prompt": "sort " + sep.join(map(str, xs)) + ":", "completion": sep.join(map(str, sorted(xs))),
+                "values": xs}
 
     def verify(self, example, completion):
-        return float(completion.strip() == " ".join(map(str, sorted(example["values"]))))
+        return float(completion.strip() == self.separator.join(map(str, sorted(example["values"]))))
 
     def chance_accuracy(self):
         return 1.0 / math.factorial(self.length)  # orderings of (distinct) values

@@ -52,6 +52,18 @@ def test_sorting_and_bad_options():
         TASKS["arithmetc"]
 
 
+def test_sorting_without_separator_is_one_byte_per_item():
+    task = Sorting(length=6, max_value=9, separator="")
+    for i in range(20):
+        e = task.example(i, "eval")
+        assert e["prompt"] == "sort " + "".join(map(str, e["values"])) + ":"
+        assert e["completion"] == "".join(map(str, sorted(e["values"]))) and len(e["completion"]) == 6
+        spaced = " ".join(e["completion"])
+        assert task.verify(e, e["completion"]) == 1.0 and task.verify(e, spaced) == 0.0
+    with pytest.raises(ValueError, match="separator='' needs single digits"):
+        Sorting(separator="")
+
+
 def test_carry_slip_is_a_flawed_teacher_on_train_demonstrations_only():
     """``carry_slip``: train completions drop the ones carry with that probability; eval
     completions, ``answer`` and `verify` stay correct; other problems are untouched."""
