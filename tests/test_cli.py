@@ -135,6 +135,22 @@ def test_generate_on_a_masked_diffusion_checkpoint(tmp_path, capsys):
     assert "--steps apply to masked diffusion models" in capsys.readouterr().err
 
 
+def test_generate_with_edit_rounds_on_an_edit_checkpoint(tmp_path, capsys):
+    config = jaxlm.ModelConfig.tiny(vocab_size=261, mode="diffusion", mask_token_id=259, next_token_head=True,
+                                    delete_token_id=260, init_std=0.3)
+    model = jaxlm.build_model(config, seed=1, tokenizer=jaxlm.ByteTokenizer())
+    jaxlm.save_checkpoint(model, tmp_path / "medlm")
+    main(["generate", "--model", str(tmp_path / "medlm"), "--prompt", "12+34=", "--max-new-tokens", "8",
+          "--steps", "2", "--edit-rounds", "2", "--temperature", "0"])
+    out = capsys.readouterr()
+    want = jaxlm.diffusion_generate(model, ["12+34="], gen_length=8, steps=2, edit_rounds=2, banned_tokens=(260,))
+    assert out.out.splitlines() == [f"'12+34=' -> {want.texts[0]!r}"]
+    assert f"+ {want.edit_rounds} edit rounds" in out.err
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--edit-rounds", "2"])  # the embedded default is causal
+    assert "--edit-rounds apply to masked diffusion models" in capsys.readouterr().err
+
+
 def test_generate_under_a_regex_or_a_json_schema(tmp_path, capsys):
     """The embedded default's random weights write noise; constrained, every completion is
     in the grammar's language."""

@@ -7,7 +7,7 @@ call into a library function.
     jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--chat] [--max-new-tokens 32] [--temperature 0]
                    [--regex PATTERN | --json-schema FILE] [--num-beams K --num-return-sequences R]
-                   [--steps S --block-length L | --threshold T]   # a masked diffusion checkpoint
+                   [--steps S --block-length L | --threshold T] [--edit-rounds R]  # a diffusion checkpoint
     jaxlm convert SRC DST [--to orbax|hf] [--overwrite]
     jaxlm quantize MODEL --out DIR [--method wush] [--format nvfp4] [--inner gptq]
     jaxlm compress MODEL --out DIR [--budget 0.5] [--components qk,ov,mlp]
@@ -93,6 +93,9 @@ class GenerateArgs:
     threshold: float | None = None
     """Masked diffusion models: commit every token whose confidence is above this (Fast-dLLM) instead of a
     fixed number per step."""
+    edit_rounds: int | None = None
+    """Masked diffusion edit models (ME-DLM: next-token head and delete token): edit rounds after mask
+    diffusion (delete / replace / insert; stops early once nothing changes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,7 +365,7 @@ def run_generate(args: GenerateArgs) -> list[str]:
                    for p in prompts]
     if getattr(model.config, "mode", "causal") == "diffusion":
         return _generate_diffusion(args, model, prompts)
-    diffusion_only = [f"--{n.replace('_', '-')}" for n in ("steps", "block_length", "threshold")
+    diffusion_only = [f"--{n.replace('_', '-')}" for n in ("steps", "block_length", "threshold", "edit_rounds")
                       if getattr(args, n) is not None]
     if diffusion_only:
         raise UsageError(f"{', '.join(diffusion_only)} apply to masked diffusion models; this model decodes left "
@@ -410,12 +413,14 @@ def _generate_diffusion(args: GenerateArgs, model, prompts: list) -> list[str]:
     start = time.perf_counter()
     result = jaxlm.diffusion_generate(
         model, prompts, gen_length=args.max_new_tokens, steps=steps, block_length=args.block_length,
-        threshold=args.threshold, temperature=args.temperature, rng=args.seed,
+        threshold=args.threshold, temperature=args.temperature, rng=args.seed, edit_rounds=args.edit_rounds or 0,
+        banned_tokens=() if model.config.delete_token_id is None else (model.config.delete_token_id,),
     )
     elapsed = time.perf_counter() - start
     for prompt, text in zip(args.prompt, result.texts):
         print(f"{prompt!r} -> {text!r}")
-    print(f"masked diffusion: {result.steps} denoising steps, {result.forwards} forwards in {elapsed:.2f}s "
+    edits = f" + {result.edit_rounds} edit rounds" if args.edit_rounds else ""
+    print(f"masked diffusion: {result.steps} denoising steps{edits}, {result.forwards} forwards in {elapsed:.2f}s "
           "(including compilation)", file=sys.stderr)
     return result.texts
 
