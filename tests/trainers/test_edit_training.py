@@ -193,3 +193,11 @@ def test_add_edit_head_keeps_the_model_and_copies_its_head():
         add_edit_head(edit_model)
     with pytest.raises(ValueError, match="masked diffusion LM"):
         add_edit_head(build_model(ModelConfig.tiny(vocab_size=260), seed=0))
+
+
+def test_medlm_recipe_is_an_edit_model_on_single_byte_digits():
+    from trainers.recipes import load_config
+    cfg = load_config("medlm_sort")
+    assert cfg.algorithm.objective == "edit" and cfg.model.next_token_head and cfg.model.delete_token_id == 260
+    example = cfg.data.source.example(0, "eval")
+    assert len(example["completion"]) == cfg.data.source.length  # one byte per item
