@@ -7,7 +7,8 @@ Three models on the same held-out prompts: the teacher, the **student** (initial
 teacher, trained with SPEED's loss: MLM + lambda tau^2 KL to the sharpened teacher on its correct
 masked positions) and a **control** trained the same steps without the KL term, so the effect of
 distillation is separated from that of more training. Each decodes with LLaDA's fixed schedule
-at 16, 8, 4 and 2 steps and with Slow-Fast in both directions.
+at 16, 8, 4, 2 and 1 steps, with confidence thresholds 0.9 and 0.99 (Fast-dLLM's rule, where a
+sharper model commits more tokens per step) and with Slow-Fast in both directions.
 
     jaxlm train diffusion_sort model.n_layers=6 data.source.length=8 data.seq_len=48 \\
         trainer.steps=2000 trainer.out_dir=runs/diffusion_sort8 trainer.eval_max_new_tokens=16
@@ -62,7 +63,9 @@ def main():
     task = dataclasses.replace(get_config().data.source, length=args.sort_length)
     examples = [task.example(i, "eval") for i in range(args.n)]
     G, L = args.gen_length, args.block_length
-    methods = {f"fixed {s} steps": dict(steps=s) for s in (G, G // 2, G // 4, G // 8)}
+    methods = {f"fixed {s} steps": dict(steps=s) for s in (G, G // 2, G // 4, G // 8, 1)}
+    # sharpening lifts more positions above a confidence threshold (Fast-dLLM's rule): fewer steps
+    methods.update({f"threshold {t}": dict(threshold=t) for t in (0.9, 0.99)})
     for fast in ("low", "high"):
         methods[f"slow-fast ({fast} jointly)"] = dict(
             slow_fast=SlowFast(jsd_threshold=args.jsd_threshold, confidence=args.confidence, fast=fast))

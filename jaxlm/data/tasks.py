@@ -244,6 +244,55 @@ class Sorting(Task):
         return 1.0 / math.factorial(self.length)  # orderings of (distinct) values
 
 
+@TASKS.register("choice")
+@dataclasses.dataclass(frozen=True)
+class Choice(Task):
+    """Copy any one of the ``words`` random words listed in the prompt (``pick abc bca cab:`` ->
+    ``bca``); every listed word is correct and training answers pick one uniformly. The answer
+    distribution is multimodal, so committing several positions from one forward (a masked
+    diffusion LM at few steps) can mix letters of different words: a task on which decoding
+    steps matter."""
+
+    words: int = 3
+    """Words listed in the prompt."""
+    length: int = 6
+    """Letters per word."""
+    letters: str = "abcdefgh"
+    """The alphabet of the words."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, low, high in (("words", 2, 16), ("length", 1, 32)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                raise ValueError(f"choice.{name}={v!r} must be an int in [{low}, {high}]")
+        if (not isinstance(self.letters, str) or len(set(self.letters)) != len(self.letters) or len(self.letters) < 2
+                or any(not c.isalpha() for c in self.letters)):
+            raise ValueError(f"choice.letters={self.letters!r} must be at least 2 distinct letters")
+        if len(self.letters) ** self.length < 4 * self.words:
+            raise ValueError(f"choice.letters={self.letters!r} with length={self.length} has too few words for "
+                             f"words={self.words}")
+
+    def _draw(self, rng):
+        alphabet = list(self.letters)
+        words: list[str] = []
+        while len(words) < self.words:
+            w = "".join(rng.choice(alphabet, self.length))
+            if w not in words:
+                words.append(w)
+        return {"prompt": "pick " + " ".join(words) + ":", "completion": words[int(rng.integers(self.words))],
+                "words": words}
+
+    def split_of(self, ex):
+        return _split_of(ex["prompt"], self.eval_fraction)  # a prompt's every answer is in one split
+
+    def verify(self, example, completion):
+        return float(completion.strip() in example["words"])
+
+    def chance_accuracy(self):
+        return self.words / len(self.letters) ** self.length
+
+
 _NAMES = ("Ada", "Bo", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lena", "Milo", "Nia",
           "Omar", "Pia", "Quin", "Rosa", "Sven", "Tara", "Uma", "Vik", "Wren", "Yara", "Zoë", "José")
 _CITIES = ("Paris", "Lima", "Oslo", "Kyoto", "Cairo", "Quito", "Riga", "Perth", "Dakar", "Bern", "Hanoi", "Porto",

@@ -64,6 +64,26 @@ def test_sorting_without_separator_is_one_byte_per_item():
         Sorting(separator="")
 
 
+def test_choice_accepts_every_listed_word_and_keeps_prompts_in_one_split():
+    from jaxlm.data.tasks import Choice
+    task = Choice(words=3, length=4, letters="abcd")
+    train_prompts = {task.example(i, "train")["prompt"] for i in range(400)}
+    answers = {}
+    for i in range(400):
+        e = task.example(i, "eval")
+        assert e["prompt"] not in train_prompts
+        words = e["prompt"][len("pick "):-1].split(" ")
+        assert words == e["words"] and len(set(words)) == 3 and all(len(w) == 4 and set(w) <= set("abcd") for w in words)
+        assert e["completion"] in words
+        assert all(task.verify(e, w) == 1.0 for w in words) and task.verify(e, "abcx") == 0.0
+        answers[words.index(e["completion"])] = answers.get(words.index(e["completion"]), 0) + 1
+    assert min(answers.values()) > 100  # the answer is drawn uniformly among the words
+    with pytest.raises(ValueError, match="choice.letters"):
+        Choice(letters="aa")
+    with pytest.raises(ValueError, match="choice.words"):
+        Choice(words=1)
+
+
 def test_carry_slip_is_a_flawed_teacher_on_train_demonstrations_only():
     """``carry_slip``: train completions drop the ones carry with that probability; eval
     completions, ``answer`` and `verify` stay correct; other problems are untouched."""

@@ -195,9 +195,10 @@ def test_add_edit_head_keeps_the_model_and_copies_its_head():
         add_edit_head(build_model(ModelConfig.tiny(vocab_size=260), seed=0))
 
 
-def test_medlm_recipe_is_an_edit_model_on_single_byte_digits():
+def test_medlm_recipe_is_an_edit_model_of_the_diffusion_recipe():
+    from jaxlm.models.edit_head import add_edit_head
     from trainers.recipes import load_config
-    cfg = load_config("medlm_sort")
-    assert cfg.algorithm.objective == "edit" and cfg.model.next_token_head and cfg.model.delete_token_id == 260
-    example = cfg.data.source.example(0, "eval")
-    assert len(example["completion"]) == cfg.data.source.length  # one byte per item
+    cfg, base = load_config("medlm_choice"), load_config("diffusion_choice")
+    assert cfg.algorithm.objective == "edit" and cfg.data == base.data
+    edit_model = add_edit_head(build_model(base.model, seed=0))
+    assert edit_model.config == cfg.model  # init_from the diffusion recipe's model after add_edit_head fits
