@@ -9,12 +9,11 @@ prompts each model decodes with mask diffusion alone at S steps, and the edit mo
 S - R steps followed by up to R edit rounds. Accuracy is exact match; "forwards" counts the
 forwards actually run (edit rounds stop once no row changes).
 
-    jaxlm train diffusion_choice
-    python -m jaxlm.models.edit_head runs/diffusion_choice/model runs/medlm_base
-    jaxlm train medlm_choice init_from=runs/medlm_base trainer.out_dir=runs/medlm_stage3
-    jaxlm train medlm_choice init_from=runs/medlm_base algorithm.edit_intermediate_ratio=0 \\
+    (train the base and add the edit head as configs/medlm_sort.py describes, then)
+    jaxlm train medlm_sort init_from=runs/medlm_base trainer.out_dir=runs/medlm_stage3
+    jaxlm train medlm_sort init_from=runs/medlm_base algorithm.edit_intermediate_ratio=0 \\
         trainer.out_dir=runs/medlm_control
-    python bench/medlm_claim.py --edit runs/medlm_stage3/model --control runs/medlm_control/model
+    python bench/medlm_claim.py --edit runs/medlm_stage3/model --control runs/medlm_control/model --n 500
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import json
 import numpy as np
 
 import jaxlm
-from configs.medlm_choice import get_config
+from configs.medlm_sort import get_config
 from jaxlm.inference.diffusion import diffusion_generate
 
 
@@ -48,8 +47,8 @@ def main():
     ap.add_argument("--edit", required=True, help="the stage-3 checkpoint")
     ap.add_argument("--control", required=True, help="the stage-2-only checkpoint of the same length")
     ap.add_argument("--n", type=int, default=500, help="held-out prompts")
-    ap.add_argument("--gen-length", type=int, default=8)
-    ap.add_argument("--budgets", type=int, nargs="*", default=[1, 2, 3, 4, 8], help="total forwards S")
+    ap.add_argument("--gen-length", type=int, default=16)
+    ap.add_argument("--budgets", type=int, nargs="*", default=[2, 4, 8, 16], help="total forwards S")
     ap.add_argument("--rounds", type=int, nargs="*", default=[1, 2, 4], help="edit rounds R taken from S")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

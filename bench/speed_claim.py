@@ -9,17 +9,18 @@ masked positions) and a **control** trained the same steps without the KL term, 
 distillation is separated from that of more training. Each decodes with LLaDA's fixed schedule
 at G, G/2, G/4, G/8 and 1 steps (G the response length), with confidence thresholds 0.9 and
 0.99 (Fast-dLLM's rule, where a sharper model commits more tokens per step) and with Slow-Fast
-in both directions. The first run (sorting eight digits, docs/benchmarks.md) found the task
-decoded in one step, so the default recipe is `configs/diffusion_choice.py`.
+in both directions.
 
-    jaxlm train diffusion_choice
-    jaxlm train diffusion_choice init_from=runs/diffusion_choice/model \\
-        algorithm.teacher=runs/diffusion_choice/model optimizer.lr=5e-4 trainer.steps=500 \\
-        trainer.eval_every=0 trainer.out_dir=runs/speed_choice_student
-    jaxlm train diffusion_choice init_from=runs/diffusion_choice/model optimizer.lr=5e-4 \\
-        trainer.steps=500 trainer.eval_every=0 trainer.out_dir=runs/speed_choice_control
-    python bench/speed_claim.py --teacher runs/diffusion_choice/model \\
-        --student runs/speed_choice_student/model --control runs/speed_choice_control/model
+    jaxlm train diffusion_sort model.n_layers=6 data.source.length=8 data.seq_len=48 \\
+        trainer.steps=2000 trainer.out_dir=runs/diffusion_sort8 trainer.eval_max_new_tokens=16
+    jaxlm train diffusion_sort model.n_layers=6 data.source.length=8 data.seq_len=48 \\
+        init_from=runs/diffusion_sort8/model algorithm.teacher=runs/diffusion_sort8/model optimizer.lr=5e-4 \\
+        trainer.steps=500 trainer.eval_every=0 trainer.out_dir=runs/speed_student
+    jaxlm train diffusion_sort model.n_layers=6 data.source.length=8 data.seq_len=48 \\
+        init_from=runs/diffusion_sort8/model optimizer.lr=5e-4 \\
+        trainer.steps=500 trainer.eval_every=0 trainer.out_dir=runs/speed_control
+    python bench/speed_claim.py --teacher runs/diffusion_sort8/model --student runs/speed_student/model \\
+        --control runs/speed_control/model --n 1000
 """
 
 from __future__ import annotations
@@ -52,14 +53,16 @@ def main():
     ap.add_argument("--student", required=True)
     ap.add_argument("--control", required=True)
     ap.add_argument("--n", type=int, default=1000, help="held-out prompts")
-    ap.add_argument("--recipe", default="diffusion_choice", help="the config whose task the models were trained on")
-    ap.add_argument("--gen-length", type=int, default=8)
-    ap.add_argument("--block-length", type=int, default=8)
+    ap.add_argument("--recipe", default="diffusion_sort", help="the config whose task the models were trained on")
+    ap.add_argument("--set", nargs="*", default=["data.source.length=8"], metavar="KEY=VALUE",
+                    help="overrides of the recipe's task, as given to jaxlm train")
+    ap.add_argument("--gen-length", type=int, default=16)
+    ap.add_argument("--block-length", type=int, default=16)
     ap.add_argument("--jsd-threshold", type=float, default=0.05)
     ap.add_argument("--confidence", type=float, default=0.5)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    task = load_config(args.recipe).data.source
+    task = load_config(args.recipe, args.set).data.source
     examples = [task.example(i, "eval") for i in range(args.n)]
     G, L = args.gen_length, args.block_length
     methods = {f"fixed {s} steps": dict(steps=s) for s in sorted({G, G // 2, G // 4, G // 8, 1} - {0}, reverse=True)}

@@ -198,7 +198,8 @@ def test_add_edit_head_keeps_the_model_and_copies_its_head():
 def test_medlm_recipe_is_an_edit_model_of_the_diffusion_recipe():
     from jaxlm.models.edit_head import add_edit_head
     from trainers.recipes import load_config
-    cfg, base = load_config("medlm_choice"), load_config("diffusion_choice")
-    assert cfg.algorithm.objective == "edit" and cfg.data == base.data
+    cfg = load_config("medlm_sort")
+    base = load_config("diffusion_sort", ["model.n_layers=6", "data.source.length=8", "data.seq_len=48"])
+    assert cfg.algorithm.objective == "edit" and cfg.data.source == base.data.source
     edit_model = add_edit_head(build_model(base.model, seed=0))
     assert edit_model.config == cfg.model  # init_from the diffusion recipe's model after add_edit_head fits
