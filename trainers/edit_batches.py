@@ -115,7 +115,7 @@ def intermediate_batch(batch: dict[str, np.ndarray], rng: np.random.Generator, m
     T = batch["tokens"].shape[1]
     rows = split_rows(batch)
     B = len(rows)
-    P = max(len(prompt) for prompt, _ in rows)
+    P = -(-max(len(prompt) for prompt, _ in rows) // 8) * 8  # left-padded to a multiple of 8: few compiled shapes
     prompts, prompt_valid = np.zeros((B, P), np.int32), np.zeros((B, P), bool)
     answers, answer_valid = np.full((B, T), eos_id, np.int32), np.zeros((B, T), bool)
     weights, cleans = [], []
