@@ -158,7 +158,8 @@ def test_sampler_edit_rounds_match_a_host_loop(edit_model):
         assert edited.completions[b] == ref, b
         assert int(edited.edits[b]) == n_changed
     assert edited.forwards == plain.forwards + edited.edit_rounds
-    assert 1 <= edited.edit_rounds <= 3 and edited.flops > plain.flops
+    # changes stop at a fixed point, so the loop runs one round past the longest-changing row, at most 3
+    assert edited.edit_rounds == min(3, int(edited.edits.max()) + 1) and edited.flops > plain.flops
     assert edited.edits.sum() > 0  # the random model does edit
 
 

@@ -53,7 +53,10 @@ def test_mask_batch_labels_follow_the_masks():
             np.testing.assert_array_equal(out["cur_labels"][b], np.where(masked, batch["tokens"][b], IGNORE))
             np.testing.assert_array_equal(out["next_labels"][b], np.append(out["cur_labels"][b][1:], IGNORE))
             np.testing.assert_array_equal(out["segment_ids"][b], batch["segment_ids"][b])
-            assert 1.0 <= out["weight"][b] <= 1 / 1e-3
+            # the same draws again: the weight is exactly 1 / p and the masks are the drawn ones
+            p, drawn = edit_batches._draw_masks(edit_batches.split_rows(batch), np.random.default_rng(seed), 1e-3)[b]
+            assert out["weight"][b] == pytest.approx(1 / p, rel=1e-6)
+            np.testing.assert_array_equal(masked[trained], drawn)
     # the masking rate is p = 1 / weight: over many draws the masked fraction matches it
     rng = np.random.default_rng(0)
     big = {k: np.repeat(v, 500, 0) for k, v in batch.items()}
