@@ -473,6 +473,14 @@ class ExperimentConfig:
         elif self.model.mode == "diffusion":
             raise ValueError(f"model.mode='diffusion' is trained with algorithm=DiffusionConfig(), not "
                              f"{self.algorithm.name!r}")
+        if isinstance(self.algorithm, SFTConfig) and self.algorithm.distill is not None \
+                and self.algorithm.distill.on_policy:
+            if self.data.pack:
+                raise ValueError("algorithm.distill.on_policy needs data.pack=False (one example per row, its "
+                                 "completion resampled by the student)")
+            if self.algorithm.pear is not None:
+                raise ValueError("algorithm.distill.on_policy does not combine with algorithm.pear: PEAR's "
+                                 "behaviour log-probs are those of the data's tokens, not the student's samples")
         if isinstance(self.algorithm, (SFTConfig, DiffusionConfig)) and self.data.batch_size % self.trainer.grad_accum:
             raise ValueError(
                 f"data.batch_size={self.data.batch_size} is not divisible by "

@@ -27,6 +27,7 @@ from jaxlm.eval import task_accuracy
 from jaxlm.sharding import model_shardings, place, to_host
 from trainers.algorithm import ALGORITHMS, RunSetup
 from trainers.config import ConfigError
+from trainers.distill import on_policy
 from trainers.distill.loss import make_distill_loss_fn
 from trainers.evaluate import heldout_metrics
 from trainers.losses import TOKEN_WEIGHTS
@@ -107,6 +108,8 @@ class SFT:
             teacher = load_teacher(d.teacher, setup.model, setup.tokenizer)
             teacher_graphdef, tstate = nnx.split(teacher)
             self._teacher = place(nnx.to_pure_dict(tstate), nnx.to_pure_dict(model_shardings(teacher, mesh)))
+        if d is not None and d.on_policy and jax.process_count() > 1:
+            raise ConfigError("algorithm.distill.on_policy samples on one process (trainer.multihost=false)")
         if d is not None or a.pear is not None:
             loss_fn = make_distill_loss_fn(self.graphdef, sliding_window=window, distill=d, pear=a.pear,
                                            teacher_graphdef=teacher_graphdef, vocab_size=setup.model.config.vocab_size)
@@ -145,6 +148,18 @@ class SFT:
             batch, info = self.scheduler.next(state.params, state.opt_state)
         else:
             batch = next(self.batches)
+        d = self.cfg.algorithm.distill
+        if d is not None and d.on_policy:
+            # whether and how this batch is resampled is fixed by (seed, step): resume rebuilds it
+            rng = np.random.default_rng([self.cfg.trainer.seed, k, 2])
+            sampled = rng.random() < d.on_policy
+            info["on_policy"] = float(sampled)
+            if sampled:
+                batch, sample_info = on_policy.sample_rows(
+                    nnx.merge(self.graphdef, state.params), batch, seed=int(rng.integers(2**31)),
+                    temperature=d.on_policy_temperature, max_new_tokens=d.on_policy_max_new_tokens,
+                    eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id or 0)
+                info.update(sample_info)
         missing = [f for f in self._fields if f not in batch]
         if missing:
             raise ConfigError(

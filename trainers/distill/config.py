@@ -46,6 +46,14 @@ class DistillConfig:
     """TPA's divergence: joint_bucket is the KL of the two-step joint distributions, the pairs whose
     first token is not the data token lumped into one bin; product is the card's literal
     sum over v of P(y, v) log P(y, v) / Q(y, v) (no bin for other first tokens) [INFERRED]."""
+    on_policy: float = 0.0
+    """lambda: the probability that a batch's completions are replaced by the live student's own
+    samples (GKD, Agarwal et al. 2024; `trainers.distill.on_policy`), so the divergence and TPA run
+    along the student's tokens; 0: along the data only. Needs data.pack=False and ce_weight=0."""
+    on_policy_temperature: float = 1.0
+    """Sampling temperature of the on-policy completions (0: greedy)."""
+    on_policy_max_new_tokens: int | None = None
+    """Longest on-policy completion (None: the slots a row leaves after its prompt)."""
     chunk_rows: int = 512
     """Rows (tokens) of logits per chunk when the float32 [B, T, V] logits exceed
     trainers.step.CHUNKED_LOSS_BYTES."""
@@ -69,6 +77,22 @@ class DistillConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"algorithm.distill.{name}={v!r} is invalid: must be a finite number >= 0")
+        for name in ("on_policy", "on_policy_temperature"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"algorithm.distill.{name}={v!r} is invalid: must be a finite number >= 0")
+        if self.on_policy > 1:
+            raise ValueError(f"algorithm.distill.on_policy={self.on_policy!r} is invalid: a probability in [0, 1]")
+        m = self.on_policy_max_new_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"algorithm.distill.on_policy_max_new_tokens={m!r} is invalid: must be an int >= 1 or "
+                             "None")
+        if self.on_policy and self.teacher_logprobs == "offline":
+            raise ValueError("algorithm.distill.on_policy needs a live teacher: stored top-K log-probs "
+                             "(teacher_logprobs='offline') cover only the data's tokens, not the student's samples")
+        if self.on_policy and self.ce_weight:
+            raise ValueError(f"algorithm.distill.on_policy={self.on_policy} with ce_weight={self.ce_weight}: the "
+                             "cross-entropy would train the student on its own samples; use ce_weight=0")
         if not self.temperature > 0:
             raise ValueError(f"algorithm.distill.temperature={self.temperature!r} is invalid: must be > 0")
         if not 0 < self.jsd_beta < 1:
