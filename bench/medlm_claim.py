@@ -24,8 +24,8 @@ import json
 import numpy as np
 
 import jaxlm
-from configs.medlm_sort import get_config
 from jaxlm.inference.diffusion import diffusion_generate
+from trainers.recipes import load_config
 
 
 def accuracy(model, examples, task, *, gen_length: int, steps: int, edit_rounds: int, batch: int = 250):
@@ -47,12 +47,15 @@ def main():
     ap.add_argument("--edit", required=True, help="the stage-3 checkpoint")
     ap.add_argument("--control", required=True, help="the stage-2-only checkpoint of the same length")
     ap.add_argument("--n", type=int, default=500, help="held-out prompts")
+    ap.add_argument("--recipe", default="medlm_sort", help="the config whose task the models were trained on")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="overrides of the recipe's task, as given to jaxlm train")
     ap.add_argument("--gen-length", type=int, default=16)
     ap.add_argument("--budgets", type=int, nargs="*", default=[2, 4, 8, 16], help="total forwards S")
     ap.add_argument("--rounds", type=int, nargs="*", default=[1, 2, 4], help="edit rounds R taken from S")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    task = get_config().data.source
+    task = load_config(args.recipe, args.set).data.source
     examples = [task.example(i, "eval") for i in range(args.n)]
     models = {"edit": jaxlm.load_model(args.edit), "control": jaxlm.load_model(args.control)}
     rows = []

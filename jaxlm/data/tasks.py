@@ -244,6 +244,104 @@ class Sorting(Task):
         return 1.0 / math.factorial(self.length)  # orderings of (distinct) values
 
 
+@TASKS.register("prefix_sums")
+@dataclasses.dataclass(frozen=True)
+class PrefixSums(Task):
+    """Running sums mod ``modulus`` of ``length`` digits (modulus 10: ``sums 3856:`` -> ``3162``,
+    i.e. 3, 3+8, 3+8+5, ... mod 10; modulus 2: running parities of bits).
+
+    Each answer digit is the previous answer digit plus one prompt digit, but from the prompt
+    alone it is the sum of a whole prefix. A small model learns the one-step rule, not long sums,
+    so committing several answer positions from one forward (a masked diffusion LM at few steps)
+    gets the later ones wrong, while the errors stay one-token substitutions: a task on which
+    decoding steps matter and a draft can be repaired in place."""
+
+    length: int = 8
+    """Digits in the prompt and in the answer."""
+    modulus: int = 10
+    """Digits are in ``[0, modulus)`` and the sums are taken mod ``modulus`` (2-10)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, low, high in (("length", 1, 32), ("modulus", 2, 10)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                raise ValueError(f"prefix_sums.{name}={v!r} must be an int in [{low}, {high}]")
+
+    def answer(self, digits) -> str:
+        return "".join(str(int(s) % self.modulus) for s in np.cumsum(digits))
+
+    def _draw(self, rng):
+        xs = [int(x) for x in rng.integers(0, self.modulus, self.length)]
+        return {"prompt": "sums " + "".join(map(str, xs)) + ":", "completion": self.answer(xs), "values": xs}
+
+    def verify(self, example, completion):
+        return float(completion.strip() == self.answer(example["values"]))
+
+    def chance_accuracy(self):
+        return float(self.modulus) ** -self.length
+
+
+@TASKS.register("pointer_walk")
+@dataclasses.dataclass(frozen=True)
+class PointerWalk(Task):
+    """Follow a pointer table: the prompt lists ``x y`` pairs of a random cyclic permutation ``f`` of
+    the digits ``0 .. symbols-1`` in shuffled order and a start ``s``; the answer is ``f(s), f(f(s)),
+    ...`` for ``hops`` steps (``walk 12 20 01 from 0:`` -> ``120`` with ``hops=3``).
+
+    With the previous answer digit in view, the next one is a single lookup in the table (an
+    induction-head copy), but from the prompt alone the ``i``-th digit needs ``i`` lookups: so
+    committing several answer positions from one forward (a masked diffusion LM at few steps)
+    gets later digits wrong, while each error is a one-token substitution that a draft-level
+    look at its neighbour can repair. With ``one_cycle`` ``f`` is one cycle through all the
+    symbols, so every walk is equally long before it repeats, but an answer of ``symbols`` hops
+    then holds each symbol once and a missing digit can be read off the others without a lookup;
+    otherwise ``f`` is a uniformly random function."""
+
+    symbols: int = 8
+    """Digits in the table (2-10)."""
+    hops: int = 8
+    """Answer digits: how many times ``f`` is applied."""
+    one_cycle: bool = True
+    """``f`` is a cyclic permutation (True) or a uniformly random function (False)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, low, high in (("symbols", 2, 10), ("hops", 1, 32)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                raise ValueError(f"pointer_walk.{name}={v!r} must be an int in [{low}, {high}]")
+        if not isinstance(self.one_cycle, bool):
+            raise ValueError(f"pointer_walk.one_cycle={self.one_cycle!r} must be a bool")
+
+    def answer(self, table, start: int) -> str:
+        """The walk from ``start``; ``table[x]`` is ``f(x)``."""
+        out, x = [], start
+        for _ in range(self.hops):
+            x = table[x]
+            out.append(str(x))
+        return "".join(out)
+
+    def _draw(self, rng):
+        if self.one_cycle:
+            cycle = [int(v) for v in rng.permutation(self.symbols)]
+            table = [0] * self.symbols
+            for i in range(self.symbols):
+                table[cycle[i]] = cycle[(i + 1) % self.symbols]
+        else:
+            table = [int(v) for v in rng.integers(0, self.symbols, self.symbols)]
+        listed = [int(k) for k in rng.permutation(self.symbols)]
+        start = int(rng.integers(self.symbols))
+        prompt = "walk " + " ".join(f"{k}{table[k]}" for k in listed) + f" from {start}:"
+        return {"prompt": prompt, "completion": self.answer(table, start), "table": table, "start": start}
+
+    def verify(self, example, completion):
+        return float(completion.strip() == self.answer(example["table"], example["start"]))
+
+    def chance_accuracy(self):
+        return float(self.symbols) ** -self.hops
+
+
 @TASKS.register("choice")
 @dataclasses.dataclass(frozen=True)
 class Choice(Task):

@@ -84,6 +84,73 @@ def test_choice_accepts_every_listed_word_and_keeps_prompts_in_one_split():
         Choice(words=1)
 
 
+def test_prefix_sums_are_running_sums_mod_the_modulus():
+    from jaxlm.data.tasks import PrefixSums
+    assert PrefixSums().answer([3, 8, 5, 6]) == "3162"  # 3, 11, 16, 22 mod 10
+    parity = PrefixSums(length=6, modulus=2)
+    assert parity.answer([1, 0, 1, 1, 0, 1]) == "110110"
+    for modulus in (2, 3, 10):
+        task = PrefixSums(length=12, modulus=modulus)
+        for i in range(50):
+            e = task.example(i, "eval")
+            digits = [int(c) for c in e["prompt"][len("sums "):-1]]
+            assert digits == e["values"] and len(digits) == 12 and max(digits) < modulus
+            running, expected = 0, ""
+            for d in digits:  # the definition, one step at a time
+                running = (running + d) % modulus
+                expected += str(running)
+            assert e["completion"] == expected and task.verify(e, " " + expected + "\n") == 1.0
+            wrong = expected[:-1] + str((int(expected[-1]) + 1) % modulus)
+            assert task.verify(e, wrong) == 0.0 and task.verify(e, expected[:-1]) == 0.0
+    assert PrefixSums(length=4, modulus=2).chance_accuracy() == 1 / 16
+    for bad in (dict(modulus=1), dict(modulus=11), dict(length=0), dict(length=True)):
+        with pytest.raises(ValueError, match="prefix_sums." + next(iter(bad))):
+            PrefixSums(**bad)
+
+
+def test_pointer_walk_follows_the_listed_table_from_the_start():
+    from jaxlm.data.tasks import PointerWalk
+    task = PointerWalk(symbols=3, hops=3)
+    assert task.answer([2, 0, 1], 0) == "210"  # f(0) = 2, f(2) = 1, f(1) = 0
+    for symbols, hops in ((8, 8), (5, 12), (10, 3)):
+        task = PointerWalk(symbols=symbols, hops=hops)
+        for i in range(50):
+            e = task.example(i, "train")
+            head, start = e["prompt"][len("walk "):-1].split(" from ")
+            pairs = head.split(" ")
+            table = {int(p[0]): int(p[1]) for p in pairs}  # parsed from the text, not the stored field
+            assert sorted(table) == list(range(symbols)) and sorted(table.values()) == list(range(symbols))
+            x, seen = int(start), []
+            for _ in range(symbols):  # one cycle through every symbol
+                x = table[x]
+                seen.append(x)
+            assert sorted(seen) == list(range(symbols)) and x == int(start)
+            x, expected = int(start), ""
+            for _ in range(hops):
+                x = table[x]
+                expected += str(x)
+            assert e["completion"] == expected and task.verify(e, expected + " ") == 1.0
+            assert task.verify(e, expected[:-1] + str((x + 1) % symbols)) == 0.0
+    function = PointerWalk(symbols=6, hops=8, one_cycle=False)
+    images = set()
+    for i in range(50):
+        e = function.example(i, "train")
+        head, start = e["prompt"][len("walk "):-1].split(" from ")
+        table = {int(p[0]): int(p[1]) for p in head.split(" ")}
+        assert sorted(table) == list(range(6))
+        images.add(len(set(table.values())))
+        x, expected = int(start), ""
+        for _ in range(8):
+            x = table[x]
+            expected += str(x)
+        assert e["completion"] == expected and function.verify(e, expected) == 1.0
+    assert min(images) < 6  # a function, not always a permutation
+    assert PointerWalk(symbols=4, hops=2).chance_accuracy() == 1 / 16
+    for bad in (dict(symbols=1), dict(symbols=11), dict(hops=0), dict(one_cycle=1)):
+        with pytest.raises(ValueError, match="pointer_walk." + next(iter(bad))):
+            PointerWalk(**bad)
+
+
 def test_carry_slip_is_a_flawed_teacher_on_train_demonstrations_only():
     """``carry_slip``: train completions drop the ones carry with that probability; eval
     completions, ``answer`` and `verify` stay correct; other problems are untouched."""
