@@ -21,6 +21,7 @@ from trainers.distill.config import DistillConfig
 from trainers.losses import TOKEN_WEIGHTS
 from trainers.pear import PEARConfig
 from trainers.schedule.config import ScheduleConfig
+from trainers.rl.camel import CamelConfig
 from trainers.rl.environments import RPSConfig
 from trainers.rl.registries import check_grpo_config
 
@@ -405,6 +406,8 @@ class GRPOConfig:
     """Multi-turn collectors' environment (rps_memory: MemoPilot's Rock-Paper-Scissors)."""
     agent: AgentTaskConfig | None = None
     """collector='agent': the tool-use task (`jaxlm.agents.tasks`) and the loop's budgets."""
+    camel: CamelConfig | None = None
+    """collector='camel': CAMEL's counterfactual verdict prefixes (None: CamelConfig())."""
 
     def __post_init__(self):
         check_grpo_config(self)

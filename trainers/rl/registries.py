@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import trainers.rl.agent  # noqa: F401  (registers the agent collector)
+import trainers.rl.camel  # noqa: F401  (registers the camel collector)
 import trainers.rl.ccc  # noqa: F401  (registers the CCC-GRPO rewards)
 import trainers.rl.counterfactual  # noqa: F401  (registers counterfactual_bonus)
 import trainers.rl.memopilot  # noqa: F401  (registers the rps_memory collector)
@@ -79,5 +80,10 @@ def check_grpo_config(c) -> None:
         raise ValueError(f"GRPOConfig.qpas_quantile={c.qpas_quantile!r} must be in [0, 1)")
     if getattr(c, "prefix", None) is not None and c.collector != "single_turn":
         raise ValueError(f"GRPOConfig.prefix (PrefixRL) needs collector='single_turn', got {c.collector!r}")
+    camel = getattr(c, "camel", None)
+    if camel is not None and not isinstance(camel, trainers.rl.camel.CamelConfig):
+        raise ValueError(f"GRPOConfig.camel must be a CamelConfig or None, got {type(camel).__name__}")
+    if camel is not None and c.collector != "camel":
+        raise ValueError(f"GRPOConfig.camel (CAMEL's verdict prefixes) needs collector='camel', got {c.collector!r}")
     if c.collector == "agent" and getattr(c, "agent", None) is None:
         raise ValueError("GRPOConfig.collector='agent' needs GRPOConfig.agent=AgentTaskConfig(...) (the task and budgets)")

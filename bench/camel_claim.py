@@ -1,0 +1,79 @@
+"""CAMEL's claims in miniature (method card B.7): the confidence-gated judge matches
+always-reflect accuracy with fewer generated tokens, and GRPO with counterfactual verdict
+prefixes teaches the reflection to revise a wrong initial verdict rather than rubber-stamp it.
+
+Judges of `jaxlm.data.judging.SumJudging` (which of two answers to ``a+b=`` is right), on the
+same held-out pairs:
+
+* the gate curve (`jaxlm.eval.camel.gate_curve` over one always-reflect run): accuracy and
+  generated tokens per judgment at tau = 0 (never reflect), at quantiles of the verdict margin
+  and at tau = inf (always reflect);
+* revision: greedy reflections after a forced initial verdict, the right one and the wrong one;
+  the final verdict's accuracy after the wrong one is the revision rate (0: rubber-stamping).
+
+    jaxlm train camel_sft && jaxlm train camel_grpo
+    python bench/camel_claim.py --judge sft=runs/camel_sft/model --judge camel=runs/camel_grpo/model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+import jaxlm
+from jaxlm.data.judging import SumJudging
+from jaxlm.eval.camel import CamelTemplate, final_verdict, gate_curve, gated_judge
+from jaxlm.inference.sampler import generate
+
+
+def forced(model, examples, verdicts, template: CamelTemplate, max_tokens: int) -> float:
+    """Final-verdict accuracy of greedy reflections after the given initial ``verdicts``."""
+    letters = (template.judge.first, template.judge.second)
+    prompts = [e["prompt"] + letters[v] + template.reflect for e, v in zip(examples, verdicts)]
+    out = generate(model, prompts, max_new_tokens=max_tokens, temperature=0.0)
+    return float(np.mean([final_verdict(t, template) == e["answer"] for e, t in zip(examples, out.texts)]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--judge", action="append", required=True, metavar="NAME=PATH", help="a judge checkpoint")
+    ap.add_argument("--n", type=int, default=400, help="held-out pairs")
+    ap.add_argument("--digits", type=int, default=2)
+    ap.add_argument("--max-reflection-tokens", type=int, default=24)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    task = SumJudging(digits=args.digits)
+    examples = [task.example(i, "eval") for i in range(args.n)]
+    labels = np.asarray([e["answer"] for e in examples])
+    cols = {k: [e[k] for e in examples] for k in ("question", "first", "second")}
+    results = {}
+    for spec in args.judge:
+        name, path = spec.split("=", 1)
+        model = jaxlm.load_model(path)
+        always = gated_judge(model, cols["question"], cols["first"], cols["second"], tau=float("inf"),
+                             max_reflection_tokens=args.max_reflection_tokens)
+        qs = (0.25, 0.5, 0.75, 0.9)
+        taus = [0.0] + [float(np.quantile(always.margin, q)) for q in qs] + [float("inf")]
+        curve = gate_curve(always, labels, taus)
+        full = curve[-1]
+        enough = [c for c in curve if c["accuracy"] >= full["accuracy"] - 0.01]
+        best = min(enough, key=lambda c: c["tokens"])
+        after_right = forced(model, examples, labels, task.template, args.max_reflection_tokens)
+        after_wrong = forced(model, examples, 1 - labels, task.template, args.max_reflection_tokens)
+        results[name] = {"curve": curve, "gated": best, "after_right": after_right, "after_wrong": after_wrong}
+        print(f"{name}: margin quantiles {', '.join(f'{q}: {t:.3f}' for q, t in zip(qs, taus[1:-1]))}")
+        for label, c in zip(["never"] + [f"q{q}" for q in qs] + ["always"], curve):
+            print(f"  tau {label:7s} {c['tau']:8.3f}  accuracy {c['accuracy']:.3f}  tokens {c['tokens']:6.2f}  "
+                  f"reflect {c['reflect_rate']:.2f}")
+        print(f"  fewest tokens within 1 point of always-reflect: tau {best['tau']:.3f}, accuracy "
+              f"{best['accuracy']:.3f}, {best['tokens']:.2f} tokens vs {full['tokens']:.2f} "
+              f"({best['tokens'] / full['tokens']:.2f}x)")
+        print(f"  final verdict after a forced right / wrong initial verdict: {after_right:.3f} / {after_wrong:.3f}")
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""CAMEL's training pieces (method card B.7): the judging task's format and verifier, the
+counterfactual verdict prefixes (the policy's own greedy verdict, as `gated_judge` takes it, or
+the other letter), and the camel collector's rows and rewards through the GRPO trainer."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm.data.judging import SumJudging
+from jaxlm.data.pipeline import DataConfig
+from jaxlm.eval.camel import CamelTemplate, gated_judge
+from jaxlm.eval.judge import pairwise_prompts
+from trainers.config import CamelConfig, ExperimentConfig, GRPOConfig, OptimizerConfig, TrainerConfig
+from trainers.loop import make_tokenizer, train
+from trainers.rl.camel import CamelCollector, verdict_prefixes
+from trainers.rl.loop import GRPOTrainer
+
+TOK = make_tokenizer("byte")
+MODEL = jaxlm.ModelConfig.tiny(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=1, max_seq_len=128)
+
+
+def test_sum_judging_examples_are_camel_judgments_of_a_sum():
+    task = SumJudging(digits=2)
+    seen = set()
+    for i in range(200):
+        e = task.example(i, "train")
+        a, b = e["operands"]
+        shown = [int(e["first"]), int(e["second"])]
+        right, wrong = shown[e["answer"]], shown[1 - e["answer"]]
+        assert right == a + b and abs(wrong - right) in (1, 10) and wrong >= 0
+        assert e["prompt"] == pairwise_prompts([f"{a}+{b}="], [e["first"]], [e["second"]])[0]
+        letter = "AB"[e["answer"]]
+        assert e["completion"] == f"{letter}\nWhy: {a}+{b}={a + b}\nFinal: {letter}"
+        assert task.verify(e, e["completion"]) == 1.0
+        other = "AB"[1 - e["answer"]]
+        assert task.verify(e, f"{letter}\nWhy: ...\nFinal: {other}") == 0.0  # the last final verdict counts
+        assert task.verify(e, f"{other}\nWhy: x\nFinal: {other}\nFinal: {letter}") == 1.0
+        assert task.verify(e, letter) == 0.0  # no final verdict: no credit
+        seen.add(e["answer"])
+    assert seen == {0, 1}
+    revising = SumJudging(revise_fraction=0.5)
+    kinds = []
+    for i in range(200):
+        e = revising.example(i, "train")
+        a, b = e["operands"]
+        right, wrong = "AB"[e["answer"]], "AB"[1 - e["answer"]]
+        assert e["judge_prompt"] == pairwise_prompts([f"{a}+{b}="], [e["first"]], [e["second"]])[0]
+        if e["revision"]:  # the wrong verdict is context; the completion corrects it
+            assert e["prompt"] == e["judge_prompt"] + wrong + "\nWhy: "
+            assert e["completion"] == f"{a}+{b}={a + b}\nFinal: {right}"
+        else:
+            assert e["prompt"] == e["judge_prompt"] and e["completion"].startswith(right + "\nWhy: ")
+        assert revising.verify(e, e["completion"]) == 1.0
+        kinds.append(e["revision"])
+    assert 0.35 < np.mean(kinds) < 0.65
+    for bad, match in ((dict(digits=0), "digits"), (dict(wrong_offsets=()), "wrong_offsets"),
+                       (dict(wrong_offsets=(0,)), "wrong_offsets"), (dict(revise_fraction=2), "revise_fraction")):
+        with pytest.raises(ValueError, match=match):
+            SumJudging(**bad)
+
+
+@pytest.fixture(scope="module")
+def judge():
+    return jaxlm.build_model(MODEL, seed=1, tokenizer=TOK)
+
+
+def test_verdict_prefixes_are_the_judges_own_verdict_or_the_other(judge):
+    task = SumJudging()
+    examples = [task.example(i) for i in range(12)]
+    # the reference: gated_judge at tau = 0 (never reflects) reports the one-token verdicts
+    ref = gated_judge(judge, [e["question"] for e in examples], [e["first"] for e in examples],
+                      [e["second"] for e in examples], tau=0.0).initial
+    template = CamelTemplate()
+    kept, own, flipped = verdict_prefixes(judge, TOK, examples, template=template, flip_prob=0.0,
+                                          rng=np.random.default_rng(0))
+    np.testing.assert_array_equal(own, ref)
+    assert not flipped.any() and [k["initial"] for k in kept] == ref.tolist()
+    assert [k["prefix"] for k in kept] == ["AB"[v] + "\nWhy: " for v in ref]
+    forced, _, flipped = verdict_prefixes(judge, TOK, examples, template=template, flip_prob=1.0,
+                                          rng=np.random.default_rng(0))
+    assert flipped.all() and [k["initial"] for k in forced] == (1 - ref).tolist()
+    half, _, flipped = verdict_prefixes(judge, TOK, examples * 20, template=template, flip_prob=0.5,
+                                        rng=np.random.default_rng(0))
+    assert 0.35 < flipped.mean() < 0.65
+    revisions = [e for e in (SumJudging(revise_fraction=1.0).example(i) for i in range(12))]
+    prefixed, own, _ = verdict_prefixes(judge, TOK, revisions, template=template, flip_prob=0.0,
+                                        rng=np.random.default_rng(0))
+    assert [p["prompt"] for p in prefixed] == [e["judge_prompt"] for e in revisions]  # the bare prompt, re-prefixed
+    with pytest.raises(ValueError, match="no 'answer'"):
+        verdict_prefixes(judge, TOK, [{"prompt": "x"}], template=template, flip_prob=0.5,
+                         rng=np.random.default_rng(0))
+
+
+def _cfg(out, steps=2, **algo):
+    return ExperimentConfig(
+        model=MODEL, data=DataConfig(source=SumJudging(), seq_len=88, batch_size=4, pack=False),
+        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant", weight_decay=0.0),
+        trainer=TrainerConfig(out_dir=str(out), steps=steps, progress=False, log_every=1, eval_every=0,
+                              save_every=100, eval_generate=0),
+        algorithm=GRPOConfig(num_generations=2, max_new_tokens=24, mu=1, collector="camel", **algo),
+    )
+
+
+def test_camel_rollouts_continue_after_the_verdict_and_are_scored_with_it(judge, tmp_path):
+    cfg = _cfg(tmp_path, camel=CamelConfig(flip_prob=0.5))
+    trainer = GRPOTrainer(cfg, judge, TOK)
+    col = trainer.collector
+    assert isinstance(col, CamelCollector)
+    state = trainer.init_state()
+    exp = col(state.params, 3, jax.random.key(0))
+    G, B = 2, 4
+    P = cfg.data.seq_len - cfg.algorithm.max_new_tokens
+    rows = exp.rows
+    for r in range(B * G):
+        ex = col._prefixed(3 * B + r // G)
+        assert ex["prompt"] == SumJudging().example(3 * B + r // G)["prompt"]  # the data source's order
+        ids = TOK.encode(ex["prompt"] + ex["prefix"], add_bos=True)
+        assert rows["tokens"][r, P - len(ids):P].tolist() == ids  # the verdict sits in the prompt block
+        assert not rows["loss_mask"][r, :P].any() and rows["loss_mask"][r, P:].sum() == rows["lengths"][r]
+        text = TOK.decode(rows["completion"][r, :rows["lengths"][r]])
+        assert exp.rewards.reshape(-1)[r] == SumJudging().verify(ex, ex["prefix"] + text)
+    assert {"camel/own_correct", "camel/flipped", "camel/final_after_right", "camel/final_after_wrong"} <= set(
+        exp.metrics)
+    first = [col._prefixed(3 * B + i)["initial"] for i in range(B)]
+    col(state.params, 3, jax.random.key(1))  # (seed, iteration) fixes the verdicts and flips
+    assert [col._prefixed(3 * B + i)["initial"] for i in range(B)] == first
+
+
+def test_camel_grpo_trains_through_the_harness(tmp_path):
+    result = train(_cfg(tmp_path / "run", steps=2))  # camel=None: CamelConfig()
+    assert result.step == 2
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_recs = [r for r in recs if r["kind"] == "train"]
+    assert len(train_recs) == 2 and all(np.isfinite(r["loss"]) and "camel/flipped" in r for r in train_recs)
+
+
+def test_camel_settings_are_checked():
+    with pytest.raises(ValueError, match="flip_prob"):
+        CamelConfig(flip_prob=1.5)
+    with pytest.raises(ValueError, match="needs collector='camel'"):
+        GRPOConfig(camel=CamelConfig())
