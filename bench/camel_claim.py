@@ -18,6 +18,7 @@ same held-out pairs:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
@@ -26,6 +27,7 @@ import jaxlm
 from jaxlm.data.judging import SumJudging
 from jaxlm.eval.camel import CamelTemplate, final_verdict, gate_curve, gated_judge
 from jaxlm.inference.sampler import generate
+from trainers.recipes import load_config
 
 
 def forced(model, examples, verdicts, template: CamelTemplate, max_tokens: int) -> float:
@@ -40,11 +42,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--judge", action="append", required=True, metavar="NAME=PATH", help="a judge checkpoint")
     ap.add_argument("--n", type=int, default=400, help="held-out pairs")
-    ap.add_argument("--digits", type=int, default=2)
+    ap.add_argument("--recipe", default="camel_sft", help="the config whose judging task the judges learned")
     ap.add_argument("--max-reflection-tokens", type=int, default=24)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    task = SumJudging(digits=args.digits)
+    task = dataclasses.replace(load_config(args.recipe).data.source, revise_fraction=0.0)
+    if not isinstance(task, SumJudging):
+        raise SystemExit(f"{args.recipe}'s data.source is {type(task).__name__}, not SumJudging")
     examples = [task.example(i, "eval") for i in range(args.n)]
     labels = np.asarray([e["answer"] for e in examples])
     cols = {k: [e[k] for e in examples] for k in ("question", "first", "second")}
