@@ -47,9 +47,10 @@ class GatedJudgment:
 
 
 def final_verdict(text: str, template: CamelTemplate) -> int | None:
-    """The verdict after the last ``template.final`` in ``text`` (None when there is none)."""
+    """The verdict after the last ``template.final`` in ``text`` (None when there is none); the
+    letter must end there (``Final: A0`` names no verdict)."""
     letters = re.escape(template.judge.first) + "|" + re.escape(template.judge.second)
-    found = re.findall(re.escape(template.final) + "(" + letters + ")", text)
+    found = re.findall(re.escape(template.final) + "(" + letters + r")(?!\w)", text)
     if not found:
         return None
     return 0 if found[-1] == template.judge.first else 1
