@@ -14,22 +14,22 @@ walks of ``symbols`` hops hold each digit once) the model learned the shortcut i
 missing digit is the one the other positions lack.
 """
 
+import dataclasses
+
+from configs.diffusion_sort import get_config as sort_config
 from jaxlm.data.pipeline import DataConfig
 from jaxlm.data.tasks import PointerWalk
-from jaxlm.models.config import ModelConfig
-from trainers.config import DiffusionConfig, ExperimentConfig, OptimizerConfig, TrainerConfig
+from trainers.config import ExperimentConfig
 
 
 def get_config() -> ExperimentConfig:
-    return ExperimentConfig(
-        model=ModelConfig.tiny(vocab_size=260, d_model=128, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=384,
-                               max_seq_len=64, mode="diffusion", mask_token_id=259),
+    """`configs/diffusion_sort.py`'s model at 6 layers and trainer, on pointer walks."""
+    base = sort_config()
+    return dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, n_layers=6),
         data=DataConfig(source=PointerWalk(symbols=6, hops=8, one_cycle=False), seq_len=48, batch_size=64),
-        optimizer=OptimizerConfig(lr=2e-3, warmup_steps=50, min_lr_ratio=0.05, weight_decay=0.01),
-        trainer=TrainerConfig(
-            steps=6000, out_dir="runs/diffusion_pointer_walk", log_every=50, eval_every=1500, eval_generate=200,
-            eval_max_new_tokens=16, save_every=500,
-        ),
-        algorithm=DiffusionConfig(objective="sft"),
-        tokenizer="byte",
+        optimizer=dataclasses.replace(base.optimizer, lr=2e-3),
+        trainer=dataclasses.replace(base.trainer, steps=6000, out_dir="runs/diffusion_pointer_walk", eval_every=1500,
+                                    eval_max_new_tokens=16),
     )

@@ -24,15 +24,6 @@ ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(7) for 
 
 
 @pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("teacher")
-    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(d_model=48, n_heads=2, n_kv_heads=1, ffn_dim=96,
-                                                     max_seq_len=64), seed=3, tokenizer=TOK)
-    jaxlm.save_checkpoint(model, d / "model")
-    return d / "model"
-
-
-@pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))

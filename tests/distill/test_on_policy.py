@@ -33,15 +33,6 @@ def student():
     return jaxlm.build_model(SMALL, seed=5, tokenizer=TOK)
 
 
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("teacher")
-    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(d_model=48, n_heads=2, n_kv_heads=1, ffn_dim=96,
-                                                     max_seq_len=64), seed=3, tokenizer=TOK)
-    jaxlm.save_checkpoint(model, d / "model")
-    return d / "model"
-
-
 def _data(path, **kw):
     return DataConfig(source=Files(path=str(path), eval_fraction=0.1), seq_len=24, batch_size=8, pack=False,
                       eval_examples=8, **kw)
