@@ -94,12 +94,12 @@ def test_verdict_prefixes_are_the_judges_own_verdict_or_the_other(judge):
                          rng=np.random.default_rng(0))
 
 
-def _cfg(out, steps=2, **algo):
+def _cfg(out, steps=2, eval_every=0, **algo):
     return ExperimentConfig(
-        model=MODEL, data=DataConfig(source=SumJudging(), seq_len=88, batch_size=4, pack=False),
+        model=MODEL, data=DataConfig(source=SumJudging(), seq_len=88, batch_size=4, pack=False, eval_examples=4),
         optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant", weight_decay=0.0),
-        trainer=TrainerConfig(out_dir=str(out), steps=steps, progress=False, log_every=1, eval_every=0,
-                              save_every=100, eval_generate=0),
+        trainer=TrainerConfig(out_dir=str(out), steps=steps, progress=False, log_every=1, eval_every=eval_every,
+                              save_every=100, eval_generate=4),
         algorithm=GRPOConfig(num_generations=2, max_new_tokens=24, mu=1, collector="camel", **algo),
     )
 
@@ -130,11 +130,14 @@ def test_camel_rollouts_continue_after_the_verdict_and_are_scored_with_it(judge,
 
 
 def test_camel_grpo_trains_through_the_harness(tmp_path):
-    result = train(_cfg(tmp_path / "run", steps=2))  # camel=None: CamelConfig()
+    result = train(_cfg(tmp_path / "run", steps=2, eval_every=2))  # camel=None: CamelConfig()
     assert result.step == 2
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train_recs = [r for r in recs if r["kind"] == "train"]
     assert len(train_recs) == 2 and all(np.isfinite(r["loss"]) and "camel/flipped" in r for r in train_recs)
+    # held-out judging from the bare prompt: verdict, reflection and final verdict, greedily
+    evals = [r for r in recs if r["kind"] == "eval" and "accuracy" in r]
+    assert evals and all(0.0 <= r["accuracy"] <= 1.0 for r in evals)
 
 
 def test_camel_settings_are_checked():

@@ -126,7 +126,7 @@ class GRPOTrainer:
             ref = reference_params if reference_params is not None else jax.tree.map(jnp.copy, self.params)
             self.reference = place(ref, self.param_shardings)  # committed, like the state
         self._examples, self._verify = [], None
-        if a.collector == "single_turn":  # held-out greedy accuracy needs a verifier
+        if a.collector in ("single_turn", "camel"):  # held-out greedy accuracy needs a verifier
             examples, self._verify = eval_examples(cfg.data)
             self._examples = examples[: t.eval_generate]
 
