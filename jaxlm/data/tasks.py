@@ -36,6 +36,14 @@ def _split_of(prompt: str, eval_fraction: float) -> str:
     return "eval" if (h % 10_000) < eval_fraction * 10_000 else "train"
 
 
+def _check_int_ranges(task, prefix: str, *ranges: tuple[str, int, int]) -> None:
+    """Each ``(field, low, high)``: ``task.field`` must be an int (not a bool) in ``[low, high]``."""
+    for name, low, high in ranges:
+        v = getattr(task, name)
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            raise ValueError(f"{prefix}.{name}={v!r} must be an int in [{low}, {high}]")
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     """Base: subclasses implement `_draw(rng) -> example dict` and `verify`."""
@@ -263,10 +271,7 @@ class PrefixSums(Task):
 
     def __post_init__(self):
         super().__post_init__()
-        for name, low, high in (("length", 1, 32), ("modulus", 2, 10)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-                raise ValueError(f"prefix_sums.{name}={v!r} must be an int in [{low}, {high}]")
+        _check_int_ranges(self, "prefix_sums", ("length", 1, 32), ("modulus", 2, 10))
 
     def answer(self, digits) -> str:
         return "".join(str(int(s) % self.modulus) for s in np.cumsum(digits))
@@ -307,10 +312,7 @@ class PointerWalk(Task):
 
     def __post_init__(self):
         super().__post_init__()
-        for name, low, high in (("symbols", 2, 10), ("hops", 1, 32)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-                raise ValueError(f"pointer_walk.{name}={v!r} must be an int in [{low}, {high}]")
+        _check_int_ranges(self, "pointer_walk", ("symbols", 2, 10), ("hops", 1, 32))
         if not isinstance(self.one_cycle, bool):
             raise ValueError(f"pointer_walk.one_cycle={self.one_cycle!r} must be a bool")
 
@@ -360,10 +362,7 @@ class Choice(Task):
 
     def __post_init__(self):
         super().__post_init__()
-        for name, low, high in (("words", 2, 16), ("length", 1, 32)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-                raise ValueError(f"choice.{name}={v!r} must be an int in [{low}, {high}]")
+        _check_int_ranges(self, "choice", ("words", 2, 16), ("length", 1, 32))
         if (not isinstance(self.letters, str) or len(set(self.letters)) != len(self.letters) or len(self.letters) < 2
                 or any(not c.isalpha() for c in self.letters)):
             raise ValueError(f"choice.letters={self.letters!r} must be at least 2 distinct letters")
