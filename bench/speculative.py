@@ -12,6 +12,7 @@ the speculative output is checked to equal plain greedy token for token.
 
     python bench/speculative.py                     # trains both models once (runs/speculative)
     python bench/speculative.py --batch 1 --k 2 4 8
+    python bench/speculative.py --run runs/spec_long --words 40 40 --seq-len 256 --k 4 8 16   # long sentences
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def timed(fn):
     return out, time.perf_counter() - w, time.process_time() - c
 
 
-def train_model(out: Path, model, steps: int, batch_size: int, task):
+def train_model(out: Path, model, steps: int, batch_size: int, task, seq_len: int):
     from jaxlm.data.pipeline import DataConfig
     from trainers.config import ExperimentConfig, OptimizerConfig, SFTConfig, TrainerConfig
     from trainers.loop import train
@@ -42,7 +43,7 @@ def train_model(out: Path, model, steps: int, batch_size: int, task):
     if not (out / "model").exists():
         train(ExperimentConfig(
             model=model,
-            data=DataConfig(source=task, seq_len=128, batch_size=batch_size, pack=True, eval_examples=32),
+            data=DataConfig(source=task, seq_len=seq_len, batch_size=batch_size, pack=True, eval_examples=32),
             optimizer=OptimizerConfig(lr=2e-3, warmup_steps=30, min_lr_ratio=0.1),
             trainer=TrainerConfig(steps=steps, out_dir=str(out), progress=False, log_every=50, eval_every=0,
                                   save_every=100_000, eval_generate=0),
@@ -61,6 +62,10 @@ def main() -> None:
     ap.add_argument("--draft-steps", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--fanout", type=int, default=1, help="successors per word of the Markov chain")
+    ap.add_argument("--words", type=int, nargs=2, default=[6, 12], metavar=("MIN", "MAX"),
+                    help="words per sentence; sentence starts and ends are where a deterministic chain is "
+                         "unpredictable, so long sentences make the draft agree more often")
+    ap.add_argument("--seq-len", type=int, default=128, help="training sequence length (packed)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -74,9 +79,9 @@ def main() -> None:
     run = Path(args.run)
     tcfg = jaxlm.ModelConfig.tiny(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536, max_seq_len=512)
     dcfg = jaxlm.ModelConfig.tiny(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=512)
-    task = MarkovText(fanout=args.fanout)
-    target = jaxlm.load_checkpoint(train_model(run / "target", tcfg, args.target_steps, 8, task))
-    draft = jaxlm.load_checkpoint(train_model(run / "draft", dcfg, args.draft_steps, 16, task))
+    task = MarkovText(fanout=args.fanout, min_words=args.words[0], max_words=args.words[1])
+    target = jaxlm.load_checkpoint(train_model(run / "target", tcfg, args.target_steps, 8, task, args.seq_len))
+    draft = jaxlm.load_checkpoint(train_model(run / "draft", dcfg, args.draft_steps, 16, task, args.seq_len))
     tok = target.tokenizer
     texts = [" ".join(task.example(i, "eval")["completion"].split()[:2]) + " " for i in range(max(args.batch))]
 
