@@ -21,7 +21,7 @@ import json
 import math
 import operator
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -220,7 +220,13 @@ class Countdown(Task):
 @TASKS.register("sorting")
 @dataclasses.dataclass(frozen=True)
 class Sorting(Task):
-    """Sort ``length`` integers in ``[0, max_value]`` ascending."""
+    """Sort ``length`` integers in ``[0, max_value]`` (ascending by default).
+
+    With ``order="either"`` each example's answer is sorted ascending or descending at random
+    and either is accepted: the prompt does not say which, so the answer is bimodal. Decoding
+    every position at once from its own marginal mixes the two orders, while one committed
+    position decides the rest: a task on which a masked diffusion LM's decoding steps matter.
+    """
 
     length: int = 5
     """Integers per list."""
@@ -229,6 +235,11 @@ class Sorting(Task):
     separator: str = " "
     """Between the integers of the prompt's list and of the answer ("" for single digits: one
     byte per item, e.g. ``sort 8305:`` -> ``0358``)."""
+    order: Literal["ascending", "descending", "either"] = "ascending"
+    """The answer's order; ``"either"`` draws ascending or descending per example (one more
+    draw after the values, so the lists are those of the fixed orders) and accepts both."""
+
+    ORDERS = ("ascending", "descending", "either")
 
     def __post_init__(self):
         super().__post_init__()
@@ -238,18 +249,37 @@ class Sorting(Task):
             raise ValueError(f"sorting.separator={self.separator!r} must be a str")
         if self.separator == "" and self.max_value > 9:
             raise ValueError(f"sorting.separator='' needs single digits (max_value <= 9), got max_value={self.max_value}")
+        if self.order not in self.ORDERS:
+            raise ValueError(f"sorting.order={self.order!r} must be one of {self.ORDERS}")
+
+    def _answers(self, xs) -> dict[str, str]:
+        """The accepted answers by order."""
+        up = sorted(xs)
+        answers = {"ascending": self.separator.join(map(str, up)),
+                   "descending": self.separator.join(map(str, up[::-1]))}
+        return answers if self.order == "either" else {self.order: answers[self.order]}
 
     def _draw(self, rng):
         xs = [int(x) for x in rng.integers(0, self.max_value + 1, self.length)]
-        sep = self.separator
-        return {"prompt": "sort " + sep.join(map(str, xs)) + ":", "completion": sep.join(map(str, sorted(xs))),
+        order = self.order if self.order != "either" else ("ascending", "descending")[int(rng.integers(0, 2))]
+        return {"prompt": "sort " + self.separator.join(map(str, xs)) + ":",
+                "completion": self._answers(xs)[order],
                 "values": xs}
 
+    def split_of(self, ex):
+        """With ``order="either"`` by the prompt alone (the ascending answer stands in for the
+        drawn one), so a held-out list is never trained in the other order; the split is then
+        the ascending task's."""
+        if self.order == "either":
+            ex = {**ex, "completion": self.separator.join(map(str, sorted(ex["values"])))}
+        return super().split_of(ex)
+
     def verify(self, example, completion):
-        return float(completion.strip() == self.separator.join(map(str, sorted(example["values"]))))
+        return float(completion.strip() in self._answers(example["values"]).values())
 
     def chance_accuracy(self):
-        return 1.0 / math.factorial(self.length)  # orderings of (distinct) values
+        # orderings of (distinct) values; "either" accepts two of them
+        return (2.0 if self.order == "either" else 1.0) / math.factorial(self.length)
 
 
 @TASKS.register("prefix_sums")

@@ -167,3 +167,33 @@ def test_carry_slip_is_a_flawed_teacher_on_train_demonstrations_only():
     assert [e["prompt"] for e in train[:200]] == [clean.example(i, "train")["prompt"] for i in range(200)]
     with pytest.raises(ValueError, match="carry_slip"):
         Arithmetic(carry_slip=1.5)
+
+
+@pytest.mark.parametrize("separator", ["", " "])
+def test_sorting_orders_against_python_sorted(separator):
+    fixed = Sorting(length=5, max_value=9, separator=separator)
+    down = Sorting(length=5, max_value=9, separator=separator, order="descending")
+    either = Sorting(length=5, max_value=9, separator=separator, order="either")
+    seen = set()
+    for i in range(60):
+        e = either.example(i, "train")
+        # the same lists as the ascending task, in the same splits (by the list alone)
+        assert e["values"] == fixed.example(i, "train")["values"]
+        assert either.example(i, "eval")["values"] == fixed.example(i, "eval")["values"]
+        up = separator.join(str(v) for v in sorted(e["values"]))
+        dn = separator.join(str(v) for v in sorted(e["values"], reverse=True))
+        d = down.example(i, "train")
+        assert d["completion"] == separator.join(str(v) for v in sorted(d["values"], reverse=True))
+        assert e["completion"] in (up, dn)
+        seen.add(e["completion"] == up)
+        assert either.verify(e, up) == either.verify(e, dn) == 1.0
+        assert fixed.verify(e, dn) == float(up == dn) and down.verify(e, up) == float(up == dn)
+        if up != dn:
+            mixed = up[: len(up) // 2] + dn[len(dn) // 2:]
+            assert either.verify(e, mixed) == float(mixed in (up, dn))
+    assert seen == {True, False}  # both orders drawn
+    held_out = {either.example(i, "eval")["prompt"] for i in range(300)}
+    assert not held_out & {either.example(i, "train")["prompt"] for i in range(3000)}
+    assert either.chance_accuracy() == 2 * fixed.chance_accuracy()
+    with pytest.raises(ValueError, match=r"sorting.order='up' must be one of \('ascending', 'descending', 'either'\)"):
+        Sorting(order="up")
