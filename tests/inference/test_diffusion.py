@@ -134,6 +134,21 @@ def test_fast_dllm_threshold_one_equals_one_token_per_step(model, baseline):
     assert fast.steps == 4 and not (fast.tokens == MASK).any()  # one step per block
 
 
+@pytest.mark.parametrize("threshold", [0.1, 0.3])
+def test_row_steps_are_each_rows_steps_decoded_alone(model, baseline, threshold):
+    """A batch advances until its slowest row is done; ``row_steps`` counts each row's own."""
+    assert baseline.row_steps.tolist() == [16, 16, 16]  # the fixed schedule: every row every step
+    out = diffusion_generate(model, PROMPTS, gen_length=16, block_length=4, threshold=threshold)
+    alone = [diffusion_generate(model, [p], gen_length=16, block_length=4, threshold=threshold) for p in PROMPTS]
+    assert out.row_steps.tolist() == [a.steps for a in alone] == [int(a.row_steps[0]) for a in alone]
+    # the batch waits, block by block, for its slowest row; at least one step per block
+    assert out.steps >= max(out.row_steps) and min(out.row_steps) >= 4
+    one_block = diffusion_generate(model, PROMPTS, gen_length=8, threshold=threshold)
+    assert one_block.steps == max(one_block.row_steps)
+    for i, a in enumerate(alone):
+        np.testing.assert_array_equal(out.tokens[i], a.tokens[0])
+
+
 def test_dllm_cache_refreshing_every_step_is_the_uncached_sampler_bit_for_bit(model, baseline):
     out = diffusion_generate(model, PROMPTS, gen_length=16, steps=16, block_length=4, cache=DLLMCache(1, 1, 0.25))
     np.testing.assert_array_equal(out.tokens, baseline.tokens)

@@ -109,6 +109,9 @@ class DiffusionResult:
     forwards: int  # model forwards (a guided or Slow-Fast step counts two)
     flops: float  # matmul FLOPs of all forwards, the whole batch
     tokens_per_step: float  # response tokens committed per iteration, mean over rows
+    row_steps: np.ndarray | None = None  # [B] iterations each row had masked tokens in its current
+    # block: the steps the row would take decoded alone (a batch waits, block by block, for its
+    # slowest row, so ``steps`` >= every row's)
     edit_rounds: int = 0  # edit rounds run (forwards included in ``forwards``)
     edits: np.ndarray | None = None  # [B] edit rounds that changed each row
     mask_completions: list[list[int]] | None = None  # with edit rounds: the completions before them
@@ -192,7 +195,7 @@ def _init_caches(model, plan: _Plan, batch: int, length: int):
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan"))
 def diffusion_tokens(graphdef, params, prompt_tokens, prompt_mask, rng, *, plan: _Plan):
     """The jittable core: left-padded prompts ``[B, P]`` -> ``(tokens [B, G], steps, forwards,
-    flops, committed [B])``."""
+    flops, committed [B], mask-diffusion tokens, edits [B], edit rounds, row steps [B])``."""
     model = nnx.merge(graphdef, params)
     B, P = prompt_tokens.shape
     G, L = plan.gen_length, plan.block_length
@@ -250,13 +253,14 @@ def diffusion_tokens(graphdef, params, prompt_tokens, prompt_mask, rng, *, plan:
             "step_in_block": jnp.where(block_done, 0, j + 1), "steps": carry["steps"] + 1,
             "forwards": forwards, "flops": carry["flops"] + flops,
             "committed": carry["committed"] + select.sum(-1, dtype=jnp.int32),
+            "row_steps": carry["row_steps"] + jnp.any(masked, -1).astype(jnp.int32),
         }
 
     carry = {
         "x": x, "caches": _init_caches(model, plan, B, T), "block": jnp.zeros((), jnp.int32),
         "step_in_block": jnp.zeros((), jnp.int32), "steps": jnp.zeros((), jnp.int32),
         "forwards": jnp.zeros((), jnp.int32), "flops": jnp.zeros((), jnp.float32),
-        "committed": jnp.zeros((B,), jnp.int32),
+        "committed": jnp.zeros((B,), jnp.int32), "row_steps": jnp.zeros((B,), jnp.int32),
     }
     out = jax.lax.while_loop(cond, body, carry)
     tokens, forwards, flops = out["x"][:, P:], out["forwards"], out["flops"]
@@ -271,7 +275,7 @@ def diffusion_tokens(graphdef, params, prompt_tokens, prompt_mask, rng, *, plan:
         c = model.config
         round_flops = fw.full_flops(c, B, P + W, W) + fw.head_flops(c, W) * B  # + the next-token head
         forwards, flops = forwards + rounds, flops + rounds.astype(jnp.float32) * round_flops
-    return tokens, out["steps"], forwards, flops, out["committed"], mask_tokens, edits, rounds
+    return tokens, out["steps"], forwards, flops, out["committed"], mask_tokens, edits, rounds, out["row_steps"]
 
 
 def _positive_int(name: str, value) -> int:
@@ -420,7 +424,7 @@ def diffusion_generate(
     if isinstance(rng, int):
         rng = jax.random.key(rng)
     graphdef, state = nnx.split(model)
-    out, n_steps, n_forwards, flops, committed, mask_out, edits, rounds = diffusion_tokens(
+    out, n_steps, n_forwards, flops, committed, mask_out, edits, rounds, row_steps = diffusion_tokens(
         graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), rng, plan=plan)
     out = np.asarray(out)
 
@@ -436,5 +440,5 @@ def diffusion_generate(
         forwards=int(n_forwards), flops=float(flops),
         tokens_per_step=float(np.mean(np.asarray(committed))) / max(n_steps, 1),
         edit_rounds=int(rounds), edits=np.asarray(edits) if edit_rounds else None,
-        mask_completions=cut(np.asarray(mask_out)) if edit_rounds else None,
+        mask_completions=cut(np.asarray(mask_out)) if edit_rounds else None, row_steps=np.asarray(row_steps),
     )
