@@ -86,3 +86,11 @@ def test_quiet_trainer_preset_only_trains_and_saves_the_final_model():
                               save_every=100_000, eval_generate=0)
     with pytest.raises(ValueError, match="TrainerConfig.steps=0"):
         TrainerConfig.quiet(0)
+
+
+def test_every_shipped_recipe_loads_and_validates():
+    from trainers.recipes import known_recipes
+    names = known_recipes()
+    assert {"quickstart", "diffusion_sort", "diffusion_sort_either", "medlm_sort_either"} <= set(names)
+    for name in names:
+        assert isinstance(load_config(name), ExperimentConfig), name

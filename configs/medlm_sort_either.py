@@ -1,0 +1,29 @@
+"""ME-DLM's stage 3 on sorting eight digits in either order (`configs/diffusion_sort_either.py`):
+an answer decoded in too few steps mixes the ascending and descending orders, and every wrong
+position is a one-token substitution, which an edit round can make.
+
+    jaxlm train diffusion_sort_either
+    python -m jaxlm.models.edit_head runs/diffusion_sort_either/model runs/medlm_either_base
+    jaxlm train medlm_sort_either init_from=runs/medlm_either_base trainer.out_dir=runs/medlm_either_stage3
+    jaxlm train medlm_sort_either init_from=runs/medlm_either_base algorithm.edit_intermediate_ratio=0 \\
+        trainer.out_dir=runs/medlm_either_control
+    python bench/medlm_claim.py --recipe medlm_sort_either --gen-length 12 \\
+        --edit runs/medlm_either_stage3/model --control runs/medlm_either_control/model --n 500
+"""
+
+import dataclasses
+
+from configs.diffusion_sort_either import get_config as either_config
+from configs.medlm_sort import get_config as medlm_config
+from trainers.config import ExperimentConfig
+
+
+def get_config() -> ExperimentConfig:
+    """`configs/medlm_sort.py` (edit head, stage 3) on `configs/diffusion_sort_either.py`'s data."""
+    base = medlm_config()
+    return dataclasses.replace(
+        base,
+        data=either_config().data,
+        optimizer=dataclasses.replace(base.optimizer, lr=5e-4),
+        trainer=dataclasses.replace(base.trainer, out_dir="runs/medlm_sort_either", eval_max_new_tokens=12),
+    )
