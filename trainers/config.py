@@ -239,6 +239,11 @@ class DiffusionConfig:
     """edit: steps per cycle of the self-edit schedule (None: trainer.steps)."""
     edit_swap_rule: Literal["reference", "safe"] = "reference"
     """edit: `jaxlm.data.edit_labels.edit_labels`'s swap rule for the labels."""
+    edit_target: Literal["answer", "nearest"] = "answer"
+    """edit: what an intermediate output is labelled against: the row's own answer (ME-DLM), or
+    the nearest by edit distance of the answers the task accepts for the prompt
+    (`Task.accepted_completions`; ties go to the row's own). For tasks with several right
+    answers, where the model's fill may have taken another one than the row's."""
     eval_edit_rounds: int = 0
     """Edit rounds of the held-out accuracy sampler after mask diffusion (0: none)."""
 
@@ -271,6 +276,8 @@ class DiffusionConfig:
         if self.edit_fill_order not in ("random", "confidence"):
             raise ValueError(f"algorithm.edit_fill_order={self.edit_fill_order!r} is invalid: must be 'random' or "
                              "'confidence'")
+        if self.edit_target not in ("answer", "nearest"):
+            raise ValueError(f"algorithm.edit_target={self.edit_target!r} is invalid: must be 'answer' or 'nearest'")
         if self.edit_swap_rule not in ("reference", "safe"):
             raise ValueError(f"algorithm.edit_swap_rule={self.edit_swap_rule!r} is invalid: must be 'reference' "
                              "or 'safe'")

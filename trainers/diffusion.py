@@ -215,6 +215,15 @@ class Diffusion:
             raise ConfigError("algorithm.pad_answers=True needs a tokenizer with an EOS token")
         if a.objective == "edit" and getattr(setup.tokenizer, "eos_id", None) is None:
             raise ConfigError("algorithm.objective='edit' needs a tokenizer with an EOS token")
+        self._accepted = None
+        if a.objective == "edit" and a.edit_target == "nearest":
+            source = cfg.data.source
+            probe = source.example(0)["prompt"] if hasattr(source, "accepted_completions") else None
+            if probe is None or source.accepted_completions(probe) is None:
+                raise ConfigError(f"algorithm.edit_target='nearest' needs a generated task that knows the answers it "
+                                  f"accepts for a prompt (Task.accepted_completions); data.source="
+                                  f"{type(source).__name__} does not")
+            self._accepted = source.accepted_completions
         self.graphdef, state = nnx.split(setup.model)
         self._params = place(nnx.to_pure_dict(state), nnx.to_pure_dict(model_shardings(setup.model, mesh)))
         self.tx, schedule = make_optimizer(cfg.optimizer, t.steps)
@@ -258,10 +267,14 @@ class Diffusion:
         cycle = a.edit_round_cycle or self.cfg.trainer.steps
         rounds = int((k % cycle) / cycle * a.edit_max_rounds)
         per_step = int(rng.choice(a.edit_fill_per_step))
+        accepted = None
+        if self._accepted is not None:  # every answer the task accepts for each row's prompt
+            accepted = [[self.tokenizer.encode(c, add_bos=False) for c in self._accepted(self.tokenizer.decode(p))]
+                        for p, _ in edit_batches.split_rows(batch)]
         built = edit_batches.intermediate_batch(
             batch, rng, nnx.merge(self.graphdef, state.params), mask_id=m.mask_token_id, del_id=m.delete_token_id,
             eos_id=self.tokenizer.eos_id, eps=a.eps, per_step=per_step, rounds=rounds, order=a.edit_fill_order,
-            swap_rule=a.edit_swap_rule)
+            swap_rule=a.edit_swap_rule, accepted=accepted)
         return built, {"intermediate": 1.0, "self_edit_rounds": float(rounds)}
 
     def tokens(self, batch) -> float:

@@ -11,7 +11,8 @@ A batch is one of two kinds (drawn per batch, as the reference draws per packed 
   ``edit_fill_per_step``; ``<|del|>`` and [MASK] banned), the response's EOS tokens dropped and
   one EOS appended, then ``rounds`` self edit rounds run (`jaxlm.inference.diffusion.edit`); both
   heads learn the edit labels of the result against the clean answer
-  (`jaxlm.data.edit_labels`; the trailing EOS's current label is EOS).
+  (`jaxlm.data.edit_labels`; the trailing EOS's current label is EOS), or, given the task's
+  other accepted answers, against the nearest of them.
 
 Rows: ``tokens``, ``cur_labels`` and ``next_labels`` (``IGNORE`` where untrained), ``segment_ids``,
 ``positions`` ``[B, T]`` and ``weight [B] = 1 / p``; the loss is
@@ -23,13 +24,14 @@ floor, and the means are per document rather than per packed batch.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlm.data.edit_labels import edit_labels, position_labels
+from jaxlm.data.edit_labels import edit_distance, edit_labels, position_labels
 from jaxlm.inference.diffusion import edit
 
 IGNORE = -1
@@ -108,10 +110,20 @@ def _intermediate_responses(graphdef, params, prompts, prompt_valid, answers, an
     return response, lengths
 
 
+def nearest_answer(noisy, candidates: Sequence[Sequence[int]]) -> list[int]:
+    """The candidate at the least unit-cost edit distance from ``noisy`` (the first on ties)."""
+    dist = [edit_distance(noisy, c) for c in candidates]
+    return list(candidates[int(np.argmin(dist))])
+
+
 def intermediate_batch(batch: dict[str, np.ndarray], rng: np.random.Generator, model, *, mask_id: int, del_id: int,
                        eos_id: int, eps: float, per_step: int, rounds: int, order: str = "random",
-                       swap_rule: str = "reference") -> dict[str, np.ndarray]:
-    """The intermediate kind (see the module docstring), from the live ``model``."""
+                       swap_rule: str = "reference",
+                       accepted: Sequence[Sequence[Sequence[int]]] | None = None) -> dict[str, np.ndarray]:
+    """The intermediate kind (see the module docstring), from the live ``model``.
+
+    ``accepted``: per row, the other answers the task accepts (token lists without EOS); each
+    output is then labelled against the nearest of its row's answer and these."""
     T = batch["tokens"].shape[1]
     rows = split_rows(batch)
     B = len(rows)
@@ -138,7 +150,8 @@ def intermediate_batch(batch: dict[str, np.ndarray], rng: np.random.Generator, m
     xs, curs, nxts = [], [], []
     for b, (prompt, _) in enumerate(rows):
         noisy = response[b, :lengths[b] - 1]
-        tokens, nexts = edit_labels(noisy, cleans[b], del_id=del_id, eos_id=eos_id, ignore_id=IGNORE,
+        clean = cleans[b] if accepted is None else nearest_answer(noisy, [cleans[b], *accepted[b]])
+        tokens, nexts = edit_labels(noisy, clean, del_id=del_id, eos_id=eos_id, ignore_id=IGNORE,
                                     swap_rule=swap_rule)
         cur, nxt = position_labels(tokens, nexts, prompt_len=len(prompt), eos_id=eos_id, ignore_id=IGNORE)
         xs.append(np.concatenate([prompt, noisy, [eos_id]]))

@@ -101,6 +101,11 @@ def _distance_table(noisy: np.ndarray, clean: np.ndarray) -> np.ndarray:
     return table
 
 
+def edit_distance(noisy, clean) -> int:
+    """Unit-cost Levenshtein distance between two token sequences."""
+    return int(_distance_table(_as_ids(noisy, "noisy"), _as_ids(clean, "clean"))[-1, -1])
+
+
 def levenshtein_alignment(noisy, clean) -> list[EditOp]:
     """The canonical minimum-edit alignment of ``noisy`` to ``clean``, in sequence order.
 

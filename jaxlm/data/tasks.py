@@ -83,6 +83,12 @@ class Task:
         """Exact-match accuracy of guessing uniformly among well-formed answers (a baseline)."""
         raise NotImplementedError
 
+    def accepted_completions(self, prompt: str) -> list[str] | None:
+        """Every completion `verify` accepts for ``prompt``, where the prompt alone determines
+        them (None: not known from the prompt). Used to label a model's output against the
+        right answer nearest to it when a task has several."""
+        return None
+
 
 @TASKS.register("arithmetic")
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +282,13 @@ class Sorting(Task):
 
     def verify(self, example, completion):
         return float(completion.strip() in self._answers(example["values"]).values())
+
+    def accepted_completions(self, prompt):
+        body = prompt.removeprefix("sort ").removesuffix(":")
+        items = body.split(self.separator) if self.separator else list(body)
+        if not prompt.startswith("sort ") or not prompt.endswith(":") or not all(x.isdigit() for x in items):
+            raise ValueError(f"{prompt!r} is not a sorting prompt ('sort ' + the list + ':')")
+        return list(self._answers([int(x) for x in items]).values())
 
     def chance_accuracy(self):
         # orderings of (distinct) values; "either" accepts two of them

@@ -138,6 +138,78 @@ def test_edit_loss_sum_matches_numpy():
     np.testing.assert_allclose(float(total), expected, rtol=1e-5)
 
 
+def _levenshtein(a, b):
+    """Textbook recursion with memoisation (independent of the row-vectorised table)."""
+    import functools
+
+    @functools.lru_cache(maxsize=None)
+    def d(i, j):
+        if i == 0 or j == 0:
+            return i + j
+        return min(d(i - 1, j) + 1, d(i, j - 1) + 1, d(i - 1, j - 1) + (a[i - 1] != b[j - 1]))
+    return d(len(a), len(b))
+
+
+def test_edit_distance_and_nearest_answer_against_the_recursion():
+    from jaxlm.data.edit_labels import edit_distance
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a, b = (tuple(rng.integers(0, 4, rng.integers(0, 9)).tolist()) for _ in range(2))
+        assert edit_distance(list(a), list(b)) == _levenshtein(a, b), (a, b)
+    up, down = [48, 49, 50, 51], [51, 50, 49, 48]
+    assert edit_batches.nearest_answer([48, 49, 50, 48], [up, down]) == up  # one substitution from up
+    assert edit_batches.nearest_answer([51, 50, 50, 48], [up, down]) == down
+    assert edit_batches.nearest_answer([51, 49, 50, 48], [up, down]) == up  # a tie: the first (the row's own)
+    assert edit_batches.nearest_answer([51, 49, 50, 48], [down, up]) == down
+
+
+def test_intermediate_batch_labels_against_the_nearest_accepted_answer(edit_model):
+    """With ``accepted``, each output is labelled against the nearest of its row's answer and the
+    accepted ones: here the reverse of each answer, and an answer equal to the model's own fill."""
+    from jaxlm.data.edit_labels import edit_labels, position_labels
+    batch = _rows()
+    plain = edit_batches.intermediate_batch(batch, np.random.default_rng(5), edit_model, mask_id=MASK, del_id=DELETE,
+                                            eos_id=EOS, eps=1e-3, per_step=16, rounds=0)
+    rows = edit_batches.split_rows(batch)
+    fills = []
+    for b, (prompt, _) in enumerate(rows):
+        L = int((plain["segment_ids"][b] > 0).sum())
+        fills.append(plain["tokens"][b, len(prompt):L - 1].tolist())
+    accepted = [[[t for t in answer if t != EOS][::-1], fills[b]] for b, (_, answer) in enumerate(rows)]
+    out = edit_batches.intermediate_batch(batch, np.random.default_rng(5), edit_model, mask_id=MASK, del_id=DELETE,
+                                          eos_id=EOS, eps=1e-3, per_step=16, rounds=0, accepted=accepted)
+    np.testing.assert_array_equal(out["tokens"], plain["tokens"])  # the same draws and fill
+    for b, (prompt, answer) in enumerate(rows):
+        L = len(prompt) + len(fills[b]) + 1
+        # the fill itself is accepted: nothing to edit, every token keeps itself
+        cur, nxt = position_labels(*edit_labels(fills[b], fills[b], del_id=DELETE, eos_id=EOS, ignore_id=IGNORE),
+                                   prompt_len=len(prompt), eos_id=EOS, ignore_id=IGNORE)
+        assert out["cur_labels"][b, :L].tolist() == cur.tolist() and out["next_labels"][b, :L].tolist() == nxt.tolist()
+        assert out["cur_labels"][b, len(prompt):L - 1].tolist() == fills[b]
+
+
+def test_sorting_accepted_completions_and_the_nearest_target_needs_them(tmp_path):
+    either = Sorting(length=4, max_value=9, separator="", order="either")
+    for i in range(20):
+        e = either.example(i)
+        got = either.accepted_completions(e["prompt"])
+        assert sorted(got) == sorted({"".join(map(str, sorted(e["values"]))),
+                                      "".join(map(str, sorted(e["values"], reverse=True)))})
+        assert all(either.verify(e, c) == 1.0 for c in got)
+    assert Sorting(length=3).accepted_completions("sort 31 2 10:") == ["2 10 31"]
+    with pytest.raises(ValueError, match="is not a sorting prompt"):
+        either.accepted_completions("sum 12:")
+    from jaxlm.data.tasks import Arithmetic
+    assert Arithmetic().accepted_completions("12+30=") is None
+    cfg = _config(tmp_path)
+    with pytest.raises(ValueError, match="edit_target"):
+        DiffusionConfig(objective="edit", edit_target="closest")
+    bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=Arithmetic(digits=1)),
+                              algorithm=dataclasses.replace(cfg.algorithm, edit_target="nearest"))
+    with pytest.raises(ValueError, match="edit_target='nearest' needs a generated task .* data.source=Arithmetic"):
+        train(bad)
+
+
 def _config(tmp_path, ratio=0.5, **trainer):
     return ExperimentConfig(
         model=ModelConfig.tiny(vocab_size=261, mode="diffusion", mask_token_id=MASK, next_token_head=True,
@@ -150,6 +222,15 @@ def _config(tmp_path, ratio=0.5, **trainer):
         algorithm=DiffusionConfig(objective="edit", eval_steps=4, eval_edit_rounds=2, edit_intermediate_ratio=ratio,
                                   edit_max_rounds=4),
     )
+
+
+def test_edit_training_with_the_nearest_target_runs(tmp_path):
+    cfg = _config(tmp_path, ratio=1.0, steps=2)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=Sorting(length=3, max_value=9,
+                                                                                      order="either")),
+                              algorithm=dataclasses.replace(cfg.algorithm, edit_target="nearest"))
+    out = train(cfg)
+    assert 0.0 <= out.final_eval["accuracy"] <= 1.0
 
 
 def test_edit_training_runs_and_resumes_exactly(tmp_path):
