@@ -6,7 +6,8 @@ when OmniSIFT compresses its inputs, against random token dropping at the same r
    (answer cross-entropy, every parameter).
 2. Frozen, it is evaluated on held-out clips with all tokens; with OmniSIFT at retention
    rho (spatial + temporal video pruning, and the vision-guided audio selector, trained alone
-   through the straight-through mask with the model frozen, as in the paper); and with the
+   with the model frozen, by each estimator named: ``ste`` through the straight-through mask
+   as in the paper, ``score_function`` by REINFORCE over sampled keep sets); and with the
    same numbers of tokens dropped uniformly at random.
 
 Accuracy is the argmax over the question's four answers. Also reported: tokens per clip
@@ -19,6 +20,7 @@ tone's audio frames).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -29,7 +31,8 @@ import optax
 from flax import nnx
 
 import jaxlm
-from jaxlm.compress.omnisift import AudioSelector, ClipLayout, OmniSIFTConfig, compress, random_keep
+from jaxlm.compress.omnisift import ESTIMATORS, AudioSelector, ClipLayout, OmniSIFTConfig, compress, random_keep, \
+    selector_loss
 from jaxlm.data.audiovisual import AVTaskConfig, av_example
 from jaxlm.data.tokenizers import ByteTokenizer
 from jaxlm.models.omni import AudioVisual, OmniConfig, batch_sequences, build_omni, build_sequence
@@ -76,7 +79,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--selector-steps", type=int, default=600)
-    ap.add_argument("--selector-lr", type=float, default=1e-2)
+    ap.add_argument("--selector-lr", type=float, default=1e-3)
+    ap.add_argument("--estimator", nargs="+", choices=ESTIMATORS, default=list(ESTIMATORS))
+    ap.add_argument("--samples", type=int, default=4, help="keep sets per clip (score_function)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--eval", type=int, default=512)
     ap.add_argument("--retention", type=float, nargs="+", default=[0.25, 0.35])
@@ -145,38 +150,46 @@ def main(argv=None) -> dict:
     results = {"full": evaluate(lambda d, E: (d["tokens"], d["positions"], d["mask"], E))}
     print("full", results["full"], flush=True)
     for rho in args.retention:
-        cfg = OmniSIFTConfig.retention(rho, selector_dim=32, selector_heads=4)
-        sel_graph, sel_state = nnx.split(AudioSelector(config.lm.d_model, cfg, rngs=nnx.Rngs(args.seed)))
-        sopt = optax.adam(args.selector_lr)
-        sopt_state = sopt.init(sel_state)
-
-        def compressed(sel_state, d, E, cfg=cfg, sel_graph=sel_graph):
-            return compress(nnx.merge(sel_graph, sel_state), E, d["positions"], d["mask"], d["tokens"], layout, cfg)
-
-        @jax.jit
-        def selector_step(sel_state, sopt_state, d, compressed=compressed):
-            def loss_fn(s):
-                c = compressed(s, d, embed(state, d))
-                return answer_loss(lm_last(c.tokens, c.positions, c.mask, c.embeds), d["answer"])
-            loss, grads = jax.value_and_grad(loss_fn)(sel_state)
-            upd, sopt_state = sopt.update(grads, sopt_state, sel_state)
-            return optax.apply_updates(sel_state, upd), sopt_state, loss
-
-        untrained = sel_state
-        for step in range(args.selector_steps):
-            batch, _ = make_batch(config, rng.integers(0, HELD_OUT, args.batch), args.seed)
-            sel_state, sopt_state, loss = selector_step(sel_state, sopt_state, dev(batch))
-            if step % 100 == 0 or step == args.selector_steps - 1:
-                print(f"  selector rho={rho} step {step} loss {float(loss):.3f}", flush=True)
-        run = jax.jit(lambda s, d, E, compressed=compressed: compressed(s, d, E).inputs())
-        results[f"omnisift_{rho}"] = evaluate(lambda d, E, s=sel_state, run=run: run(s, d, E))
-        results[f"omnisift_untrained_selector_{rho}"] = evaluate(lambda d, E, s=untrained, run=run: run(s, d, E))
         key = jax.random.key(args.seed + 7)
-        rand = jax.jit(lambda d, E, cfg=cfg: random_keep(key, E, d["positions"], d["mask"], d["tokens"], layout,
-                                                         cfg).inputs())
+        base = OmniSIFTConfig.retention(rho, selector_dim=32, selector_heads=4, samples=args.samples)
+        rand = jax.jit(lambda d, E, cfg=base: random_keep(key, E, d["positions"], d["mask"], d["tokens"], layout,
+                                                          cfg).inputs())
         results[f"random_{rho}"] = evaluate(rand)
-        for k in (f"omnisift_{rho}", f"omnisift_untrained_selector_{rho}", f"random_{rho}"):
-            print(k, results[k], flush=True)
+        print(f"random_{rho}", results[f"random_{rho}"], flush=True)
+        sel_graph, untrained = nnx.split(AudioSelector(config.lm.d_model, base, rngs=nnx.Rngs(args.seed)))
+        run = jax.jit(lambda s, d, E, cfg=base: compress(nnx.merge(sel_graph, s), E, d["positions"], d["mask"],
+                                                          d["tokens"], layout, cfg).inputs())
+        results[f"omnisift_untrained_selector_{rho}"] = evaluate(lambda d, E: run(untrained, d, E))
+        print(f"omnisift_untrained_selector_{rho}", results[f"omnisift_untrained_selector_{rho}"], flush=True)
+        for estimator in args.estimator:
+            cfg = dataclasses.replace(base, estimator=estimator)
+            sel_state = untrained
+            sopt = optax.adam(args.selector_lr)
+            sopt_state = sopt.init(sel_state)
+
+            @jax.jit
+            def selector_step(sel_state, sopt_state, d, rng, cfg=cfg):
+                def row_loss(c):  # the frozen model's answer loss per clip
+                    logits = lm_last(c.tokens, c.positions, c.mask, c.embeds)
+                    return -jnp.take_along_axis(jax.nn.log_softmax(logits), d["answer"][:, None], axis=1)[:, 0]
+
+                def loss_fn(s):
+                    return selector_loss(nnx.merge(sel_graph, s), row_loss, embed(state, d), d["positions"],
+                                         d["mask"], d["tokens"], layout, cfg, rng)
+                (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(sel_state)
+                upd, sopt_state = sopt.update(grads, sopt_state, sel_state)
+                return optax.apply_updates(sel_state, upd), sopt_state, loss
+
+            srng = jax.random.key(args.seed + 11)
+            for step in range(args.selector_steps):
+                batch, _ = make_batch(config, rng.integers(0, HELD_OUT, args.batch), args.seed)
+                srng, sub = jax.random.split(srng)
+                sel_state, sopt_state, loss = selector_step(sel_state, sopt_state, dev(batch), sub)
+                if step % 100 == 0 or step == args.selector_steps - 1:
+                    print(f"  selector {estimator} rho={rho} step {step} loss {float(loss):.3f}", flush=True)
+            name = f"omnisift_{estimator}_{rho}"
+            results[name] = evaluate(lambda d, E, s=sel_state: run(s, d, E))
+            print(name, results[name], flush=True)
     print(f"omni model trained {args.steps} steps x {args.batch} clips ({train_s:.0f} s); selector {args.selector_steps} "
           f"steps; {args.eval} held-out clips")
     full = results["full"]["accuracy"]

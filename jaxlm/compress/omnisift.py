@@ -15,7 +15,20 @@ An audio-visual sequence (`jaxlm.models.omni.AudioVisual`) is cut into chunks of
   ``m = stop_gradient(hard - s) + s`` (`straight_through`) multiplies the audio embeddings, so the forward uses the
   hard mask and the gradient reaches the scores; dropped tokens are then removed.
 
-Only the selector has parameters (the language model stays frozen). Removed tokens leave the
+Only the selector has parameters (the language model stays frozen). `selector_loss` trains it
+with one of two gradient estimators (``OmniSIFTConfig.estimator``):
+
+- ``"ste"``, the paper's: the loss of the compressed forward, differentiated through the
+  straight-through mask. Only kept tokens get a gradient, and in a pre-norm transformer
+  rescaling a kept input embedding changes little (the first norm removes the scale), so the
+  signal can be weak.
+- ``"score_function"``: the selector's logits define a Plackett-Luce distribution over which
+  audio tokens a chunk keeps; ``samples`` keep sets per clip are drawn by Gumbel top-k, each
+  scored by the frozen model's loss, and the selector follows REINFORCE with a leave-one-out
+  baseline (Williams 1992; Kool et al. 2019). Unbiased for the gradient of the expected loss
+  of the hard selection. At inference both keep the top scores.
+
+Removed tokens leave the
 sequence with their three-axis positions, so the kept ones keep theirs. ``retention(rho)``
 keeps a share ``rho`` of the media tokens; ``retention(1.0)`` drops nothing and is the
 uncompressed model exactly. `random_keep` is the baseline that drops the same numbers of
@@ -26,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import chex
 import jax
@@ -34,6 +48,9 @@ import numpy as np
 from flax import nnx, struct
 
 from jaxlm.models.omni import AUDIO, TEXT, VIDEO, OmniSequence
+
+
+ESTIMATORS = ("ste", "score_function")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +62,19 @@ class OmniSIFTConfig:
     audio_ratio: float = 0.3
     selector_dim: int = 64
     selector_heads: int = 4
+    estimator: str = "ste"  # selector training: "ste" (the paper) or "score_function"
+    samples: int = 4  # keep sets drawn per clip by the score-function estimator
 
     def __post_init__(self):
         for name in ("video_ratio", "audio_ratio"):
             v = getattr(self, name)
             if not 0 <= v < 1:
                 raise ValueError(f"OmniSIFTConfig.{name}={v!r} must be in [0, 1)")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"OmniSIFTConfig.estimator={self.estimator!r} must be one of {ESTIMATORS}")
+        if self.estimator == "score_function" and self.samples < 2:
+            raise ValueError(f"OmniSIFTConfig.samples={self.samples} must be >= 2 (the leave-one-out baseline "
+                             "needs another sample)")
         if self.selector_dim <= 0 or self.selector_dim % self.selector_heads:
             raise ValueError(f"OmniSIFTConfig.selector_dim={self.selector_dim} must be > 0 and divisible by "
                              f"selector_heads={self.selector_heads}")
@@ -158,13 +182,18 @@ class AudioSelector(nnx.Module):
         self.mlp_up = nnx.Linear(d, max(d // 2, 1), rngs=rngs)
         self.mlp_out = nnx.Linear(max(d // 2, 1), 1, rngs=rngs)
 
-    def __call__(self, audio: jax.Array, video: jax.Array, video_mask: jax.Array) -> jax.Array:
-        """``audio [B, A, D]``, ``video [B, V, D]`` with ``video_mask [B, V]`` -> scores ``[B, A]``."""
+    def logits(self, audio: jax.Array, video: jax.Array, video_mask: jax.Array) -> jax.Array:
+        """``audio [B, A, D]``, ``video [B, V, D]`` with ``video_mask [B, V]`` -> the scores'
+        logits ``[B, A]``."""
         a = self.audio_norm(self.audio_proj(audio.astype(jnp.float32)))
         v = self.video_norm(self.video_proj(video.astype(jnp.float32)))
         mask = video_mask[:, None, None, :]  # [B, 1, 1, V]: over heads and queries
         h = self.out_norm(a + self.attn(a, v, v, mask=mask))
-        return jax.nn.sigmoid(self.mlp_out(jax.nn.silu(self.mlp_up(h)))[..., 0])
+        return self.mlp_out(jax.nn.silu(self.mlp_up(h)))[..., 0]
+
+    def __call__(self, audio: jax.Array, video: jax.Array, video_mask: jax.Array) -> jax.Array:
+        """Scores ``[B, A]`` in (0, 1): the sigmoid of `logits`."""
+        return jax.nn.sigmoid(self.logits(audio, video, video_mask))
 
 
 def straight_through(scores: jax.Array, keep: jax.Array) -> jax.Array:
@@ -198,45 +227,115 @@ def _gather(keep: jax.Array, embeds, positions, mask, tokens, n_keep: int, scale
     return index, take(x), take(positions), take(mask), take(tokens)
 
 
+def audio_logits(selector: AudioSelector, embeds: jax.Array, layout: ClipLayout, config: OmniSIFTConfig
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The video keep mask ``[B, F, P]`` (spatial + temporal pruning) and the selector's logits
+    ``[B, C, A]`` for each chunk's audio tokens, attending to the chunk's kept video."""
+    B, T, _ = embeds.shape
+    chex.assert_equal(T, layout.length)
+    F, P = layout.frames.shape
+    video = embeds[:, jnp.asarray(layout.frames)]  # [B, F, P, D]
+    vkeep = video_keep(video, layout, config)
+    audio = embeds[:, jnp.asarray(layout.audio)]  # [B, C, A, D]
+    logits = []
+    for c in range(layout.audio.shape[0]):
+        frames = np.flatnonzero(layout.chunk_of_frame == c)
+        v = video[:, frames].reshape(B, len(frames) * P, -1)
+        vm = vkeep[:, frames].reshape(B, len(frames) * P)
+        logits.append(selector.logits(audio[:, c], v, vm))
+    return vkeep, jnp.stack(logits, 1)
+
+
+def _keep_mask(B: int, layout: ClipLayout, vkeep: jax.Array, akeep: jax.Array) -> jax.Array:
+    keep = jnp.ones((B, layout.length), bool)
+    return keep.at[:, jnp.asarray(layout.frames)].set(vkeep).at[:, jnp.asarray(layout.audio)].set(akeep)
+
+
 def compress(selector: AudioSelector, embeds: jax.Array, positions: jax.Array, mask: jax.Array, tokens: jax.Array,
              layout: ClipLayout, config: OmniSIFTConfig) -> Compressed:
     """OmniSIFT on a batch with one `ClipLayout`: ``embeds [B, T, D]`` (the spliced inputs),
     ``positions [B, T, 3]``, ``mask``/``tokens [B, T]`` -> the kept tokens."""
-    B, T, _ = embeds.shape
-    chex.assert_equal(T, layout.length)
-    F, P = layout.frames.shape
-    C, A = layout.audio.shape
-    video = embeds[:, jnp.asarray(layout.frames)]  # [B, F, P, D]
-    vkeep = video_keep(video, layout, config)
-    audio = embeds[:, jnp.asarray(layout.audio)]  # [B, C, A, D]
-    n_drop_a = math.floor(A * config.audio_ratio)
-    scores, akeep = [], []
-    for c in range(C):
-        frames = np.flatnonzero(layout.chunk_of_frame == c)
-        v = video[:, frames].reshape(B, len(frames) * P, -1)
-        vm = vkeep[:, frames].reshape(B, len(frames) * P)
-        s = selector(audio[:, c], v, vm)
-        scores.append(s)
-        akeep.append(drop_highest(-s, n_drop_a))  # keep the highest scores
-    scores = jnp.stack(scores, 1)
-    akeep = jnp.stack(akeep, 1)
-    keep = jnp.ones((B, T), bool)
-    keep = keep.at[:, jnp.asarray(layout.frames)].set(vkeep)
-    keep = keep.at[:, jnp.asarray(layout.audio)].set(akeep)
-    scale = jnp.ones((B, T), jnp.float32).at[:, jnp.asarray(layout.audio)].set(straight_through(scores, akeep))
+    B = embeds.shape[0]
+    A = layout.audio.shape[1]
+    vkeep, logits = audio_logits(selector, embeds, layout, config)
+    scores = jax.nn.sigmoid(logits)
+    # keep the highest scores, ranked by their logits (a saturated sigmoid would tie them)
+    akeep = drop_highest(-logits, math.floor(A * config.audio_ratio))
+    keep = _keep_mask(B, layout, vkeep, akeep)
+    scale = jnp.ones(keep.shape, jnp.float32).at[:, jnp.asarray(layout.audio)].set(straight_through(scores, akeep))
     out = _gather(keep, embeds, positions, mask, tokens, layout.kept_length(config), scale)
     return Compressed(*out, scores)
+
+
+def plackett_luce_logprob(logits: jax.Array, order: jax.Array) -> jax.Array:
+    """``log P(order)`` of drawing the indices ``order [..., k]`` in that order, without
+    replacement, with probabilities proportional to ``exp(logits [..., N])`` (Plackett-Luce):
+    ``sum_j logits[o_j] - logsumexp(logits over the indices not yet drawn)``."""
+    N = logits.shape[-1]
+    drawn = jnp.zeros(logits.shape, bool)
+    total = jnp.zeros(logits.shape[:-1], jnp.float32)
+    for j in range(order.shape[-1]):
+        o = order[..., j]
+        total = total + jnp.take_along_axis(logits, o[..., None], -1)[..., 0] \
+            - jax.nn.logsumexp(jnp.where(drawn, -jnp.inf, logits), axis=-1)
+        drawn = drawn | (jnp.arange(N) == o[..., None])
+    return total
+
+
+def gumbel_top_k(rng: jax.Array, logits: jax.Array, k: int, samples: int) -> jax.Array:
+    """``samples`` draws of ``k`` indices without replacement from the Plackett-Luce
+    distribution of ``logits [..., N]`` (the top k of logits + Gumbel noise, in the order
+    drawn; Kool et al. 2019): ``[samples, ..., k]``."""
+    noise = jax.random.gumbel(rng, (samples,) + logits.shape)
+    return jnp.argsort(-(logits[None] + noise), axis=-1, stable=True)[..., :k]
+
+
+def selector_loss(selector: AudioSelector, row_loss: Callable[[Compressed], jax.Array], embeds: jax.Array,
+                  positions: jax.Array, mask: jax.Array, tokens: jax.Array, layout: ClipLayout,
+                  config: OmniSIFTConfig, rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(objective, mean loss)`` to train the selector with ``config.estimator``; the gradient
+    of ``objective`` with respect to the selector is the estimator's. ``row_loss`` maps the
+    compressed inputs to the frozen model's loss per row ``[B]``.
+
+    ``"ste"``: the objective is the mean loss of `compress`. ``"score_function"``: per chunk,
+    ``config.samples`` keep sets are drawn (`gumbel_top_k`, needs ``rng``) and scored; the
+    objective is ``mean_s (L_s - mean_{s' != s} L_s') * log P(set_s)`` with the advantage held
+    constant, whose expected gradient is that of the expected loss. The model's loss gets no
+    gradient there (only the log-probabilities do)."""
+    if config.estimator == "ste":
+        loss = jnp.mean(row_loss(compress(selector, embeds, positions, mask, tokens, layout, config)))
+        return loss, loss
+    if rng is None:
+        raise ValueError('selector_loss with estimator="score_function" needs rng')
+    B = embeds.shape[0]
+    A = layout.audio.shape[1]
+    K = config.samples
+    n_keep = A - math.floor(A * config.audio_ratio)
+    vkeep, logits = audio_logits(selector, embeds, layout, config)
+    order = gumbel_top_k(rng, jax.lax.stop_gradient(logits), n_keep, K)  # [K, B, C, n_keep]
+    akeep = (order[..., None] == jnp.arange(A)).any(-2)  # [K, B, C, A]
+    frozen = jax.lax.stop_gradient(embeds)
+
+    def sample_loss(ak):
+        keep = _keep_mask(B, layout, vkeep, ak)
+        return row_loss(Compressed(*_gather(keep, frozen, positions, mask, tokens, layout.kept_length(config)), None))
+
+    losses = jax.lax.stop_gradient(jax.lax.map(sample_loss, akeep))  # [K, B]
+    chex.assert_shape(losses, (K, B))
+    advantage = losses - (losses.sum(0, keepdims=True) - losses) / (K - 1)
+    logp = plackett_luce_logprob(logits[None], order).sum(-1)  # [K, B]: the chunks are independent
+    return jnp.mean(advantage * logp), jnp.mean(losses)
 
 
 def random_keep(rng: jax.Array, embeds, positions, mask, tokens, layout: ClipLayout, config: OmniSIFTConfig
                 ) -> Compressed:
     """The baseline: the same numbers of patches per frame and audio tokens per chunk dropped
     uniformly at random."""
-    B, T, _ = embeds.shape
+    B = embeds.shape[0]
     F, P = layout.frames.shape
     C, A = layout.audio.shape
     kv, ka = jax.random.split(rng)
     vkeep = drop_highest(jax.random.uniform(kv, (B, F, P)), math.floor(P * config.video_ratio))
     akeep = drop_highest(jax.random.uniform(ka, (B, C, A)), math.floor(A * config.audio_ratio))
-    keep = jnp.ones((B, T), bool).at[:, jnp.asarray(layout.frames)].set(vkeep).at[:, jnp.asarray(layout.audio)].set(akeep)
+    keep = _keep_mask(B, layout, vkeep, akeep)
     return Compressed(*_gather(keep, embeds, positions, mask, tokens, layout.kept_length(config)), None)

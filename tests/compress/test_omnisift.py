@@ -1,16 +1,21 @@
 """OmniSIFT: pruning picks exactly the most redundant patches on constructed clips (against a
 numpy ranking), the straight-through mask's forward and gradient, retention 1.0 is no
-compression, the kept counts, and that only the selector trains."""
+compression, the kept counts, that only the selector trains, and the score-function
+estimator (Plackett-Luce probabilities, Gumbel top-k frequencies, unbiased gradient)."""
+
+import itertools
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import jaxlm
-from jaxlm.compress.omnisift import AudioSelector, ClipLayout, OmniSIFTConfig, compress, drop_highest, random_keep, \
-    spatial_redundancy, straight_through, temporal_redundancy, video_keep
+from jaxlm.compress.omnisift import AudioSelector, ClipLayout, OmniSIFTConfig, audio_logits, compress, drop_highest, \
+    gumbel_top_k, plackett_luce_logprob, random_keep, selector_loss, spatial_redundancy, straight_through, \
+    temporal_redundancy, video_keep
 from jaxlm.data.tokenizers import ByteTokenizer
 from jaxlm.inference.omni import omni_inputs_embeds
 from jaxlm.models.omni import AudioVisual, OmniConfig, batch_sequences, build_omni, build_sequence
@@ -161,3 +166,86 @@ def test_layout_needs_an_audio_visual_clip(model):
         ClipLayout.of(seq)
     with pytest.raises(ValueError, match="video_ratio"):
         OmniSIFTConfig(video_ratio=1.0)
+    with pytest.raises(ValueError, match="estimator='gumbel'"):
+        OmniSIFTConfig(estimator="gumbel")
+    with pytest.raises(ValueError, match="samples=1"):
+        OmniSIFTConfig(estimator="score_function", samples=1)
+
+
+def sequential_probability(p, order):
+    """P(drawing ``order`` one by one without replacement with probabilities ``p [..., N]``)."""
+    prob, left = 1.0, 1.0
+    for o in order:
+        prob = prob * p[..., o] / left
+        left = left - p[..., o]
+    return prob
+
+
+def test_plackett_luce_logprob_is_sequential_sampling_without_replacement():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(3, 5)) * 2
+    for k in (1, 2, 3):
+        orders = np.asarray(list(itertools.permutations(range(5), k)))  # [M, k]
+        got = np.exp(np.asarray(plackett_luce_logprob(jnp.asarray(logits)[:, None], jnp.asarray(orders)[None])))
+        for b in range(3):
+            p = np.exp(logits[b]) / np.exp(logits[b]).sum()
+            ref = [sequential_probability(p, o) for o in orders]
+            np.testing.assert_allclose(got[b], ref, rtol=1e-5)
+            assert abs(got[b].sum() - 1) < 1e-5
+
+
+def test_gumbel_top_k_draws_sets_with_their_plackett_luce_probability():
+    logits = jnp.asarray([1.0, -0.5, 0.3, 2.0])
+    n = 40_000
+    draws = np.sort(np.asarray(gumbel_top_k(jax.random.key(0), logits, 2, n)), -1)
+    p = np.exp(np.asarray(logits)) / np.exp(np.asarray(logits)).sum()
+    for pair in itertools.combinations(range(4), 2):
+        exact = sum(sequential_probability(p, o) for o in itertools.permutations(pair))
+        freq = np.mean((draws == pair).all(-1))
+        assert abs(freq - exact) < 5 * np.sqrt(exact * (1 - exact) / n), (pair, freq, exact)
+    assert (np.diff(draws, axis=-1) > 0).all()  # without replacement
+
+
+def test_score_function_gradient_is_unbiased_for_the_expected_loss(model):
+    """The mean of many estimator gradients equals the exact gradient of the expected loss,
+    enumerated over every keep order of both chunks (2 of 4 audio tokens each)."""
+    seqs, b, E = batch_of(model)
+    lay = ClipLayout.of(seqs[0])
+    cfg = OmniSIFTConfig(video_ratio=0.5, audio_ratio=0.5, selector_dim=8, selector_heads=2,
+                         estimator="score_function", samples=3)
+    graphdef, sel_state = nnx.split(AudioSelector(model.config.lm.d_model, cfg, rngs=nnx.Rngs(2)))
+    C, A = lay.audio.shape
+    value = np.zeros(lay.length, np.float32)
+    value[lay.audio.reshape(-1)] = np.random.default_rng(5).normal(size=C * A)
+    value = jnp.asarray(value)
+    args = (jnp.asarray(b["positions"]), jnp.asarray(b["mask"]), jnp.asarray(b["tokens"]), lay, cfg)
+
+    def row_loss(c):  # a loss that depends on the kept set, not additively
+        return jnp.square(value[c.index].sum(-1))
+
+    def objective(state, rng):
+        return selector_loss(nnx.merge(graphdef, state), row_loss, E, *args, rng)[0]
+
+    def expected_loss(state):
+        _, logits = audio_logits(nnx.merge(graphdef, state), E, lay, cfg)
+        p = jax.nn.softmax(logits, -1)  # [B, C, A]
+        total = 0.0
+        orders = list(itertools.permutations(range(A), 2))
+        for o0, o1 in itertools.product(orders, orders):
+            prob = sequential_probability(p[:, 0], o0) * sequential_probability(p[:, 1], o1)
+            kept = sum(value[lay.audio[0, i]] for i in o0) + sum(value[lay.audio[1, i]] for i in o1)
+            total = total + prob * kept ** 2
+        return jnp.mean(total)
+
+    exact = jax.flatten_util.ravel_pytree(jax.grad(expected_loss)(sel_state))[0]
+    n = 4000
+    draws = jax.jit(jax.vmap(lambda r: jax.flatten_util.ravel_pytree(jax.grad(objective)(sel_state, r))[0]))(
+        jax.random.split(jax.random.key(1), n))
+    mean, se = draws.mean(0), draws.std(0) / np.sqrt(n)
+    assert float(jnp.abs(exact).max()) > 1e-3  # the check is not vacuous
+    np.testing.assert_array_less(jnp.abs(mean - exact), 5 * se + 1e-6)
+    # the STE estimator's objective is the compressed forward's mean loss
+    ste = OmniSIFTConfig(video_ratio=0.5, audio_ratio=0.5, selector_dim=8, selector_heads=2)
+    sel = nnx.merge(graphdef, sel_state)
+    obj, loss = selector_loss(sel, row_loss, E, *args[:-1], ste)
+    assert obj == loss == jnp.mean(row_loss(compress(sel, E, *args[:-1], ste)))

@@ -6,19 +6,22 @@ import pytest
 from bench_runner import run_bench
 
 
-@pytest.mark.slow  # trains an omni model and two selectors (about 8 minutes on 2 cores)
-def test_omnisift_keeps_the_visual_evidence_and_beats_random_dropping():
-    got = run_bench("omnisift_claim.py", "--selector-lr", "1e-3", "--selector-steps", "1000")
+@pytest.mark.slow  # trains an omni model and four selectors (about 5 minutes on 2 cores)
+def test_omnisift_keeps_accuracy_within_two_points_and_beats_random_dropping():
+    got = run_bench("omnisift_claim.py")
     full = got["full"]
     assert full["accuracy"] > 0.95, full  # the task is learnt with all tokens
     for rho in (0.25, 0.35):
-        sift, rand = got[f"omnisift_{rho}"], got[f"random_{rho}"]
-        # video: spatial + temporal pruning keeps the moving square, random dropping loses it
-        assert sift["look"] >= full["look"] - 0.02 and sift["look"] > rand["look"] + 0.1, got
-        assert sift["accuracy"] > rand["accuracy"], got
-        # the paper's "within 2 points of the full model" is not reached: the audio selector,
-        # trained through the straight-through mask alone, does not learn to keep the tone's
-        # frames here (docs/multimodal_agents.md)
+        rand = got[f"random_{rho}"]
+        for estimator in ("ste", "score_function"):
+            sift = got[f"omnisift_{estimator}_{rho}"]
+            # video: spatial + temporal pruning keeps the moving square, random dropping loses it
+            assert sift["look"] >= full["look"] - 0.02 and sift["look"] > rand["look"] + 0.1, got
+        # the paper's claim: within 2 points of the full model, and above random dropping, with the
+        # selector trained by the score-function estimator (the straight-through one does not learn
+        # to keep the tone's frames here: docs/multimodal_agents.md)
+        sift = got[f"omnisift_score_function_{rho}"]
+        assert sift["accuracy"] >= full["accuracy"] - 0.02 and sift["accuracy"] > rand["accuracy"] + 0.05, got
 
 
 @pytest.mark.slow  # times three prefill/decode programs (about 2 minutes on 2 cores)
