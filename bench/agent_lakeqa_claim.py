@@ -10,6 +10,10 @@ greedily on the same held-out episodes (indices never trained on) through
 `jaxlm.agents.ModelPolicy`; the report is exact match, answered rate, tool calls and tool
 errors per episode.
 
+``--abstain-rate p`` mixes the demonstrations: a share p of them (chosen at random) answer
+``unknown`` at once instead of searching, as a demonstrator that often gives up would. SFT
+imitates the mixture; GRPO optimises exact match instead.
+
     python bench/agent_lakeqa_claim.py --out runs/agent_lakeqa
 """
 
@@ -41,6 +45,11 @@ def model_config() -> jaxlm.ModelConfig:
     return jaxlm.ModelConfig.tiny(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=SEQ_LEN)
 
 
+def abstained(trajectory: dict) -> dict:
+    """The demonstration that answers ``unknown`` at once (system and question kept)."""
+    return {"messages": trajectory["messages"][:2] + [{"role": "assistant", "content": "unknown"}]}
+
+
 def evaluate(model, task: LakeQATask, n: int) -> dict[str, float]:
     loop = AgentConfig(max_turns=task.hops + 2, max_new_tokens=MAX_NEW, max_episode_tokens=SEQ_LEN)
     got = run_episodes(ModelPolicy(model), [task.episode(HELD_OUT + i) for i in range(n)], loop)
@@ -55,6 +64,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--hops", type=int, default=1)
     ap.add_argument("--trajectories", type=int, default=4000)
+    ap.add_argument("--abstain-rate", type=float, default=0.0,
+                    help="share of the SFT demonstrations that answer 'unknown' without searching")
     ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--grpo-iterations", type=int, default=30)
     ap.add_argument("--batch", type=int, default=8, help="GRPO episodes per iteration")
@@ -69,11 +80,16 @@ def main(argv=None) -> dict:
     task = LakeQATask(seed=args.seed, hops=args.hops, system=SYSTEM)
     timings = {}
 
-    sft_dir = root / f"sft_h{args.hops}_s{args.seed}_{args.sft_steps}"
+    if not 0 <= args.abstain_rate < 1:
+        ap.error(f"--abstain-rate={args.abstain_rate} must be in [0, 1)")
+    mix = f"_abstain{args.abstain_rate}" if args.abstain_rate else ""
+    sft_dir = root / f"sft_h{args.hops}_s{args.seed}_{args.sft_steps}{mix}"
     if not (sft_dir / "model").exists():
         t0 = time.perf_counter()
-        data = root / f"trajectories_h{args.hops}.jsonl"
-        data.write_text("".join(json.dumps(expert_trajectory(task, i)) + "\n" for i in range(args.trajectories)))
+        data = root / f"trajectories_h{args.hops}_s{args.seed}{mix}.jsonl"
+        abstain = np.random.default_rng([args.seed, 5]).random(args.trajectories) < args.abstain_rate
+        data.write_text("".join(json.dumps(abstained(expert_trajectory(task, i)) if a else expert_trajectory(task, i))
+                                + "\n" for i, a in enumerate(abstain)))
         train(ExperimentConfig(
             model=model_config(),
             data=DataConfig(source=Files(path=str(data), eval_fraction=0.01), seq_len=SEQ_LEN, batch_size=16,
@@ -85,8 +101,8 @@ def main(argv=None) -> dict:
     results = {"sft": evaluate(jaxlm.load_model(sft_dir / "model"), task, args.eval)}
     print("SFT:", results["sft"], flush=True)
 
-    grpo_dir = root / (f"grpo_h{args.hops}_s{args.seed}_{args.sft_steps}_{args.grpo_iterations}"
-                       f"_t{args.temperature}_lr{args.lr}")
+    grpo_dir = root / (f"grpo_h{args.hops}_s{args.seed}_{args.sft_steps}{mix}_{args.grpo_iterations}"
+                       f"_t{args.temperature}_lr{args.lr}_b{args.batch}x{args.group}")
     if not (grpo_dir / "model").exists():
         t0 = time.perf_counter()
         agent = AgentTaskConfig(task="lakeqa", seed=args.seed, hops=args.hops, system=SYSTEM,
@@ -108,7 +124,7 @@ def main(argv=None) -> dict:
         k = max(len(rewards) // 5, 1)
         results["grpo_rollout_reward"] = {"first": float(np.mean(rewards[:k])), "last": float(np.mean(rewards[-k:]))}
     print(f"LakeQA {args.hops}-hop, {args.eval} held-out episodes; SFT {args.sft_steps} steps of 16 x {SEQ_LEN} "
-          f"packed tokens on {args.trajectories} expert trajectories, then GRPO {args.grpo_iterations} iterations "
+          f"packed tokens on {args.trajectories} demonstrations ({args.abstain_rate:.0%} abstaining), then GRPO {args.grpo_iterations} iterations "
           f"of {args.batch} x {args.group} rollouts (temperature {args.temperature}, lr {args.lr})")
     if "grpo_rollout_reward" in results:
         r = results.pop("grpo_rollout_reward")
