@@ -46,11 +46,11 @@ def evaluate(rm, base, held) -> dict:
             "flip_rate": float(np.mean((p_open > 0.5) & (p_shut < 0.5)))}
 
 
-def run(steps: int = 1200, lr: float = 3e-3, seed: int = 0) -> dict:
+def run(steps: int = 1200, lr: float = 3e-3, seed: int = 0, per_item: int = 8) -> dict:
     base = safety.items()
     configs = safety.all_configs()
     held = [configs[i] for i in HELD_OUT]
-    points, pairs = safety.augment(base, [c for c in configs if c not in held], per_item=8, seed=seed)
+    points, pairs = safety.augment(base, [c for c in configs if c not in held], per_item=per_item, seed=seed)
     out = {"points": len(points), "pairs": len(pairs), "steps": steps}
     for name, lam in (("bt_only", 0.0), ("csrm", 1.0)):
         lm = jaxlm.build_model(MODEL, seed=seed, tokenizer=ByteTokenizer())
@@ -65,5 +65,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--per-item", type=int, default=8, help="augmentation: configurations drawn per item")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    print(json.dumps(run(args.steps, args.lr), indent=1))
+    print(json.dumps(run(args.steps, args.lr, args.seed, args.per_item), indent=1))
