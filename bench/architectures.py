@@ -12,16 +12,18 @@ D. B's three arms on compositional conditions ("reverse, add 3"; held-out pairs 
    skills with the condition in its prompt (`configs/megan_skills_base.py`), and that base
    prompted with the condition, untrained.
 
-    python bench/architectures.py [--out runs/arch] [--scale 1.0] [--only A,B,C,D]
+    python bench/architectures.py [--out runs/arch] [--scale 1.0] [--only A,B,C,D] [--seed S]
 
 Prints markdown tables (also written to OUT/results.md), then the MeGan sections' numbers as
-one JSON line. ``--scale`` multiplies every step
-count (0.1 for a quick smoke run).
+one JSON line (with each held-out condition's exact match apart). ``--scale`` multiplies
+every step count (0.1 for a quick smoke run); ``--seed`` sets ``trainer.seed`` of every run
+(initialisation and data order; the tasks' examples stay the same).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -30,6 +32,8 @@ from pathlib import Path
 
 #: Numbers of the MeGan sections, printed as JSON at the end (claim tests read them).
 RESULTS: dict[str, dict] = {}
+#: Overrides added to every run (``--seed``).
+EXTRA_OVERRIDES: list[str] = []
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -48,7 +52,7 @@ def run(name: str, overrides: list[str]):
     from trainers.loop import train
 
     t0 = time.perf_counter()
-    result = train(load_config(name, overrides))
+    result = train(load_config(name, list(overrides) + EXTRA_OVERRIDES))
     return result, time.perf_counter() - t0
 
 
@@ -66,7 +70,15 @@ def evaluate(model_dir: Path, cfg_name: str, overrides: list[str]) -> dict:
     model = jaxlm.load_checkpoint(model_dir)
     graphdef, state = nnx.split(model)
     fn = make_eval_loss(graphdef, sliding_window=model.config.sliding_window)
-    return heldout_metrics(fn, nnx.to_pure_dict(state), eval_batches(cfg.data, jaxlm.ByteTokenizer()))
+    out = heldout_metrics(fn, nnx.to_pure_dict(state), eval_batches(cfg.data, jaxlm.ByteTokenizer()))
+    source = cfg.data.source
+    if getattr(source, "eval_on", None) == "held_out" and len(source.held_out) > 1:  # each held-out condition
+        out["by_condition"] = {}
+        for c in source.held_out:
+            data = dataclasses.replace(cfg.data, source=dataclasses.replace(source, held_out=(c,)))
+            out["by_condition"][c] = heldout_metrics(fn, nnx.to_pure_dict(state),
+                                                     eval_batches(data, jaxlm.ByteTokenizer()))["exact_match"]
+    return out
 
 
 def experiment_a(out: Path, scale: float) -> str:
@@ -125,12 +137,16 @@ def experiment_b(out: Path, scale: float, config: str = "megan", section: str = 
                      f"| {result.final_eval['loss']:.3f} | {secs:.0f} s |")
         RESULTS.setdefault(section, {})[key] = {"seen": result.final_eval["exact_match"], "held_out": held["exact_match"],
                                                 "loss": result.final_eval["loss"]}
+        if "by_condition" in held:
+            RESULTS[section][key]["held_out_by_condition"] = held["by_condition"]
     if prompt_baseline:  # the base as it is, the condition written in its prompt
         prompt = ["model.mlp=swiglu", "data.source.condition_in=prompt"]
         seen = evaluate(base_dir / "model", config, prompt)
         held = evaluate(base_dir / "model", config, prompt + ["data.source.eval_on=held_out"])
         RESULTS[section]["base_prompt"] = {"seen": seen["exact_match"], "held_out": held["exact_match"],
                                            "loss": seen["loss"]}
+        if "by_condition" in held:
+            RESULTS[section]["base_prompt"]["held_out_by_condition"] = held["by_condition"]
         lines.append(f"| base, condition in the prompt, no training | 0 | {seen['exact_match']:.1%} "
                      f"| {held['exact_match']:.1%} | {seen['loss']:.3f} | - |")
     return (f"### {section}. {title} (base: {base_steps} steps of {base_what}; arms: {steps} steps)\n\n"
@@ -189,7 +205,10 @@ def main() -> None:
     ap.add_argument("--out", default="runs/arch")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--only", default="A,B,C,D")
+    ap.add_argument("--seed", type=int, default=None, help="trainer.seed of every run (default: each config's)")
     args = ap.parse_args()
+    if args.seed is not None:
+        EXTRA_OVERRIDES.append(f"trainer.seed={args.seed}")
     out = Path(args.out)
     sections = []
     for key, fn in (("A", experiment_a), ("B", experiment_b), ("C", experiment_c), ("D", experiment_d)):
