@@ -124,7 +124,8 @@ def main(argv=None) -> dict:
         k = max(len(rewards) // 5, 1)
         results["grpo_rollout_reward"] = {"first": float(np.mean(rewards[:k])), "last": float(np.mean(rewards[-k:]))}
     print(f"LakeQA {args.hops}-hop, {args.eval} held-out episodes; SFT {args.sft_steps} steps of 16 x {SEQ_LEN} "
-          f"packed tokens on {args.trajectories} demonstrations ({args.abstain_rate:.0%} abstaining), then GRPO {args.grpo_iterations} iterations "
+          f"packed tokens on {args.trajectories} demonstrations ({args.abstain_rate:.0%} abstaining), "
+          f"then GRPO {args.grpo_iterations} iterations "
           f"of {args.batch} x {args.group} rollouts (temperature {args.temperature}, lr {args.lr})")
     if "grpo_rollout_reward" in results:
         r = results.pop("grpo_rollout_reward")
