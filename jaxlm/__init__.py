@@ -2,7 +2,8 @@
 
 Core API: `ModelConfig` (+ presets), `build_model`, `load_hf` / `save_hf`, `generate`,
 `diffusion_generate` (masked diffusion LMs),
-`save_checkpoint` / `load_checkpoint` / `load_model` (orbax), `sharding.make_mesh`.
+`save_checkpoint` / `load_checkpoint` / `load_model` (orbax), `save_omni` / `load_omni` (a
+language model with media encoders), `sharding.make_mesh`.
 """
 
 import importlib
@@ -29,6 +30,8 @@ _LAZY = {
     "save_checkpoint": ("jaxlm.checkpoint", "save_checkpoint"),
     "load_checkpoint": ("jaxlm.checkpoint", "load_checkpoint"),
     "load_model": ("jaxlm.checkpoint", "load_model"),
+    "save_omni": ("jaxlm.models.omni", "save_omni"),
+    "load_omni": ("jaxlm.models.omni", "load_omni"),
 }
 
 

@@ -279,6 +279,9 @@ def load_model(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None
     recover(path)
     if (path / "config").is_dir() and (path / "params").is_dir():
         return load_checkpoint(path, mesh=mesh)
+    if (path / "omni.json").exists() and (path / "lm").is_dir():
+        raise CheckpointError(f"{path} is an omni checkpoint (a language model and media encoders): load it with "
+                              f"jaxlm.load_omni({str(path)!r}); {path / 'lm'} is its language model alone")
     if (path / "config.json").exists():
         return load_hf(path, mesh=mesh, **hf_kwargs)
     found = describe_leftovers(path)

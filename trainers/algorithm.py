@@ -72,7 +72,9 @@ class Algorithm(Protocol):
         """Restore what `data_state` returned."""
 
     def final_model(self, state: TrainState) -> Transformer:
-        """The trained model (with its tokenizer) that the run saves to ``out_dir/model``."""
+        """The trained model (with its tokenizer) that the run saves to ``out_dir/model``
+        (`jaxlm.save_checkpoint`, unless the algorithm has a ``save_model(state, path)``
+        method, e.g. omni training's model with its media encoders)."""
 
 
 ALGORITHMS: Registry = Registry("training algorithm")

@@ -15,6 +15,7 @@ import re
 from typing import Any, Literal
 
 from jaxlm.agents.tasks import AgentTaskConfig
+from jaxlm.data.audiovisual import AVTaskConfig
 from jaxlm.data.pipeline import DataConfig
 from jaxlm.models.config import ModelConfig
 from trainers.distill.config import DistillConfig
@@ -420,6 +421,48 @@ class GRPOConfig:
         check_grpo_config(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class OmniTrainConfig:
+    """Training an omni (video + audio + text) model (`jaxlm.models.omni`; `trainers.omni`) on
+    the synthetic audio-visual task (`jaxlm.data.audiovisual`): the language model is
+    ``cfg.model`` (``rope="mrope"`` for three-axis positions), the video and audio encoders are
+    trained with it, and the loss is the next-token cross-entropy on the answer (and EOS) after
+    ``[BOS] clip question``. Batch ``k`` holds clips drawn from ``(trainer.seed, k)``; held-out
+    clips come from a disjoint index range. ``optimizer.trainable`` selects what trains by
+    parameter name (``"encoder"``: the encoders alone, e.g. over an ``init_from`` language model)."""
+
+    name: Literal["omni"] = "omni"
+    """The algorithm's registered name (`trainers.algorithm.ALGORITHMS`)."""
+    task: AVTaskConfig = AVTaskConfig()
+    """The synthetic clips and the questions asked about them."""
+    encoder_hidden: int = 128
+    """Width of the video and audio encoders' MLPs."""
+    video_token_id: int | None = None
+    """The video placeholder's token id (None: the first id past the tokenizer's vocabulary)."""
+    audio_token_id: int | None = None
+    """The audio placeholder's token id (None: the second id past the tokenizer's vocabulary)."""
+    frames_per_chunk: int = 2
+    """Video frames per time chunk, each followed by the audio of its span (Qwen2.5-Omni's layout)."""
+    frame_ticks: int = 2
+    """Time-axis position ids per video frame."""
+    audio_ticks: int = 1
+    """Time-axis position ids per audio frame."""
+    eval_examples: int = 256
+    """Held-out clips per evaluation (rounded up to whole batches of data.batch_size)."""
+
+    def __post_init__(self):
+        if not isinstance(self.task, AVTaskConfig):
+            raise ValueError(f"algorithm.task must be an AVTaskConfig, got {type(self.task).__name__}")
+        _positive("algorithm", encoder_hidden=self.encoder_hidden, frames_per_chunk=self.frames_per_chunk,
+                  frame_ticks=self.frame_ticks, audio_ticks=self.audio_ticks, eval_examples=self.eval_examples)
+        for name in ("video_token_id", "audio_token_id"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"algorithm.{name}={v!r} is invalid: must be a token id >= 0 or None")
+        if self.video_token_id is not None and self.video_token_id == self.audio_token_id:
+            raise ValueError("algorithm.video_token_id and algorithm.audio_token_id must differ")
+
+
 def _is_algorithm_config(value: Any) -> bool:
     """A frozen dataclass instance with a string ``name`` (the algorithm's registered name)."""
     return (dataclasses.is_dataclass(value) and not isinstance(value, type)
@@ -438,9 +481,9 @@ class ExperimentConfig:
     """The optimizer and its learning-rate schedule."""
     trainer: TrainerConfig = TrainerConfig()
     """The run: length, logging, evaluation, checkpoints, devices."""
-    algorithm: SFTConfig | GRPOConfig | DiffusionConfig = SFTConfig()
-    """The training algorithm and its settings: SFT, GRPO or masked diffusion (any frozen dataclass whose ``name``
-    is registered in `trainers.algorithm.ALGORITHMS` plugs in from Python)."""
+    algorithm: SFTConfig | GRPOConfig | DiffusionConfig | OmniTrainConfig = SFTConfig()
+    """The training algorithm and its settings: SFT, GRPO, masked diffusion or omni training (any frozen dataclass
+    whose ``name`` is registered in `trainers.algorithm.ALGORITHMS` plugs in from Python)."""
     tokenizer: str = "byte"
     """'byte' (the embedded default) or a directory holding tokenizer.json."""
     init_from: str | None = None
@@ -449,7 +492,7 @@ class ExperimentConfig:
 
     def __post_init__(self):
         for name, kinds in (("model", ModelConfig), ("data", DataConfig), ("optimizer", OptimizerConfig),
-                            ("trainer", TrainerConfig), ("algorithm", (SFTConfig, GRPOConfig, DiffusionConfig))):
+                            ("trainer", TrainerConfig), ("algorithm", (SFTConfig, GRPOConfig, DiffusionConfig, OmniTrainConfig))):
             value = getattr(self, name)
             if name == "algorithm" and _is_algorithm_config(value):
                 continue
@@ -463,6 +506,9 @@ class ExperimentConfig:
             raise ValueError(f"ExperimentConfig.tokenizer={self.tokenizer!r} must be 'byte' or a directory (str)")
         if self.init_from is not None and not isinstance(self.init_from, str):
             raise ValueError(f"ExperimentConfig.init_from={self.init_from!r} must be a path (str) or None")
+        if isinstance(self.algorithm, OmniTrainConfig) and (self.model.rope != "mrope" or self.model.mode != "causal"):
+            raise ValueError(f"algorithm.name='omni' needs model.rope='mrope' (three-axis positions) and "
+                             f"model.mode='causal', got rope={self.model.rope!r}, mode={self.model.mode!r}")
         if isinstance(self.algorithm, DiffusionConfig):
             if self.model.mode != "diffusion":
                 raise ValueError(f"algorithm.name='diffusion' needs model.mode='diffusion' (got {self.model.mode!r}) "

@@ -38,6 +38,7 @@ from jax.experimental import multihost_utils
 
 import jaxlm
 import trainers.diffusion  # noqa: F401  (registers the "diffusion" algorithm)
+import trainers.omni  # noqa: F401  (registers the "omni" algorithm)
 import trainers.rl.loop  # noqa: F401  (registers the "grpo" algorithm)
 import trainers.sft  # noqa: F401  (registers the "sft" algorithm)
 from jaxlm.fileio import (
@@ -48,6 +49,7 @@ from jaxlm.fileio import (
     read_jsonl,
     recover_directory,
 )
+from jaxlm.models.omni import is_omni_checkpoint
 from trainers.algorithm import ALGORITHMS, Algorithm, RunSetup
 from trainers.checkpointing import TrainCheckpointer, abstract_like
 from trainers.config import ConfigError, ExperimentConfig
@@ -120,10 +122,11 @@ def _stored_config(out_dir: Path, ckpt: TrainCheckpointer, step: int) -> dict[st
 
 
 def _has_model(path: Path) -> bool:
-    """``path`` holds a complete jaxlm checkpoint (models are swapped in whole, so a present
-    directory is complete once a half-done swap is finished: `jaxlm.fileio.recover_directory`)."""
+    """``path`` holds a complete jaxlm (or omni) checkpoint (models are swapped in whole, so a
+    present directory is complete once a half-done swap is finished:
+    `jaxlm.fileio.recover_directory`)."""
     recover_directory(path)
-    return (path / "config").is_dir() and (path / "params").is_dir()
+    return ((path / "config").is_dir() and (path / "params").is_dir()) or is_omni_checkpoint(path)
 
 
 def _finished(out_dir: Path, start: int, steps: int, logger: MetricsLogger) -> bool:
@@ -237,5 +240,8 @@ def _loop(cfg: ExperimentConfig, out_dir: Path, algo: Algorithm, state: TrainSta
     if not stopped_early:
         final_eval, samples = evaluate(k)
         ckpt.wait()
-        jaxlm.save_checkpoint(algo.final_model(state), out_dir / "model", overwrite=True)
+        if hasattr(algo, "save_model"):  # a model with parts beside the language model (omni)
+            algo.save_model(state, out_dir / "model")
+        else:
+            jaxlm.save_checkpoint(algo.final_model(state), out_dir / "model", overwrite=True)
     return TrainResult(out_dir=out_dir, step=k, final_eval=final_eval, samples=samples, stopped_early=stopped_early)

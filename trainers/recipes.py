@@ -18,6 +18,7 @@ import importlib.util
 import io
 import os
 import re
+import shlex
 import traceback
 import types
 import typing
@@ -147,6 +148,21 @@ def _unbox(text: str) -> str:
     return first + (f"\n{hint}" if hint else "")
 
 
+def _is_sequence_field(config: Any, parts: list[str]) -> bool:
+    """Field ``parts`` of ``config`` is declared a tuple or list: ``key=a,b`` or ``key='a b'``
+    gives its items (shell-quoted items keep their spaces: ``key="'a b' c"``)."""
+    obj = config
+    for i, name in enumerate(parts):
+        if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
+            return False
+        if i == len(parts) - 1:
+            hint = typing.get_type_hints(type(obj)).get(name)
+            origins = {typing.get_origin(h) for h in (hint, *typing.get_args(hint))}
+            return bool(origins & {tuple, list})
+        obj = getattr(obj, name)
+    return False
+
+
 def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:
     """``["model.n_layers=4", ...]`` -> a new config, parsed and type-checked by tyro."""
     items: list[tuple[str, str]] = []
@@ -163,7 +179,13 @@ def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> Exper
     for key, value in items:
         if value.lower() in ("true", "false"):
             value = value.capitalize()
-        args += [f"--{key}", value]
+        if _is_sequence_field(config, key.split(".")):  # a tuple takes its items as separate arguments
+            parts = shlex.split(value)
+            if len(parts) == 1 and "," in parts[0]:
+                parts = parts[0].split(",")
+            args += [f"--{key}", *parts]
+        else:
+            args += [f"--{key}", value]
     if not args:
         return config
     err = io.StringIO()

@@ -38,6 +38,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxlm.checkpoint import load_checkpoint, save_checkpoint
+from jaxlm.fileio import atomic_directory, recover_directory
 from jaxlm.models.config import ModelConfig
 from jaxlm.models.transformer import ModelOutput, Transformer
 
@@ -317,27 +318,35 @@ ENCODERS_FILE, OMNI_FILE = "encoders.safetensors", "omni.json"
 
 def save_omni(model: OmniModel, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """``path/lm`` (a jaxlm checkpoint of the language model, loadable on its own with
-    `jaxlm.load_checkpoint`), ``path/encoders.safetensors`` and ``path/omni.json``."""
-    path = Path(path)
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
-    path.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(model.lm, path / "lm", overwrite=True)
+    `jaxlm.load_checkpoint`), ``path/encoders.safetensors`` and ``path/omni.json``, written
+    beside ``path`` and swapped in whole (`jaxlm.fileio.atomic_directory`): a kill leaves the
+    complete old or the complete new checkpoint."""
+    path = Path(path).absolute()
     flat = {}
     for name in ("video_encoder", "audio_encoder"):
         leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(getattr(model, name), nnx.Param)))[0]
         for key, value in leaves:
-            flat[name + "." + ".".join(str(getattr(k, "key", k)) for k in key)] = np.asarray(value)
-    save_file(flat, str(path / ENCODERS_FILE))
+            flat[name + "." + ".".join(str(getattr(k, "key", k)) for k in key)] = np.asarray(jax.device_get(value))
     meta = {k: getattr(model.config, k) for k in ("patch_dim", "audio_dim", "video_token_id", "audio_token_id",
                                                    "encoder_hidden")}
-    (path / OMNI_FILE).write_text(json.dumps(meta, indent=1))
+    with atomic_directory(path, overwrite=overwrite) as staging:
+        save_checkpoint(model.lm, staging / "lm")
+        save_file(flat, str(staging / ENCODERS_FILE))
+        (staging / OMNI_FILE).write_text(json.dumps(meta, indent=1))
     return path
+
+
+def is_omni_checkpoint(path: str | os.PathLike) -> bool:
+    """``path`` holds what `save_omni` writes."""
+    path = Path(path)
+    recover_directory(path)
+    return all((path / need).exists() for need in ("lm", ENCODERS_FILE, OMNI_FILE))
 
 
 def load_omni(path: str | os.PathLike) -> OmniModel:
     """The `OmniModel` `save_omni` wrote (its tokenizer from ``path/lm``)."""
     path = Path(path)
+    recover_directory(path)
     for need in ("lm", ENCODERS_FILE, OMNI_FILE):
         if not (path / need).exists():
             raise FileNotFoundError(f"{path} is not an omni checkpoint: {need} is missing")

@@ -89,6 +89,7 @@ def main():
                   spec == P(("tensor", "fsdp"), None))
             check(f"[scan={scan}] vocabulary-split forward == single device", close(split(tokens, mask=mask).logits, ref, mask))
     train_checks(mesh)
+    omni_checks()
     rl_checks()
     print("ALL PASS")
 
@@ -140,6 +141,32 @@ def train_checks(mesh):
         result = train(exp)
         check(f"train() on a (2, 2, 2) mesh finishes (held-out loss {result.final_eval['loss']:.3f})",
               result.step == 4 and np.isfinite(result.final_eval["loss"]))
+
+
+def omni_checks():
+    """Omni training (media batches, encoders in the state) runs on a (2, 2, 2) mesh and writes an
+    omni checkpoint whose encoders are the trained ones."""
+    from jaxlm.data.audiovisual import AVTaskConfig
+    from jaxlm.data.pipeline import DataConfig
+    from jaxlm.models.omni import load_omni
+    from trainers.config import ExperimentConfig, MeshConfig, OmniTrainConfig, OptimizerConfig, TrainerConfig
+    from trainers.loop import train
+
+    task = AVTaskConfig(frames=2, grid=2, patch=2, audio_frames=4, window=8, tone_frames=1)
+    with tempfile.TemporaryDirectory() as d:
+        exp = ExperimentConfig(
+            model=jaxlm.ModelConfig.tiny(vocab_size=261, rope="mrope", d_model=32, n_layers=1, n_heads=2,
+                                         n_kv_heads=2, ffn_dim=64, max_seq_len=64),
+            data=DataConfig(batch_size=8), optimizer=OptimizerConfig(lr=1e-3, warmup_steps=1),
+            trainer=TrainerConfig(steps=2, save_every=1, out_dir=d, progress=False, eval_generate=2,
+                                  mesh=MeshConfig(data=2, fsdp=2, tensor=2)),
+            algorithm=OmniTrainConfig(task=task, encoder_hidden=16, eval_examples=8),
+        )
+        result = train(exp)
+        check(f"omni train() on a (2, 2, 2) mesh finishes (held-out loss {result.final_eval['loss']:.3f})",
+              result.step == 2 and np.isfinite(result.final_eval["loss"]))
+        model = load_omni(os.path.join(d, "model"))
+        check("omni checkpoint from the mesh run loads", model.config.audio_token_id == 260)
 
 
 def rl_checks():

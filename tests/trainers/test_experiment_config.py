@@ -20,6 +20,18 @@ def test_overrides_are_typed():
     assert cfg.data.source == Arithmetic(digits=3, ops=("+",), carry_slip=0.6)  # the quickstart's flawed teacher
 
 
+def test_tuple_fields_take_comma_or_space_separated_items():
+    assert load_config("omni_av", ["algorithm.task.questions=move:,tone:"]).algorithm.task.questions == ("move:", "tone:")
+    assert load_config("omni_av", ["algorithm.task.questions=look: tone:"]).algorithm.task.questions == ("look:", "tone:")
+    assert load_config("omni_av", ["algorithm.task.questions=tone:"]).algorithm.task.questions == ("tone:",)
+    fill = load_config("diffusion_sort", ["algorithm.edit_fill_per_step=2,5"]).algorithm.edit_fill_per_step
+    assert fill == (2, 5) and all(isinstance(k, int) for k in fill)
+    with pytest.raises(ConfigError, match="questions.*each must be one of"):
+        load_config("omni_av", ["algorithm.task.questions=look:,why:"])
+    with pytest.raises(ConfigError, match="edit_fill_per_step"):
+        load_config("diffusion_sort", ["algorithm.edit_fill_per_step=2,x"])
+
+
 def test_unknown_key_suggests_closest():
     with pytest.raises(ConfigError, match=r"^unknown key model.n_layer\nclosest keys: model.n_layers"):
         load_config("quickstart", ["model.n_layer=4"])
