@@ -39,12 +39,13 @@ from trainers.loop import train
 
 
 
-def model_config(d_model: int, n_layers: int) -> jaxlm.ModelConfig:
+def model_config(d_model: int, n_layers: int, max_seq_len: int = 96) -> jaxlm.ModelConfig:
     return jaxlm.ModelConfig.tiny(d_model=d_model, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=3 * d_model,
-                                  max_seq_len=96)
+                                  max_seq_len=max_seq_len)
 
 
-TASK = GridQA()  # replaced in `main` by the command line's --shortcut / --evidence-noise
+TASK = GridQA()  # replaced in `main` by the command line's --shortcut / --evidence-noise / --short-tags
+LOOKUP = GridLookup()  # replaced in `main` by --lookup-form / --short-tags
 ARMS = {
     "grpo": dict(),
     "bonus": dict(rewards=("verifier", "counterfactual_bonus")),
@@ -53,10 +54,17 @@ ARMS = {
 }
 
 
+def lookup_length() -> int:
+    """Tokens of a GridLookup row (BOS, prompt, completion, EOS), rounded up to a multiple of 8."""
+    ex = LOOKUP.example(0, "train")
+    return -(-(len(ex["prompt"]) + len(ex["completion"]) + 2) // 8) * 8
+
+
 def pretrain(out: Path, steps: int, model: jaxlm.ModelConfig, lr: float) -> Path:
     if not (out / "model").exists():
         train(ExperimentConfig(
-            model=model, data=DataConfig(source=GridLookup(), seq_len=96, batch_size=64, eval_examples=32),
+            model=model, data=DataConfig(source=LOOKUP, seq_len=max(96, lookup_length()), batch_size=64,
+                                         eval_examples=32),
             optimizer=OptimizerConfig(lr=lr, warmup_steps=30, min_lr_ratio=0.05),
             trainer=TrainerConfig.quiet(steps, str(out)), algorithm=SFTConfig(), tokenizer="byte"))
     return out / "model"
@@ -82,15 +90,22 @@ def grpo(out: Path, init_from: Path, iterations: int, arm: dict, bonus_weight: f
             model=model, data=DataConfig(source=TASK, seq_len=56, batch_size=32, pack=False, eval_examples=32),
             optimizer=OptimizerConfig(lr=lr, warmup_steps=0, schedule="constant", weight_decay=0.0),
             trainer=TrainerConfig.quiet(iterations, str(out), seed=seed),
-            algorithm=GRPOConfig(num_generations=8, max_new_tokens=26, temperature=1.0, mu=2, minibatches=2, **kw),
+            algorithm=GRPOConfig(num_generations=8, max_new_tokens=max_new_tokens(), temperature=1.0, mu=2,
+                                 minibatches=2, **kw),
             tokenizer="byte", init_from=str(init_from)))
     return out / "model"
+
+
+def max_new_tokens() -> int:
+    """The completion (markers, cell, answer) and a few tokens to spare: 26 with the long markers."""
+    return len(TASK.evidence_open) + len(TASK.evidence_close) + 5
 
 
 def evaluate(path: Path, n: int) -> dict:
     model = jaxlm.load_model(path)
     held = [TASK.example(i, "eval") for i in range(n)]
-    res = task_accuracy(model, held, TASK.verify, tokenizer=model.tokenizer, max_new_tokens=26, batch_size=n)
+    res = task_accuracy(model, held, TASK.verify, tokenizer=model.tokenizer, max_new_tokens=max_new_tokens(),
+                        batch_size=n)
     texts = [s["completion"] for s in res.samples]
     right = np.asarray([TASK.verify(e, t) for e, t in zip(held, texts)], bool)
     grounded = np.asarray([TASK.evidence_correct(e, t) for e, t in zip(held, texts)], bool)
@@ -104,12 +119,7 @@ def lookup_accuracy(path: Path, n: int) -> dict:
     by kind: "which cell holds shape S" (``?S=``, a search by content) and "what colour is
     cell i" (``#i=``, a read at a fixed offset)."""
     model = jaxlm.load_model(path)
-    lookup = GridLookup()
-    rows = []
-    for i in range(n):
-        ex = lookup.example(i, "eval")
-        head, answer = ex["completion"].split(" ")[0].split("=")
-        rows.append((ex["prompt"] + head + "=", answer, "shape_to_cell" if head[0] == "?" else "cell_to_colour"))
+    rows = [LOOKUP.first_query(LOOKUP.example(i, "eval")) for i in range(n)]
     texts = jaxlm.generate(model, [p for p, _, _ in rows], max_new_tokens=1, temperature=0.0).texts
     return {kind: float(np.mean([t[:1] == a for t, (_, a, k) in zip(texts, rows) if k == kind]))
             for kind in ("shape_to_cell", "cell_to_colour")}
@@ -132,12 +142,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval", type=int, default=512)
     ap.add_argument("--shortcut", type=float, default=GridQA.shortcut)
     ap.add_argument("--evidence-noise", type=float, default=GridQA.evidence_noise)
+    ap.add_argument("--short-tags", action="store_true", help="evidence markers [ and ] instead of <evidence> ...")
+    ap.add_argument("--lookup-form", choices=("plain", "evidence"), default="plain",
+                    help="GridLookup's queries: ?S=1 / #1=g, or with the cell in the evidence markers")
     args = ap.parse_args(argv)
-    global TASK
-    TASK = GridQA(shortcut=args.shortcut, evidence_noise=args.evidence_noise)
+    global TASK, LOOKUP
+    tags = dict(evidence_open="[", evidence_close="]") if args.short_tags else {}
+    TASK = GridQA(shortcut=args.shortcut, evidence_noise=args.evidence_noise, **tags)
+    LOOKUP = GridLookup(query_form=args.lookup_form, **tags)
     root = args.out or Path(tempfile.mkdtemp(prefix="cofact_claim_"))
-    model = model_config(args.d_model, args.layers)
-    pre_tag = f"d{args.d_model}x{args.layers}_pre{args.pretrain_steps}_lr{args.pretrain_lr}"
+    model = model_config(args.d_model, args.layers, max(96, lookup_length()))
+    form = ("_short" if args.short_tags else "") + ("_evform" if args.lookup_form == "evidence" else "")
+    pre_tag = f"d{args.d_model}x{args.layers}{form}_pre{args.pretrain_steps}_lr{args.pretrain_lr}"
     pre = pretrain(root / pre_tag, args.pretrain_steps, model, args.pretrain_lr) if args.pretrain_steps else None
     tag = f"{pre_tag}_sft{args.sft_steps}_lr{args.sft_lr}_sc{args.shortcut}_n{args.evidence_noise}"
     base = sft(root / tag, args.sft_steps, model, args.sft_lr, pre)

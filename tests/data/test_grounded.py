@@ -46,14 +46,21 @@ def test_shortcut_biases_training_problems_and_teacher_evidence_is_noisy():
 
 
 def test_parse():
-    assert GridQA.parse("<evidence>3</evidence> g") == ("3", "g")
-    assert GridQA.parse("g") == (None, "g")
+    assert GridQA().parse("<evidence>3</evidence> g") == ("3", "g")
+    assert GridQA().parse("g") == (None, "g")
+    short = GridQA(evidence_open="[", evidence_close="]", evidence_noise=0.0)
+    assert short.parse("[3]g") == ("3", "g") and short.parse("<evidence>3</evidence>g") == (None, "<evidence>3</evidence>g")
+    e = short.example(0, "eval")
+    assert e["completion"] == f"[{e['evidence']}]{e['answer']}" and short.verify(e, e["completion"]) == 1.0
+    # the markers change the completion only: the same problems, in the same splits
+    assert e["prompt"] == GridQA(evidence_noise=0.0).example(0, "eval")["prompt"]
 
 
 @pytest.mark.parametrize("kw, field", [
     (dict(n_cells=1), "n_cells"), (dict(n_cells=7), "shapes"), (dict(shapes="SSTCHX"), "shapes"),
     (dict(colors="r"), "colors"), (dict(colors="rS"), "colors"), (dict(shortcut=1.2), "shortcut"),
-    (dict(evidence_noise=-0.1), "evidence_noise"),
+    (dict(evidence_noise=-0.1), "evidence_noise"), (dict(evidence_open=""), "evidence_open"),
+    (dict(evidence_open="]", evidence_close="]"), "evidence_open"), (dict(evidence_close="<1>"), "evidence_open"),
 ])
 def test_bad_settings_name_the_field(kw, field):
     with pytest.raises(ValueError, match=f"grid_qa.{field}"):
@@ -78,6 +85,37 @@ def test_lookup_queries_are_read_off_the_grid():
         assert task.verify(e, e["completion"]) == 1.0 and task.verify(e, " ".join(reversed(queries))) == 0.0
     assert len(orders) > 100
     assert "grid_lookup" in TASKS and task.chance_accuracy() == 0.0
+
+
+def test_lookup_in_evidence_form_writes_cells_as_grid_qa_evidence():
+    """``query_form="evidence"``: the same queries with the cell in GridQA's markers, so that a
+    GridQA completion is a shape query then a colour read; `first_query` splits off each
+    kind's answer."""
+    plain, ev = GridLookup(), GridLookup(query_form="evidence", evidence_open="[", evidence_close="]")
+    kinds = set()
+    for i in range(50):
+        p, e = plain.example(i, "train"), ev.example(i, "train")
+        assert p["prompt"] == e["prompt"]
+        grid = {int(tok[0]): (tok[1], tok[2]) for tok in e["prompt"].split()}
+        expected = {f"?{shape}=[{cell}]" for cell, (_, shape) in grid.items()}
+        expected |= {f"#[{cell}]{colour}" for cell, (colour, _) in grid.items()}
+        assert sorted(e["completion"].split(" ")) == sorted(expected)
+        for task, ex in ((plain, p), (ev, e)):
+            prefix, answer, kind = task.first_query(ex)
+            query = ex["completion"].split(" ")[0]
+            assert (prefix + answer).endswith(query) or (prefix + answer + "]").endswith(query)
+            cell = int(answer) if kind == "shape_to_cell" else None
+            if kind == "shape_to_cell":
+                assert grid[cell][1] == query[1]
+            else:
+                assert answer == grid[int(query.strip("#[]=")[0])][0]
+            kinds.add(kind)
+    assert kinds == {"shape_to_cell", "cell_to_colour"}
+    qa = GridQA(evidence_open="[", evidence_close="]", evidence_noise=0.0).example(3, "eval")
+    cell, colour = qa["evidence"], qa["answer"]
+    assert qa["completion"] == f"[{cell}]" + colour  # = the shape query's cell, then the colour read's tail
+    with pytest.raises(ValueError, match="grid_lookup.query_form"):
+        GridLookup(query_form="long")
 
 
 def test_lookup_never_trains_on_a_held_out_grid_qa_grid():

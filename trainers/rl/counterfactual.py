@@ -1,6 +1,7 @@
 """Counterfactual reward bonus (CofactGVR, seed abstract; method card B.4, [INFERRED] there).
 
-A completion names its evidence, ``<evidence>SPAN</evidence>``, then answers. The factual
+A completion names its evidence, ``<evidence>SPAN</evidence>`` (or the task's own
+``evidence_tags``), then answers. The factual
 reward ``r_f`` is the verifier's. The *matched counterfactual* keeps the prompt and the
 completion's structure and perturbs only the evidence span (each character replaced by a
 different one of the same class, seeded per rollout: the text analogue of moving the box);
@@ -27,7 +28,12 @@ from flax import nnx
 from trainers.rl.rewards import REWARDS, example_completion
 from trainers.rl.rollout import left_pad, positions_of, row_logprobs
 
-_EVIDENCE = re.compile(r"<evidence>(.*?)</evidence>", re.S)
+#: The evidence markers of a task without its own ``evidence_tags``.
+DEFAULT_TAGS = ("<evidence>", "</evidence>")
+
+
+def _evidence_re(tags: tuple[str, str]) -> re.Pattern:
+    return re.compile(re.escape(tags[0]) + "(.*?)" + re.escape(tags[1]), re.S)
 
 
 def perturb_span(span: str, seed: int) -> str:
@@ -44,9 +50,10 @@ def perturb_span(span: str, seed: int) -> str:
     return "".join(out)
 
 
-def split_evidence(completion: str) -> tuple[str, str] | None:
-    """``(context up to and including </evidence>, answer after it)``, or None."""
-    m = _EVIDENCE.search(completion)
+def split_evidence(completion: str, tags: tuple[str, str] = DEFAULT_TAGS) -> tuple[str, str] | None:
+    """``(context up to and including the closing marker, answer after it)``, or None; ``tags``:
+    the ``(open, close)`` markers around the evidence."""
+    m = _evidence_re(tags).search(completion)
     if m is None or not completion[m.end():].strip():
         return None
     return completion[: m.end()], completion[m.end():]
@@ -72,14 +79,15 @@ def answer_scores(graphdef, params, tokenizer, contexts: list[str], answers: lis
 @REWARDS.register("counterfactual_bonus")
 def counterfactual_bonus(prompts, completions, *, examples, task, policy, tokenizer, config=None, **_) -> np.ndarray:
     quality = getattr(config, "cf_quality", 1.0)
+    tags = getattr(task, "evidence_tags", DEFAULT_TAGS)
     bonus = np.zeros(len(completions), np.float32)
     todo = []
     for i, (p, c, e) in enumerate(zip(prompts, completions, examples)):
-        parts = split_evidence(c)
+        parts = split_evidence(c, tags)
         if parts is None or task.verify(e, example_completion(e, c)) < quality:
             continue
         context, answer = parts
-        m = _EVIDENCE.search(context)
+        m = _evidence_re(tags).search(context)
         cf_context = context[: m.start(1)] + perturb_span(m.group(1), seed=i) + context[m.end(1):]
         todo.append((i, p + context, p + cf_context, answer))  # exactly what the policy read
     if todo:
