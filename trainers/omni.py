@@ -68,10 +68,26 @@ def omni_config(cfg, tokenizer) -> OmniConfig:
                       audio_token_id=audio_id, encoder_hidden=a.encoder_hidden)
 
 
-def clip_rows(a: OmniTrainConfig, config: OmniConfig, tokenizer, indices, seed: int) -> dict[str, np.ndarray]:
-    """The rows of clips ``indices``: left-padded ``tokens``, ``positions [B, T, 3]``, ``mask``
-    (real tokens), ``video``, ``audio`` and ``target`` (the answer and EOS tokens, the ones the
-    loss predicts), plus ``question_type [B]`` (an index into ``a.task.questions``)."""
+def row_length(a: OmniTrainConfig, config: OmniConfig, tokenizer) -> int:
+    """The longest row any clip of task ``a.task`` makes (BOS, media, question, answer, EOS):
+    every batch is padded to it, so batches share one shape (one compilation; equal shapes
+    on every process)."""
+    t = a.task
+    ex = av_example(t, 0, 0)
+    clip = AudioVisual(ex["video"], ex["audio"], frames_per_chunk=a.frames_per_chunk, frame_ticks=a.frame_ticks,
+                       audio_ticks=a.audio_ticks)
+    media = len(build_sequence([clip], tokenizer, config).tokens)
+    answers = list("LRUD") + list("WXYZ"[:t.n_shapes]) + [chr(65 + k) for k in range(t.n_labels)]
+    longest = max(len(tokenizer.encode(q)) for q in t.questions) + max(len(tokenizer.encode(x)) for x in answers)
+    return (tokenizer.bos_id is not None) + media + longest + 1
+
+
+def clip_rows(a: OmniTrainConfig, config: OmniConfig, tokenizer, indices, seed: int,
+              width: int | None = None) -> dict[str, np.ndarray]:
+    """The rows of clips ``indices``: left-padded (to ``width`` tokens if given) ``tokens``,
+    ``positions [B, T, 3]``, ``mask`` (real tokens), ``video``, ``audio`` and ``target`` (the
+    answer and EOS tokens, the ones the loss predicts), plus ``question_type [B]`` (an index
+    into ``a.task.questions``)."""
     seqs, n_targets, qtypes = [], [], []
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     for i in indices:
@@ -84,6 +100,14 @@ def clip_rows(a: OmniTrainConfig, config: OmniConfig, tokenizer, indices, seed: 
         qtypes.append(a.task.questions.index(ex["question"]))
     batch = batch_sequences(seqs, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
     T = batch["tokens"].shape[1]
+    if width is not None:
+        if T > width:
+            raise ValueError(f"a row of {T} tokens is longer than width={width}")
+        pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+        for k, fill in (("tokens", pad_id), ("positions", 0), ("mask", False)):
+            v = batch[k]
+            batch[k] = np.pad(v, [(0, 0), (width - T, 0)] + [(0, 0)] * (v.ndim - 2), constant_values=fill)
+        T = width
     batch["target"] = np.arange(T)[None, :] >= T - np.asarray(n_targets)[:, None]
     batch["question_type"] = np.asarray(qtypes, np.int32)
     return batch
@@ -132,6 +156,10 @@ class OmniTraining:
             raise ConfigError(f"data.batch_size={cfg.data.batch_size} is not divisible by the "
                               f"{jax.process_count()} processes")
         self.config = omni_config(cfg, setup.tokenizer)
+        self._width = row_length(a, self.config, setup.tokenizer)
+        if self._width > cfg.model.max_seq_len:
+            raise ConfigError(f"model.max_seq_len={cfg.model.max_seq_len} is shorter than the task's rows "
+                              f"({self._width} tokens: media, question and answer)")
         model = OmniModel(self.config, rngs=nnx.Rngs(params=t.seed), tokenizer=setup.tokenizer)
         model.lm = setup.model  # random init or init_from's weights
         self.graphdef, state = nnx.split(model)
@@ -163,7 +191,7 @@ class OmniTraining:
         n, p = jax.process_count(), jax.process_index()
         rows = len(indices) // n
         return clip_rows(self.cfg.algorithm, self.config, self.tokenizer, indices[p * rows:(p + 1) * rows],
-                         self.cfg.trainer.seed)
+                         self.cfg.trainer.seed, width=self._width)
 
     def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> global arrays split over ``data`` x ``fsdp``."""
@@ -199,8 +227,8 @@ class OmniTraining:
         for indices in self._eval_indices:
             local = self._local_rows(indices)
             out = to_host(self._eval_fn(state.params, self.place(local)))
-            rows = clip_rows(self.cfg.algorithm, self.config, self.tokenizer, indices, self.cfg.trainer.seed) \
-                if jax.process_count() > 1 else local
+            rows = clip_rows(self.cfg.algorithm, self.config, self.tokenizer, indices, self.cfg.trainer.seed,
+                             width=self._width) if jax.process_count() > 1 else local
             nll += float(out["nll"].sum())
             count += float(out["count"].sum())
             for b, q in enumerate(rows["question_type"]):

@@ -21,7 +21,7 @@ from jaxlm.models.config import ModelConfig
 from jaxlm.models.omni import build_omni, load_omni
 from trainers.config import ConfigError, ExperimentConfig, OmniTrainConfig, OptimizerConfig, TrainerConfig
 from trainers.loop import train
-from trainers.omni import HELD_OUT, clip_rows, make_omni_loss_fn, omni_config
+from trainers.omni import HELD_OUT, clip_rows, make_omni_loss_fn, omni_config, row_length
 
 TOK = ByteTokenizer()
 TASK = AVTaskConfig(frames=2, grid=2, patch=2, audio_frames=4, window=8, tone_frames=1)
@@ -74,6 +74,27 @@ def test_loss_is_the_answer_cross_entropy_from_the_logits():
     np.testing.assert_allclose(float(total), hand, rtol=1e-5)
 
 
+def test_padding_to_the_task_width_changes_no_loss():
+    """Batches are left-padded to the task's longest row (one shape for every batch): the loss
+    sum and count are those of the unpadded rows."""
+    cfg = _config("unused")
+    a = dataclasses.replace(cfg.algorithm, task=dataclasses.replace(TASK, questions=("move:", "look:", "tone:")))
+    config = omni_config(cfg, TOK)
+    width = row_length(a, config, TOK)
+    graphdef, state = nnx.split(build_omni(config, seed=2, tokenizer=TOK))
+    loss = make_omni_loss_fn(graphdef)
+    plain = clip_rows(a, config, TOK, [4, 5, 6], seed=1)
+    assert plain["tokens"].shape[1] == width  # every question and answer here is one token
+    padded = clip_rows(a, config, TOK, [4, 5, 6], seed=1, width=width + 5)
+    assert padded["tokens"].shape[1] == width + 5 and not padded["mask"][:, :5].any()
+    got = [loss(nnx.to_pure_dict(state), {k: jnp.asarray(v) for k, v in b.items() if k != "question_type"}, None)
+           for b in (plain, padded)]
+    np.testing.assert_allclose(float(got[0][0]), float(got[1][0]), rtol=1e-5)
+    assert float(got[0][1]) == float(got[1][1]) == 6
+    with pytest.raises(ValueError, match="longer than width"):
+        clip_rows(a, config, TOK, [4], seed=1, width=width - 1)
+
+
 def test_harness_trains_checkpoints_encoders_and_resumes_exactly(tmp_path):
     straight = train(_config(tmp_path / "a"))
     assert {"loss", "accuracy"} <= set(straight.final_eval)
@@ -121,5 +142,9 @@ def test_config_errors(tmp_path):
     small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=260))
     with pytest.raises(ConfigError, match="does not fit model.vocab_size=260"):
         train(small)
+    short = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_len=16),
+                                data=dataclasses.replace(cfg.data, seq_len=16))
+    with pytest.raises(ConfigError, match="model.max_seq_len=16 is shorter than the task's rows"):
+        train(short)
     with pytest.raises(ConfigError, match="is a token of the tokenizer"):
         train(dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, video_token_id=65)))
