@@ -1,13 +1,16 @@
 """CofactGVR in miniature (grounded RL, ICML 2026; method card B.4): GRPO with the
 counterfactual evidence bonus and Q-PAS against plain GRPO, on a grounded task with a
-shortcut (`jaxlm.data.grounded.GridQA`).
+shortcut (`jaxlm.data.grounded.GridQA`, completions ``[cell]colour``).
 
 0. Pretraining on single-hop lookups over the same kind of grids (`GridLookup`: which cell
-   holds shape S, what colour is cell i), so that the model can read a grid; it is never
-   asked a shape's colour directly, so the answer runs through the evidence. The search by
-   shape is learnt abruptly (at d64 x 3, lr 1e-3: between steps 2000 and 3000; at lr 3e-3 not
-   within 2500 steps); the default 12,000 steps take about 21 minutes on 2 cores. The
-   pretrained model's accuracy on both kinds of lookup is reported.
+   holds shape S, ``?S=[1]``, and what colour is cell i, ``#[1]g``), written in GridQA's
+   evidence form, so that a GridQA completion is a shape query followed by a colour read. It
+   is never asked a shape's colour directly, so the answer runs through the evidence. The
+   search by shape is learnt abruptly (at d64 x 3, lr 1e-3: by step 3000); the default 12,000
+   steps take 40-60 minutes on 2 cores. The pretrained model's accuracy on both kinds of
+   lookup is reported. (``--tags long --lookup-form plain``: the earlier setting, lookups
+   ``?S=1`` / ``#1=g`` and evidence ``<evidence>1</evidence>``, whose skill did not carry
+   into GridQA's format; docs/rl.md.)
 1. SFT from that model on a flawed teacher's demonstrations: the answer is always right, the
    evidence cell is wrong in half of them, and the asked object is usually colour ``r`` in
    training (the shortcut).
@@ -18,7 +21,7 @@ shortcut (`jaxlm.data.grounded.GridQA`).
 3. Greedy, on held-out problems drawn without the colour bias: answer accuracy, evidence
    accuracy, and the rate of right answers with wrong evidence.
 
-    python bench/cofact_claim.py --out runs/cofact
+    python bench/cofact_claim.py --out runs/cofact            # --seed 1, --seed 2: other GRPO seeds
 """
 
 from __future__ import annotations
@@ -142,17 +145,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval", type=int, default=512)
     ap.add_argument("--shortcut", type=float, default=GridQA.shortcut)
     ap.add_argument("--evidence-noise", type=float, default=GridQA.evidence_noise)
-    ap.add_argument("--short-tags", action="store_true", help="evidence markers [ and ] instead of <evidence> ...")
-    ap.add_argument("--lookup-form", choices=("plain", "evidence"), default="plain",
-                    help="GridLookup's queries: ?S=1 / #1=g, or with the cell in the evidence markers")
+    ap.add_argument("--tags", choices=("short", "long"), default="short",
+                    help="evidence markers: [1]g, or <evidence>1</evidence>g")
+    ap.add_argument("--lookup-form", choices=("plain", "evidence"), default="evidence",
+                    help="GridLookup's queries: with the cell in the evidence markers (?S=[1], #[1]g), or ?S=1 / #1=g")
     args = ap.parse_args(argv)
     global TASK, LOOKUP
-    tags = dict(evidence_open="[", evidence_close="]") if args.short_tags else {}
+    tags = dict(evidence_open="[", evidence_close="]") if args.tags == "short" else {}
     TASK = GridQA(shortcut=args.shortcut, evidence_noise=args.evidence_noise, **tags)
     LOOKUP = GridLookup(query_form=args.lookup_form, **tags)
     root = args.out or Path(tempfile.mkdtemp(prefix="cofact_claim_"))
     model = model_config(args.d_model, args.layers, max(96, lookup_length()))
-    form = ("_short" if args.short_tags else "") + ("_evform" if args.lookup_form == "evidence" else "")
+    form = ("_short" if args.tags == "short" else "") + ("_evform" if args.lookup_form == "evidence" else "")
     pre_tag = f"d{args.d_model}x{args.layers}{form}_pre{args.pretrain_steps}_lr{args.pretrain_lr}"
     pre = pretrain(root / pre_tag, args.pretrain_steps, model, args.pretrain_lr) if args.pretrain_steps else None
     tag = f"{pre_tag}_sft{args.sft_steps}_lr{args.sft_lr}_sc{args.shortcut}_n{args.evidence_noise}"
