@@ -39,7 +39,7 @@ from trainers.algorithm import ALGORITHMS, RunSetup
 from trainers.config import ConfigError
 from trainers.losses import token_nll
 from trainers.optim import make_optimizer, param_names
-from trainers.setup import check_trainable
+from trainers.setup import check_batch_split, check_trainable
 from trainers.sft import SFT
 from trainers.step import StateShardedJit, TrainState, apply_summed_gradients, init_state
 
@@ -207,10 +207,7 @@ class Diffusion:
         self.cfg, self.mesh, self.tokenizer, self.algo = cfg, mesh, setup.tokenizer, a
         if jax.process_count() > 1:
             raise ConfigError("algorithm.name='diffusion' runs on one process (trainer.multihost=false)")
-        batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-        if (cfg.data.batch_size // t.grad_accum) % batch_shards:
-            raise ConfigError(f"the micro-batch data.batch_size/trainer.grad_accum = {cfg.data.batch_size // t.grad_accum}"
-                              f" is not divisible by the mesh's data x fsdp = {batch_shards} devices")
+        check_batch_split(cfg, mesh)
         if a.objective == "sft" and a.pad_answers and getattr(setup.tokenizer, "eos_id", None) is None:
             raise ConfigError("algorithm.pad_answers=True needs a tokenizer with an EOS token")
         if a.objective == "edit" and getattr(setup.tokenizer, "eos_id", None) is None:

@@ -38,7 +38,7 @@ from trainers.algorithm import ALGORITHMS, RunSetup
 from trainers.config import ConfigError, OmniTrainConfig
 from trainers.losses import token_nll
 from trainers.optim import make_optimizer, param_names
-from trainers.setup import check_trainable
+from trainers.setup import check_batch_split, check_trainable
 from trainers.step import TrainState, init_state, make_train_step
 
 #: Clip indices at or above this are held out (training draws below it).
@@ -147,14 +147,7 @@ class OmniTraining:
         cfg, mesh = setup.cfg, setup.mesh
         self.cfg, self.mesh, self.tokenizer = cfg, mesh, setup.tokenizer
         t, a = cfg.trainer, cfg.algorithm
-        shards = mesh.shape["data"] * mesh.shape["fsdp"]
-        if (cfg.data.batch_size // t.grad_accum) % shards:
-            raise ConfigError(f"the micro-batch data.batch_size/trainer.grad_accum = "
-                              f"{cfg.data.batch_size // t.grad_accum} is not divisible by the mesh's data x fsdp = "
-                              f"{shards} devices")
-        if cfg.data.batch_size % jax.process_count():
-            raise ConfigError(f"data.batch_size={cfg.data.batch_size} is not divisible by the "
-                              f"{jax.process_count()} processes")
+        check_batch_split(cfg, mesh)
         self.config = omni_config(cfg, setup.tokenizer)
         self._width = row_length(a, self.config, setup.tokenizer)
         if self._width > cfg.model.max_seq_len:

@@ -72,6 +72,19 @@ def run_mesh(cfg: ExperimentConfig) -> Mesh:
         raise ConfigError(f"trainer.mesh={m}: {e}") from None
 
 
+def check_batch_split(cfg: ExperimentConfig, mesh: Mesh) -> None:
+    """``data.batch_size`` (global) splits into ``trainer.grad_accum`` micro-batches whose rows
+    divide over the mesh's ``data`` x ``fsdp`` devices, and over the processes."""
+    micro = cfg.data.batch_size // cfg.trainer.grad_accum
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if micro % shards:
+        raise ConfigError(f"the micro-batch data.batch_size/trainer.grad_accum = {micro} is not divisible by the "
+                          f"mesh's data x fsdp = {shards} devices")
+    if cfg.data.batch_size % jax.process_count():
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} is not divisible by the {jax.process_count()} "
+                          "processes")
+
+
 def check_trainable(cfg: ExperimentConfig, names: list[str]) -> None:
     """``optimizer.trainable`` must select at least one of the parameter ``names``."""
     if not cfg.optimizer.trainable:

@@ -33,7 +33,7 @@ from trainers.evaluate import heldout_metrics
 from trainers.losses import TOKEN_WEIGHTS
 from trainers.optim import make_optimizer, param_names
 from trainers.schedule.scheduler import UnitScheduler
-from trainers.setup import check_trainable
+from trainers.setup import check_batch_split, check_trainable
 from trainers.step import TrainState, init_state, make_eval_loss, make_loss_fn, make_train_step
 
 
@@ -80,16 +80,7 @@ class SFT:
         cfg, mesh = setup.cfg, setup.mesh
         t, a = cfg.trainer, cfg.algorithm
         self.cfg, self.mesh, self.tokenizer = cfg, mesh, setup.tokenizer
-        batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-        if (cfg.data.batch_size // t.grad_accum) % batch_shards:
-            raise ConfigError(
-                f"the micro-batch data.batch_size/trainer.grad_accum = {cfg.data.batch_size // t.grad_accum} "
-                f"is not divisible by the mesh's data x fsdp = {batch_shards} devices"
-            )
-        if cfg.data.batch_size % jax.process_count():
-            raise ConfigError(
-                f"data.batch_size={cfg.data.batch_size} is not divisible by the {jax.process_count()} processes"
-            )
+        check_batch_split(cfg, mesh)
         self.graphdef, state = nnx.split(setup.model)
         self._params = place(nnx.to_pure_dict(state), nnx.to_pure_dict(model_shardings(setup.model, mesh)))
         self.tx, schedule = make_optimizer(cfg.optimizer, t.steps)
