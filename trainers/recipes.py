@@ -180,7 +180,10 @@ def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> Exper
         if value.lower() in ("true", "false"):
             value = value.capitalize()
         if _is_sequence_field(config, key.split(".")):  # a tuple takes its items as separate arguments
-            parts = shlex.split(value)
+            try:
+                parts = shlex.split(value)
+            except ValueError as e:
+                raise ConfigError(f"override {key}={value!r}: {e} (quote items that hold spaces or quotes)") from None
             if len(parts) == 1 and "," in parts[0]:
                 parts = parts[0].split(",")
             args += [f"--{key}", *parts]

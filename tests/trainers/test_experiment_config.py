@@ -30,6 +30,8 @@ def test_tuple_fields_take_comma_or_space_separated_items():
         load_config("omni_av", ["algorithm.task.questions=look:,why:"])
     with pytest.raises(ConfigError, match="edit_fill_per_step"):
         load_config("diffusion_sort", ["algorithm.edit_fill_per_step=2,x"])
+    with pytest.raises(ConfigError, match="questions.*No closing quotation"):
+        load_config("omni_av", ["algorithm.task.questions=look: 'tone:"])
 
 
 def test_unknown_key_suggests_closest():
