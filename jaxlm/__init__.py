@@ -3,7 +3,8 @@
 Core API: `ModelConfig` (+ presets), `build_model`, `load_hf` / `save_hf`, `generate`,
 `diffusion_generate` (masked diffusion LMs),
 `save_checkpoint` / `load_checkpoint` / `load_model` (orbax), `save_omni` / `load_omni` (a
-language model with media encoders), `sharding.make_mesh`.
+language model with media encoders), `expand_blocks` (deepen a trained model with identity
+blocks), `sharding.make_mesh`.
 """
 
 import importlib
@@ -32,6 +33,7 @@ _LAZY = {
     "load_model": ("jaxlm.checkpoint", "load_model"),
     "save_omni": ("jaxlm.models.omni", "save_omni"),
     "load_omni": ("jaxlm.models.omni", "load_omni"),
+    "expand_blocks": ("jaxlm.models.expansion", "expand_blocks"),
 }
 
 
