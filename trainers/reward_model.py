@@ -83,6 +83,15 @@ class RewardModelConfig:
     batch_pairs: int = 16
     batch_points: int = 16
     seed: int = 0
+    warmup_steps: int = 0  # linear warmup from 0 to learning_rate
+    min_lr_ratio: float = 1.0  # cosine decay after warmup to min_lr_ratio * learning_rate; 1 = constant
+
+    def learning_rate_schedule(self) -> optax.Schedule:
+        """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` x the peak
+        over the remaining steps (constant when ``min_lr_ratio`` is 1)."""
+        return optax.warmup_cosine_decay_schedule(
+            0.0 if self.warmup_steps else self.learning_rate, self.learning_rate, self.warmup_steps,
+            max(self.steps, self.warmup_steps + 1), end_value=self.min_lr_ratio * self.learning_rate)
 
     def __post_init__(self):
         if self.calibration_weight < 0:
@@ -90,6 +99,10 @@ class RewardModelConfig:
         for name in ("learning_rate", "steps", "batch_pairs", "batch_points"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RewardModelConfig.{name}={getattr(self, name)} must be > 0")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"RewardModelConfig.warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"RewardModelConfig.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
 
 
 def _encode(tokenizer, texts: Sequence[str], width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -141,7 +154,7 @@ def train_reward_model(model: RewardModel, points: Sequence[tuple[str, bool]], p
     labels = np.asarray([float(p[1]) for p in points], np.float32)
     ch_tokens, ch_mask = _encode(tok, [p[0] for p in pairs], width)
     rj_tokens, rj_mask = _encode(tok, [p[1] for p in pairs], width)
-    opt = optax.adamw(config.learning_rate, weight_decay=0.0)
+    opt = optax.adamw(config.learning_rate_schedule(), weight_decay=0.0)
     graphdef, params = nnx.split(model, nnx.Param)
     rest = nnx.state(model, nnx.Not(nnx.Param))
     opt_state = opt.init(params)

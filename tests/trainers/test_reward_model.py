@@ -54,6 +54,26 @@ def test_training_lowers_the_joint_loss(rm):
         train_reward_model(rm, [], pairs)
 
 
+def test_learning_rate_schedule_warms_up_then_decays_by_cosine():
+    # constant by default
+    constant = RewardModelConfig(steps=100, learning_rate=1e-3).learning_rate_schedule()
+    assert [float(constant(i)) for i in (0, 50, 99)] == pytest.approx([1e-3] * 3, rel=1e-6)
+    # linear warmup over 10 steps, then lr_min + (lr - lr_min) (1 + cos(pi t)) / 2 over the other 90
+    cfg = RewardModelConfig(steps=100, learning_rate=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    sched = cfg.learning_rate_schedule()
+    for step in (0, 5, 10, 40, 77, 100):
+        if step < 10:
+            want = 1e-3 * step / 10
+        else:
+            t = (step - 10) / 90
+            want = 1e-4 + (1e-3 - 1e-4) * (1 + np.cos(np.pi * t)) / 2
+        assert float(sched(step)) == pytest.approx(want, rel=1e-5, abs=1e-9), step
+    with pytest.raises(ValueError, match="warmup_steps"):
+        RewardModelConfig(steps=10, warmup_steps=10)
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        RewardModelConfig(min_lr_ratio=1.5)
+
+
 def test_augmentation_relabels_by_configuration_and_keeps_the_severity_order():
     base = safety.items()
     points, pairs = safety.augment(base, safety.all_configs(), per_item=4, seed=0)
