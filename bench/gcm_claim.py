@@ -7,9 +7,17 @@ some from a teacher that drops the ones carry (``carry_slip``), so their mistake
 kind and rate. Each answers held-out problems greedily; `correctness_history` records its
 answer, whether it is right, and its own confidence (the geometric mean probability of its
 answer tokens). The GCM starts from the strongest answering model's weights (as the paper
-fine-tunes a pretrained LLM) and is fine-tuned on the ``"standard"`` verdict rows
-(``Q: 57+68=\\nA: 125\\nCorrect? `` -> ``Y``/``N``) of the training models' histories; the
-held-out model and the test questions are never in them. Its confidence is P(Y) over {Y, N}.
+fine-tunes a pretrained LLM), deepened by ``--expand-blocks`` identity blocks on top
+(`jaxlm.expand_blocks`, LLaMA Pro), and is fine-tuned on the verdict rows
+(``57+68=125\nCorrect? `` -> ``Y``/``N``) of the training models' histories, each ``N`` row
+repeated ``--negative-repeat`` times; the held-out model and the test questions are never in
+them. Its confidence is P(Y) over {Y, N}.
+
+Why the two knobs: the strongest model's own likelihood of an answer separates right from
+wrong almost perfectly, but its last layer is where the sum comes out; telling whether the
+written answer matches needs computation after that, which a fine-tune of the same depth
+can only find by overwriting the sum. The rows are ~13% ``N``. ``--expand-blocks 0
+--negative-repeat 1`` is the plain fine-tune.
 
 Reported on the held-out model's answers to the test questions: AUROC for "the answer is
 right" of the GCM, of the model's own confidence, and of another model's likelihood of the
@@ -52,6 +60,8 @@ HELD_OUT = "delta"
 TEMPLATES = {"qa": GCM_TEMPLATE,  # "Q: 57+68=\nA: 125\nCorrect? "
              "inline": JudgeTemplate(pointwise="{question}{response}\nCorrect? ")}  # "57+68=125\nCorrect? "
 STRONGEST = "gamma"
+EXPAND_BLOCKS = 2
+NEGATIVE_REPEAT = 4
 
 
 def task(carry_slip: float = 0.0) -> Arithmetic:
@@ -93,14 +103,20 @@ def _platt_ece(score: np.ndarray, correct: np.ndarray, seed: int) -> float:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--train-questions", type=int, default=2000)
+    ap.add_argument("--train-questions", type=int, default=3500)
     ap.add_argument("--test-questions", type=int, default=800)
-    ap.add_argument("--gcm-steps", type=int, default=2000)
+    ap.add_argument("--gcm-steps", type=int, default=4000)
     ap.add_argument("--gcm-lr", type=float, default=3e-4)
     ap.add_argument("--template", choices=sorted(TEMPLATES), default="inline")
+    ap.add_argument("--expand-blocks", type=int, default=EXPAND_BLOCKS,
+                    help="identity blocks (LLaMA Pro) added on top of the strongest model before fine-tuning")
+    ap.add_argument("--negative-repeat", type=int, default=NEGATIVE_REPEAT,
+                    help="each 'N' (wrong-answer) row appears this many times in the GCM's training rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.negative_repeat < 1 or args.expand_blocks < 0:
+        ap.error(f"--negative-repeat={args.negative_repeat} must be >= 1 and --expand-blocks={args.expand_blocks} >= 0")
     train_idx, seen = distinct_eval_indices(args.train_questions, 0, set())
     test_idx, _ = distinct_eval_indices(args.test_questions, 10**6, seen)
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,9 +134,15 @@ def main(argv=None) -> dict:
         accuracy[HELD_OUT] = float(np.mean([r.correct for r in test]))
         template = TEMPLATES[args.template]
         rows = gcm_rows(histories, variant="standard", seed=args.seed, template=template)
+        rows = rows + [r for r in rows if r["completion"] == "N"] * (args.negative_repeat - 1)
+        rows = [rows[i] for i in np.random.default_rng(args.seed).permutation(len(rows))]
+        backbone = models[STRONGEST]
+        if args.expand_blocks:
+            backbone = jaxlm.expand_blocks(backbone, [backbone.config.n_layers - 1] * args.expand_blocks)
         shutil.rmtree(out / "gcm", ignore_errors=True)  # never resume a GCM of other settings
-        gcm = sft_on_rows(out / "gcm", rows, MODEL, steps=args.gcm_steps, seq_len=32, lr=args.gcm_lr,
-                          init_from=str(out / STRONGEST / "model"))
+        jaxlm.save_checkpoint(backbone, out / "gcm_backbone", overwrite=True)
+        gcm = sft_on_rows(out / "gcm", rows, backbone.config, steps=args.gcm_steps, seq_len=32, lr=args.gcm_lr,
+                          init_from=str(out / "gcm_backbone"))
         questions, answers = [r.question for r in test], [r.answer for r in test]
         correct = np.array([r.correct for r in test])
         strongest = models[STRONGEST]
@@ -133,6 +155,7 @@ def main(argv=None) -> dict:
     result = {
         "answerer_accuracy": accuracy,
         "gcm_training_rows": len(rows),
+        "gcm_layers": backbone.config.n_layers,
         "gcm_training_fraction_correct": float(np.mean([r.correct for r in histories])),
         "test_answers": len(test),
         "auroc": {k: auroc(v, correct) for k, v in scores.items()},

@@ -14,9 +14,10 @@ from trainers.loop import train
 
 
 def sft_on_rows(out: Path, rows: list[dict], model: jaxlm.ModelConfig, *, steps: int, seq_len: int,
-                lr: float = 3e-3, warmup_steps: int = 50, batch_size: int = 32, init_from: str | None = None):
+                lr: float = 3e-3, warmup_steps: int = 50, batch_size: int = 32, init_from: str | None = None, trainable: str = ""):
     """Write ``rows`` to ``out/rows.jsonl``, train ``steps`` steps into ``out`` (from the
-    weights at ``init_from``, else from scratch), return the model."""
+    weights at ``init_from``, else from scratch; ``trainable``: a regex over parameter names,
+    empty = all), return the model."""
     data = Path(out) / "rows.jsonl"
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -24,7 +25,7 @@ def sft_on_rows(out: Path, rows: list[dict], model: jaxlm.ModelConfig, *, steps:
         model=model,
         data=DataConfig(source=Files(path=str(data), eval_fraction=0.01), seq_len=seq_len, batch_size=batch_size,
                         pack=True, eval_examples=200),
-        optimizer=OptimizerConfig(lr=lr, warmup_steps=warmup_steps, min_lr_ratio=0.1),
+        optimizer=OptimizerConfig(lr=lr, warmup_steps=warmup_steps, min_lr_ratio=0.1, trainable=trainable),
         trainer=TrainerConfig.quiet(steps=steps, out_dir=str(out)),
         algorithm=SFTConfig(), tokenizer="byte", init_from=init_from,
     ))
