@@ -9,7 +9,11 @@ on every item under the held-out configurations: compliance accuracy of
 share of harmful items (severity > 0) whose predicted compliance is "yes" under the
 all-allowing configuration and "no" under the all-forbidding one.
 
-    python bench/csrm_claim.py --steps 1200
+Both models train with a linear warmup and a cosine decay of the learning rate (with a
+constant rate, ``--min-lr-ratio 1 --warmup-steps 0``, the calibration loss stalls near the
+value of a model that reads the severity and ignores the configuration).
+
+    python bench/csrm_claim.py
 """
 
 from __future__ import annotations
@@ -46,26 +50,35 @@ def evaluate(rm, base, held) -> dict:
             "flip_rate": float(np.mean((p_open > 0.5) & (p_shut < 0.5)))}
 
 
-def run(steps: int = 1200, lr: float = 3e-3, seed: int = 0, per_item: int = 8) -> dict:
+def run(steps: int = 3000, lr: float = 3e-3, seed: int = 0, per_item: int = 32, *, warmup_steps: int = 100,
+        min_lr_ratio: float = 0.05, model: jaxlm.ModelConfig = MODEL) -> dict:
     base = safety.items()
     configs = safety.all_configs()
     held = [configs[i] for i in HELD_OUT]
     points, pairs = safety.augment(base, [c for c in configs if c not in held], per_item=per_item, seed=seed)
-    out = {"points": len(points), "pairs": len(pairs), "steps": steps}
+    out = {"points": len(points), "pairs": len(pairs), "steps": steps,
+           "model": {"n_layers": model.n_layers, "d_model": model.d_model}}
     for name, lam in (("bt_only", 0.0), ("csrm", 1.0)):
-        lm = jaxlm.build_model(MODEL, seed=seed, tokenizer=ByteTokenizer())
+        lm = jaxlm.build_model(model, seed=seed, tokenizer=ByteTokenizer())
         rm, log = train_reward_model(RewardModel(lm, rngs=nnx.Rngs(seed + 1)), points, pairs,
                                      RewardModelConfig(calibration_weight=lam, steps=steps, learning_rate=lr,
-                                                       batch_points=32, batch_pairs=16, seed=seed))
+                                                       batch_points=32, batch_pairs=16, seed=seed,
+                                                       warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio))
         out[name] = {**evaluate(rm, base, held), "final": log[-1]}
     return out
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--per-item", type=int, default=8, help="augmentation: configurations drawn per item")
+    ap.add_argument("--per-item", type=int, default=32, help="augmentation: configurations drawn per item")
+    ap.add_argument("--warmup-steps", type=int, default=100)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.05, help="cosine decay to this share of --lr; 1 = constant")
+    ap.add_argument("--layers", type=int, default=MODEL.n_layers)
+    ap.add_argument("--d-model", type=int, default=MODEL.d_model)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    print(json.dumps(run(args.steps, args.lr, args.seed, args.per_item), indent=1))
+    model = MODEL.replace(n_layers=args.layers, d_model=args.d_model, ffn_dim=2 * args.d_model)
+    print(json.dumps(run(args.steps, args.lr, args.seed, args.per_item, warmup_steps=args.warmup_steps,
+                         min_lr_ratio=args.min_lr_ratio, model=model), indent=1))

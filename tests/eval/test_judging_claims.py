@@ -52,3 +52,14 @@ def test_gcm_predicts_a_held_out_models_correctness_better_than_its_own_confiden
     assert auroc["gcm"] > auroc["own_confidence"] + 0.02, auroc
     # another model's likelihood of the same answer beats the answering model's own confidence
     assert auroc["gamma_likelihood"] > auroc["own_confidence"], auroc
+
+
+@pytest.mark.slow  # trains two 3-layer reward models 3000 steps each (about 25 minutes on 2 cores)
+def test_csrm_follows_the_configuration_and_is_calibrated():
+    got = run_bench("csrm_claim.py")
+    csrm, bt = got["csrm"], got["bt_only"]
+    # the same harmful response: compliant under the all-allowing configuration, not under the
+    # all-forbidding one (docs/judging.md: 0.944 of them)
+    assert csrm["flip_rate"] > 0.8, got
+    assert csrm["ece"] < bt["ece"], got  # calibrated: below the Bradley-Terry-only model's ECE
+    assert csrm["accuracy"] > bt["accuracy"], got
