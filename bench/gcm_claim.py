@@ -9,7 +9,7 @@ answer, whether it is right, and its own confidence (the geometric mean probabil
 answer tokens). The GCM starts from the strongest answering model's weights (as the paper
 fine-tunes a pretrained LLM), deepened by ``--expand-blocks`` identity blocks on top
 (`jaxlm.expand_blocks`, LLaMA Pro), and is fine-tuned on the verdict rows
-(``57+68=125\nCorrect? `` -> ``Y``/``N``) of the training models' histories, each ``N`` row
+(``57+68=125\\nCorrect? `` -> ``Y``/``N``) of the training models' histories, each ``N`` row
 repeated ``--negative-repeat`` times; the held-out model and the test questions are never in
 them. Its confidence is P(Y) over {Y, N}.
 

@@ -14,7 +14,8 @@ from trainers.loop import train
 
 
 def sft_on_rows(out: Path, rows: list[dict], model: jaxlm.ModelConfig, *, steps: int, seq_len: int,
-                lr: float = 3e-3, warmup_steps: int = 50, batch_size: int = 32, init_from: str | None = None, trainable: str = ""):
+                lr: float = 3e-3, warmup_steps: int = 50, batch_size: int = 32, init_from: str | None = None,
+                trainable: str = ""):
     """Write ``rows`` to ``out/rows.jsonl``, train ``steps`` steps into ``out`` (from the
     weights at ``init_from``, else from scratch; ``trainable``: a regex over parameter names,
     empty = all), return the model."""
