@@ -489,14 +489,14 @@ def make_task(name: str, **kwargs) -> Task:
 
 
 @functools.lru_cache(maxsize=32)
-def _markov_chain(seed: int, n_words: int, fanout: int):
+def _markov_chain(seed: int, n_words: int, fanout: int, zipf: float = 1.0):
     """MarkovText's words, successor table and successor weights (built once per setting,
     not once per example)."""
     rng = np.random.default_rng([seed, 7919])
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
     words = tuple("".join(rng.choice(letters, int(rng.integers(2, 6)))) for _ in range(n_words))
     succ = np.stack([rng.choice(n_words, fanout, replace=False) for _ in range(n_words)])
-    weights = 1.0 / np.arange(1, fanout + 1)
+    weights = 1.0 / np.arange(1, fanout + 1) ** zipf
     succ.flags.writeable = False
     p = weights / weights.sum()
     p.flags.writeable = False
@@ -507,17 +507,28 @@ def _markov_chain(seed: int, n_words: int, fanout: int):
 @dataclasses.dataclass(frozen=True)
 class MarkovText(Task):
     """A synthetic corpus for small-LM pretraining: sentences from a first-order Markov chain
-    over ``n_words`` made-up words, each word with ``fanout`` likely successors (Zipf weights).
-    Every token is trained (empty prompt); there is no answer to verify."""
+    over ``n_words`` made-up words, each word with ``fanout`` likely successors (Zipf weights
+    ``1 / rank ** zipf``). Every token is trained (empty prompt); there is no answer to verify."""
 
     n_words: int = 48
     fanout: int = 4
     min_words: int = 6
     max_words: int = 12
+    zipf: float = 1.0
+    """Exponent of the successor weights: larger makes each word's next word more predictable."""
     generative_eval = False
 
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.zipf, bool) or not isinstance(self.zipf, (int, float)) or not self.zipf >= 0:
+            raise ValueError(f"MarkovText.zipf={self.zipf!r} must be a number >= 0")
+
     def _chain(self):
-        return _markov_chain(self.seed, self.n_words, self.fanout)
+        return _markov_chain(self.seed, self.n_words, self.fanout, float(self.zipf))
+
+    def vocabulary(self) -> tuple[str, ...]:
+        """The distinct words of the chain, in first-seen order (a word-level tokenizer's vocabulary)."""
+        return tuple(dict.fromkeys(self._chain()[0]))
 
     def _draw(self, rng):
         words, succ, p = self._chain()

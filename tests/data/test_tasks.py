@@ -1,9 +1,10 @@
 """Synthetic tasks: deterministic, held-out splits disjoint, verifiers accept every reference
 and reject wrong or unsafe answers."""
 
+import numpy as np
 import pytest
 
-from jaxlm.data.tasks import TASKS, Arithmetic, Countdown, Sorting, make_task
+from jaxlm.data.tasks import TASKS, Arithmetic, Countdown, MarkovText, Sorting, make_task
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -197,3 +198,27 @@ def test_sorting_orders_against_python_sorted(separator):
     assert either.chance_accuracy() == 2 * fixed.chance_accuracy()
     with pytest.raises(ValueError, match=r"sorting.order='up' must be one of \('ascending', 'descending', 'either'\)"):
         Sorting(order="up")
+
+
+def test_markov_text_successor_frequencies_follow_the_zipf_exponent():
+    """Successor frequencies by rank match ``r ** -zipf`` normalised over the fanout (the
+    definition), counted over drawn sentences; words are the tokenizer-ready vocabulary."""
+    from collections import Counter, defaultdict
+
+    task = MarkovText(n_words=8, fanout=4, zipf=2.0)
+    vocab = set(task.vocabulary())
+    follows = defaultdict(Counter)
+    for i in range(3000):
+        words = task.example(i)["completion"].rstrip(".").split(" ")
+        assert set(words) <= vocab
+        for a, b in zip(words, words[1:]):
+            follows[a][b] += 1
+    ranks = np.zeros(4)
+    for counts in follows.values():
+        assert len(counts) <= 4
+        freq = np.array(sorted(counts.values(), reverse=True) + [0] * (4 - len(counts)), float)
+        ranks += freq
+    want = np.arange(1, 5) ** -2.0
+    np.testing.assert_allclose(ranks / ranks.sum(), want / want.sum(), atol=0.01)
+    with pytest.raises(ValueError, match=r"MarkovText\.zipf=-1\.0 must be a number >= 0"):
+        MarkovText(zipf=-1.0)
