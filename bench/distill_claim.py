@@ -37,8 +37,8 @@ from trainers.distill.config import DistillConfig
 from trainers.loop import train
 from trainers.setup import make_tokenizer
 
-TEACHER = dict(d_model=96, n_heads=4, n_kv_heads=2, ffn_dim=256, n_layers=3, max_seq_len=96)
-STUDENT = dict(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=1, max_seq_len=96)
+TEACHER = {"d_model": 96, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 256, "n_layers": 3, "max_seq_len": 96}
+STUDENT = {"d_model": 32, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64, "n_layers": 1, "max_seq_len": 96}
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 

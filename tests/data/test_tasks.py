@@ -204,6 +204,7 @@ def test_markov_text_successor_frequencies_follow_the_zipf_exponent():
     """Successor frequencies by rank match ``r ** -zipf`` normalised over the fanout (the
     definition), counted over drawn sentences; words are the tokenizer-ready vocabulary."""
     from collections import Counter, defaultdict
+    from itertools import pairwise
 
     task = MarkovText(n_words=8, fanout=4, zipf=2.0)
     vocab = set(task.vocabulary())
@@ -211,7 +212,7 @@ def test_markov_text_successor_frequencies_follow_the_zipf_exponent():
     for i in range(3000):
         words = task.example(i)["completion"].rstrip(".").split(" ")
         assert set(words) <= vocab
-        for a, b in zip(words, words[1:]):
+        for a, b in pairwise(words):
             follows[a][b] += 1
     ranks = np.zeros(4)
     for counts in follows.values():
