@@ -13,6 +13,10 @@ divergence weights is the data's own.
     python bench/distill_claim.py                      # teacher, then SFT / forward-KL / tail-aware students
     python bench/distill_claim.py --steps 150 --tail 5:2.0
     python bench/distill_claim.py --tokenizer word --n-words 256 --fanout 16 --zipf 1.5 --tail 2:1.0
+    python bench/distill_claim.py --tokenizer word --n-words 256 --fanout 16 --zipf 1.5 --tail 5:1.0 --pool 256
+
+``--pool N`` trains the teacher and the students on N fixed sentences, repeated, so that they
+memorise them (over-confident on held-out text); held-out scoring is on fresh sentences.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxlm
+from jaxlm.data.files import Files
 from jaxlm.data.pipeline import DataConfig, eval_batches
 from jaxlm.data.tasks import MarkovText
 from jaxlm.eval import expected_calibration_error, full_calibration_error, signed_calibration_error
@@ -55,6 +60,18 @@ def word_tokenizer(source: MarkovText, out: Path) -> str:
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>"}))
     return str(out)
+
+
+def pool_files(source: MarkovText, n: int, root: Path) -> Files:
+    """``n`` fixed training sentences (and 128 held-out ones for the trainer's eval) as jsonl."""
+    root.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, count in (("train", n), ("eval", 128)):
+        paths[split] = root / f"pool{n}_{split}.jsonl"
+        rows = (source.example(i, split) for i in range(count))
+        paths[split].write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["completion"]}) + "\n"
+                                        for r in rows))
+    return Files(path=str(paths["train"]), eval_path=str(paths["eval"]))
 
 
 def run(out: Path, model, data: DataConfig, tokenizer: str, algorithm, steps: int, lr: float, seed: int = 0) -> Path:
@@ -108,6 +125,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--student-width", type=int, default=STUDENT["d_model"])
     ap.add_argument("--lr", type=float, default=3e-3, help="the students' learning rate")
     ap.add_argument("--eval-examples", type=int, default=128, help="held-out sentences scored")
+    ap.add_argument("--pool", type=int, default=0,
+                    help="train teacher and students on this many fixed sentences, repeated (0: fresh ones every step)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -115,6 +134,8 @@ def main(argv=None) -> dict:
     source = MarkovText(n_words=args.n_words, fanout=args.fanout, zipf=args.zipf)
     data = DataConfig(source=source, seq_len=96, batch_size=16, pack=True, eval_examples=128)
     scored = dataclasses.replace(data, eval_examples=args.eval_examples)  # held-out rows scored here
+    if args.pool:
+        data = dataclasses.replace(data, source=pool_files(source, args.pool, root))
     tok_spec = "byte" if args.tokenizer == "byte" else word_tokenizer(source, root / "tokenizer")
     tokenizer = make_tokenizer(tok_spec)
     teacher_cfg = jaxlm.ModelConfig.tiny(vocab_size=tokenizer.vocab_size, **TEACHER)
