@@ -141,9 +141,8 @@ def main(argv=None) -> dict:
     teacher_cfg = jaxlm.ModelConfig.tiny(vocab_size=tokenizer.vocab_size, **TEACHER)
     student_cfg = jaxlm.ModelConfig.tiny(
         vocab_size=tokenizer.vocab_size, **{**STUDENT, "d_model": args.student_width})
-    teacher_dir = root / "teacher" / "model"
-    if not teacher_dir.exists():  # a teacher from an earlier run in --out is reused
-        run(root / "teacher", teacher_cfg, data, tok_spec, SFTConfig(), args.teacher_steps, 3e-3)
+    # a finished run in --out is reused (the harness refuses one with another config)
+    teacher_dir = run(root / "teacher", teacher_cfg, data, tok_spec, SFTConfig(), args.teacher_steps, 3e-3)
     teacher = jaxlm.load_model(teacher_dir)
     students = {
         "sft (no teacher)": SFTConfig(),
