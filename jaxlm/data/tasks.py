@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
 import operator
@@ -328,6 +329,59 @@ class PrefixSums(Task):
 
     def chance_accuracy(self):
         return float(self.modulus) ** -self.length
+
+
+@TASKS.register("sum_trace")
+@dataclasses.dataclass(frozen=True)
+class SumTrace(Task):
+    """Add ``count`` numbers of ``digits`` digits, showing the running sums in any order:
+    ``sum 23 45 67:`` -> ``45+23=68,68+67=135;135``. Each demonstration adds the numbers in a
+    uniformly random order (``count!`` traces per prompt), so different reasoning traces reach
+    the same answer: the text after the last ``;`` is the answer, and `verify` checks only it
+    (the task's latent is the number, not the trace)."""
+
+    count: int = 3
+    """Numbers to add (2-6)."""
+    digits: int = 2
+    """Digits of each number (1-4)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_int_ranges(self, "sum_trace", ("count", 2, 6), ("digits", 1, 4))
+
+    @staticmethod
+    def trace(order) -> str:
+        """The demonstration that adds ``order`` left to right."""
+        steps, total = [], order[0]
+        for x in order[1:]:
+            steps.append(f"{total}+{x}={total + x}")
+            total += x
+        return ",".join(steps) + f";{total}"
+
+    def _draw(self, rng):
+        hi = 10**self.digits
+        xs = [int(x) for x in rng.integers(0, hi, self.count)]
+        order = [xs[i] for i in rng.permutation(self.count)]
+        return {"prompt": "sum " + " ".join(map(str, xs)) + ":", "completion": self.trace(order),
+                "values": xs, "answer": sum(xs)}
+
+    def split_of(self, ex):
+        return _split_of(ex["prompt"], self.eval_fraction)  # a prompt's every trace is in one split
+
+    @staticmethod
+    def final_answer(completion: str) -> str:
+        """The text after the last ``;`` (stripped), or "" without one."""
+        return completion.rsplit(";", 1)[1].strip() if ";" in completion else ""
+
+    def verify(self, example, completion):
+        return float(self.final_answer(completion) == str(example["answer"]))
+
+    def accepted_completions(self, prompt):
+        xs = [int(x) for x in prompt[len("sum "):-1].split(" ")]
+        return sorted({self.trace(p) for p in itertools.permutations(xs)})
+
+    def chance_accuracy(self):
+        return 1.0 / (self.count * (10**self.digits - 1) + 1)
 
 
 @TASKS.register("pointer_walk")

@@ -1,10 +1,13 @@
 """Synthetic tasks: deterministic, held-out splits disjoint, verifiers accept every reference
 and reject wrong or unsafe answers."""
 
+import collections
+import itertools
+
 import numpy as np
 import pytest
 
-from jaxlm.data.tasks import TASKS, Arithmetic, Countdown, MarkovText, Sorting, make_task
+from jaxlm.data.tasks import TASKS, Arithmetic, Countdown, MarkovText, Sorting, SumTrace, make_task
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -223,3 +226,37 @@ def test_markov_text_successor_frequencies_follow_the_zipf_exponent():
     np.testing.assert_allclose(ranks / ranks.sum(), want / want.sum(), atol=0.01)
     with pytest.raises(ValueError, match=r"MarkovText\.zipf=-1\.0 must be a number >= 0"):
         MarkovText(zipf=-1.0)
+
+
+def test_sum_trace_adds_in_any_order_and_verifies_the_final_number():
+    task = SumTrace(count=3, digits=2)
+    firsts = collections.Counter()
+    train_prompts = {task.example(i, "train")["prompt"] for i in range(300)}
+    for i in range(300):
+        e = task.example(i, "eval")
+        assert e["prompt"] not in train_prompts
+        xs = [int(t) for t in e["prompt"].removeprefix("sum ").removesuffix(":").split()]
+        assert xs == e["values"] and len(xs) == 3 and all(0 <= x < 100 for x in xs)
+        steps, final = e["completion"].split(";")
+        added, total = [], None
+        for step in steps.split(","):  # each step "a+b=c" with c = a + b, chained
+            lhs, rhs = step.split("=")
+            a, b = map(int, lhs.split("+"))
+            assert int(rhs) == a + b
+            if total is None:
+                added += [a, b]
+            else:
+                assert a == total
+                added.append(b)
+            total = int(rhs)
+        assert sorted(added) == sorted(xs) and int(final) == total == sum(xs)
+        firsts[xs.index(added[0])] += 1
+        assert task.verify(e, e["completion"]) == 1.0 and task.verify(e, f"junk;{sum(xs)}") == 1.0
+        assert task.verify(e, f"{steps};{sum(xs) + 1}") == 0.0 and task.verify(e, str(sum(xs))) == 0.0
+        accepted = task.accepted_completions(e["prompt"])
+        assert e["completion"] in accepted and len(accepted) == len(set(itertools.permutations(xs)))
+    assert min(firsts.values()) > 70  # the order is uniform: each number leads about a third of the traces
+    with pytest.raises(ValueError, match="sum_trace.count"):
+        SumTrace(count=1)
+    with pytest.raises(ValueError, match="sum_trace.digits"):
+        SumTrace(digits=0)
