@@ -34,6 +34,7 @@ import optax
 from flax import nnx
 
 from jaxlm.eval.scoring import encode_prompts
+from jaxlm.inference.logits_processors import TopP
 from jaxlm.inference.sampler import generate
 from jaxlm.models.interventions import Intervention, layer_mask
 
@@ -136,9 +137,11 @@ def _perturbed_first_logits(graphdef, state, tokens, mask, noise, layers):
 
 
 def counterfactual_answers(model, prompts: Sequence[str], *, num_variants: int = 4, noise_scale: float = 0.05,
-                           seed: int = 0, max_new_tokens: int = 32, temperature: float = 0.0) -> list[list[str]]:
+                           seed: int = 0, max_new_tokens: int = 32, temperature: float = 0.0,
+                           top_p: float | None = None) -> list[list[str]]:
     """``[B][num_variants]`` answers decoded after the one-shot perturbation (module
-    docstring, step 1); ``temperature`` 0 decodes greedily."""
+    docstring, step 1); ``temperature`` 0 decodes greedily, and ``top_p`` applies nucleus
+    sampling after the temperature (the authors' variants: temperature 0.7, top-p 0.95)."""
     if num_variants < 1 or noise_scale < 0 or max_new_tokens < 1:
         raise ValueError("num_variants and max_new_tokens must be >= 1 and noise_scale >= 0")
     tok = model.tokenizer
@@ -160,7 +163,10 @@ def counterfactual_answers(model, prompts: Sequence[str], *, num_variants: int =
         vector = jnp.broadcast_to(noise[None], (L, len(ids), 1, D))
         logits = _perturbed_first_logits(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), vector, layers)
         if temperature > 0:
-            first = np.asarray(jax.random.categorical(jax.random.fold_in(key, 1), logits / temperature))
+            scaled = logits / temperature
+            if top_p is not None and top_p != 1:
+                scaled = TopP(float(top_p))(scaled)
+            first = np.asarray(jax.random.categorical(jax.random.fold_in(key, 1), scaled))
         else:
             first = np.asarray(jnp.argmax(logits, axis=-1))
         stop = getattr(tok, "eos_id", None)
@@ -168,7 +174,8 @@ def counterfactual_answers(model, prompts: Sequence[str], *, num_variants: int =
         live = [r for r in range(len(ids)) if first[r] != stop]
         if live and max_new_tokens > 1:
             cont = generate(model, [ids[r] + [int(first[r])] for r in live], max_new_tokens=max_new_tokens - 1,
-                            temperature=temperature, rng=seed + 13 * v, add_bos=False)
+                            temperature=temperature, top_p=top_p if temperature > 0 else None,
+                            rng=seed + 13 * v, add_bos=False)
             for k, r in enumerate(live):
                 rest[r] = cont.completions()[k]
         for r in range(len(ids)):

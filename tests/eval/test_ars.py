@@ -74,3 +74,14 @@ def test_zero_noise_is_greedy_decoding(model):
         assert row == [text, text]
     noisy = counterfactual_answers(model, prompts, num_variants=3, noise_scale=5.0, max_new_tokens=6)
     assert len(noisy) == 2 and all(len(r) == 3 for r in noisy)
+
+
+def test_nucleus_of_one_token_samples_the_greedy_answer(model):
+    """Top-p keeps the smallest set of most likely tokens reaching mass p: for a tiny p that is
+    the argmax alone, so sampled variants (noise 0) equal greedy decoding at any temperature."""
+    prompts = ["Q: 1+2? A:", "Q: capital? A:"]
+    got = counterfactual_answers(model, prompts, num_variants=2, noise_scale=0.0, max_new_tokens=6,
+                                 temperature=1.5, top_p=1e-6)
+    greedy = jaxlm.generate(model, prompts, max_new_tokens=6, temperature=0.0)
+    for row, text in zip(got, greedy.texts):
+        assert row == [text, text]
