@@ -1,5 +1,5 @@
 """HaloScope's membership score (Du et al. 2024, "HaloScope: Harnessing Unlabeled LLM
-Generations for Hallucination Detection", §3.2): an unsupervised hallucination score from
+Generations for Hallucination Detection", arXiv 2409.17504): an unsupervised hallucination score from
 the embeddings of unlabeled generations, one of the detectors ARS's shaped embeddings feed
 (method card §7.3).
 
