@@ -117,6 +117,18 @@ def probe_auroc(x_train, y_train, x_test, y_test, seed: int) -> float:
     return auroc(clf.decision_function(scale.transform(x_test)), y_test)
 
 
+def labelled_subset(correct, n: int, seed: int, draw: int) -> np.ndarray:
+    """Indices of ``n`` labelled training problems holding both classes: draw 0 the first
+    ``n`` problems, the others random; a one-class draw is redrawn at random."""
+    rng = np.random.default_rng([seed, draw])
+    rows = np.arange(n) if draw == 0 else np.sort(rng.choice(len(correct), n, replace=False))
+    for _ in range(1000):
+        if 0 < correct[rows].sum() < n:
+            return rows
+        rows = np.sort(rng.choice(len(correct), n, replace=False))
+    raise ValueError(f"no {n} labelled problems hold both right and wrong answers")
+
+
 def halo_auroc(x, labelled, correct, test, weighting) -> float:
     """HaloScope's membership score on every original answer (the unlabeled set), with ``k``
     and orientation chosen on the labelled rows; the test rows' AUROC."""
@@ -135,7 +147,7 @@ def main(argv=None) -> dict:
                          "training problem)")
     ap.add_argument("--probe-draws", type=int, default=5,
                     help="labelled subsets the probes are fit on (the first: the first problems; the rest "
-                         "random); the AUROCs are averaged")
+                         "random; a subset with one class only is redrawn); the AUROCs are averaged")
     ap.add_argument("--shape-on", choices=("train", "all"), default="all",
                     help="problems whose samples fit the shaping map (it uses agreement labels only; "
                          "the authors' code fits it on every problem)")
@@ -209,9 +221,7 @@ def main(argv=None) -> dict:
                                  ShapingConfig(seed=args.seed, epochs=args.epochs))
         x_orig, shaped = x[originals], shape_embeddings(W, x[originals])
         for n_probe in counts:
-            draws = [np.arange(n_probe)] + [
-                np.sort(np.random.default_rng([args.seed, k]).choice(n_train, n_probe, replace=False))
-                for k in range(1, args.probe_draws)]
+            draws = [labelled_subset(correct[:n_train], n_probe, args.seed, k) for k in range(args.probe_draws)]
             raw = [probe_auroc(x_orig[d], correct[d], x_orig[te], correct[te], args.seed) for d in draws]
             shp = [probe_auroc(shaped[d], correct[d], shaped[te], correct[te], args.seed) for d in draws]
             halo = {name: float(np.mean([halo_auroc(e, d, correct, te, args.halo_weighting) for d in draws]))

@@ -67,17 +67,16 @@ def test_csrm_follows_the_configuration_and_is_calibrated():
 
 @pytest.mark.slow  # trains a 3-layer model 2000 steps and samples 6 variants of 900 answers (about 12 minutes on 2 cores)
 def test_ars_shaped_embeddings_improve_a_linear_probe():
-    """ARS on SumTrace (agreeing variants take other traces to the same answer): at the middle
-    block, the probe on the shaped embeddings of the original answers beats the probe on the
-    raw ones at 60, 150 and all 540 labelled problems (docs/judging.md: so on seeds 0-2; at
-    the other layers the sign depends on the seed)."""
+    """ARS on SumTrace (agreeing variants take other traces to the same answer): with 60
+    labelled problems, the probe on the shaped embeddings of the original answers at the middle
+    block beats the probe on the raw ones (docs/judging.md: so on seeds 0-3; with more labels
+    or at other layers the sign depends on the seed)."""
     got = run_bench("ars_claim.py")
     probes = got["probes"]
     assert len(probes) == 4 * 3, probes  # 3 blocks + the final hidden state, 60 / 150 / all labels
-    middle = [p for p in probes if p["layer"] == 1]
-    assert [p["labels"] for p in middle] == [60, 150, 540], middle
-    for p in middle:
-        assert p["shaped"] > p["raw"], p
+    middle = {p["labels"]: p for p in probes if p["layer"] == 1}
+    assert sorted(middle) == [60, 150, 540], middle
+    assert middle[60]["shaped"] > middle[60]["raw"] + 0.02, middle[60]
     # the premise: agreement under the perturbation predicts correctness, better than confidence
     auroc = got["auroc_correct"]
     assert auroc["variant_agreement"] > auroc["own_confidence"], auroc
