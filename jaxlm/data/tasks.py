@@ -377,6 +377,8 @@ class SumTrace(Task):
         return float(self.final_answer(completion) == str(example["answer"]))
 
     def accepted_completions(self, prompt):
+        """The well-formed traces (every order); `verify` also accepts any text that ends in
+        ``;<sum>``."""
         xs = [int(x) for x in prompt[len("sum "):-1].split(" ")]
         return sorted({self.trace(p) for p in itertools.permutations(xs)})
 

@@ -1,7 +1,7 @@
 """HaloScope's membership score (Du et al. 2024, "HaloScope: Harnessing Unlabeled LLM
-Generations for Hallucination Detection", arXiv 2409.17504): an unsupervised hallucination score from
-the embeddings of unlabeled generations, one of the detectors ARS's shaped embeddings feed
-(method card §7.3).
+Generations for Hallucination Detection", arXiv 2409.17504): an unsupervised hallucination
+score from the embeddings of unlabeled generations, one of the detectors ARS's shaped
+embeddings feed (method card §7.3).
 
 With ``F`` the centred embeddings ``[N, D]`` and ``v_j`` / ``sigma_j`` the top singular
 vectors and values of ``F``, sample ``i`` scores
