@@ -95,6 +95,22 @@ def test_verb_help_names_real_arguments_and_describes_every_flag(verb, capsys):
     assert not undescribed, f"jaxlm {verb}: flags without a description: {undescribed}"
 
 
+def test_eval_reports_pass_at_k(tmp_path, capsys):
+    """`jaxlm eval --pass-at` prints the library's pass@k for the same samples."""
+    from jaxlm.data.tasks import Arithmetic
+    from jaxlm.eval import heldout_pass_at_k
+
+    checkpoint = tmp_path / "m"
+    jaxlm.save_checkpoint(jaxlm.build_model(jaxlm.ModelConfig.tiny(), tokenizer=jaxlm.ByteTokenizer()), checkpoint)
+    main(["eval", "--model", str(checkpoint), "--n", "3", "--max-new-tokens", "3", "--pass-at", "4", "1",
+          "--temperature", "2.0"])
+    out = capsys.readouterr().out.splitlines()[-1]
+    want = heldout_pass_at_k(jaxlm.load_model(checkpoint), Arithmetic(), 3, ks=(1, 4), temperature=2.0,
+                             max_new_tokens=3, batch_size=64)
+    assert out == (f"arithmetic: pass@1 {want.pass_at_k[1]:.1%}, pass@4 {want.pass_at_k[4]:.1%} "
+                   "(4 samples per problem at temperature 2)")
+
+
 def test_generate_chat_renders_the_prompt_as_a_user_turn(capsys):
     tok = jaxlm.ByteTokenizer()
     main(["generate", "--prompt", "hi", "--chat", "--max-new-tokens", "2", "--temperature", "0"])

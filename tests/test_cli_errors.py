@@ -103,6 +103,14 @@ def test_eval_counts_must_be_positive(flag, checkpoint, capsys):
     _fails(["eval", "--model", checkpoint, flag, "0"], capsys, f"{flag}=0 is invalid: must be >= 1")
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--pass-at", "0", "4"], "--pass-at 0 4 is invalid: each k must be >= 1"),
+    (["--pass-at", "4", "--temperature", "0"], "--temperature=0.0 is invalid: pass@k samples need a temperature > 0"),
+])
+def test_eval_pass_at_k_arguments(argv, needle, checkpoint, capsys):
+    _fails(["eval", "--model", checkpoint, *argv], capsys, needle)
+
+
 def test_convert_names_the_flag_to_overwrite(checkpoint, tmp_path, capsys):
     dst = _copy(checkpoint, tmp_path / "dst")
     _fails(["convert", checkpoint, dst], capsys, f"{dst} exists; pass --overwrite to replace it")

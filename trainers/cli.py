@@ -139,6 +139,10 @@ class EvalArgs:
     """Tokens generated per problem."""
     batch_size: int = 64
     """Problems decoded together (>= 1)."""
+    pass_at: tuple[int, ...] = ()
+    """Also report pass@k for each k given, from max(k) samples per problem (empty: greedy only)."""
+    temperature: float = 1.0
+    """Sampling temperature of the pass@k samples (> 0)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,11 +438,15 @@ def run_convert(args: ConvertArgs) -> Path:
 
 
 def run_eval(args: EvalArgs) -> float:
-    from jaxlm.eval import heldout_accuracy
+    from jaxlm.eval import heldout_accuracy, heldout_pass_at_k
 
     for name in ("n", "batch_size", "max_new_tokens"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 1")
+    if any(k < 1 for k in args.pass_at):
+        raise UsageError(f"--pass-at {' '.join(map(str, args.pass_at))} is invalid: each k must be >= 1")
+    if not args.temperature > 0:
+        raise UsageError(f"--temperature={args.temperature} is invalid: pass@k samples need a temperature > 0")
     model = _load(args.model)
     result = heldout_accuracy(model, args.source, args.n, max_new_tokens=args.max_new_tokens,
                               batch_size=args.batch_size, desc="eval", progress=True)
@@ -447,6 +455,12 @@ def run_eval(args: EvalArgs) -> float:
           f"(chance {args.source.chance_accuracy():.2%})")
     for s in result.samples[:5]:
         print(f"  {s['prompt']!r} -> {s['completion']!r} (reference {s['reference']!r})")
+    if args.pass_at:
+        sampled = heldout_pass_at_k(model, args.source, args.n, ks=sorted(set(args.pass_at)),
+                                    temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                                    batch_size=args.batch_size)
+        print(f"{name}: " + ", ".join(f"pass@{k} {v:.1%}" for k, v in sampled.pass_at_k.items())
+              + f" ({sampled.samples_per_problem} samples per problem at temperature {args.temperature:g})")
     return result.accuracy
 
 
