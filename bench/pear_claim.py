@@ -126,6 +126,7 @@ def main(argv=None) -> dict:
                         init_from=base, algorithm=algo, seed=args.seed)
         after_rl = grpo(run_dir / f"{tag}_grpo{args.rl_iterations}", task, after_sft, args.rl_iterations, args.seed)
         results[name] = {"after_sft": scores(after_sft, task), "after_rl": scores(after_rl, task)}
+
     def row(s: dict[str, float]) -> str:
         return " / ".join(f"{s[m]:6.1%}" for m in ("greedy", "pass@1", "pass@8"))
 

@@ -56,7 +56,8 @@ def heldout_pass_at_k(model, task, n: int, ks: Sequence[int] = (1, 8), *, sample
                       batch_size: int = 256, seed: int = 0) -> PassAtKResult:
     """pass@k of ``model`` on the first ``n`` held-out examples of ``task``: each prompt is
     sampled ``samples_per_problem`` times (default ``max(ks)``) at ``temperature`` / ``top_p``,
-    every completion scored by ``task.verify``, and `pass_at_k` averaged for each k."""
+    every completion scored by ``task.verify`` (correct when it returns 1.0), and `pass_at_k`
+    averaged for each k. The draws are fixed by ``seed`` and ``batch_size``."""
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ValueError(f"n={n!r} is invalid: pass@k needs at least one held-out example")
     ks = tuple(ks)
