@@ -9,7 +9,8 @@ PEAR's pass@8), because it sees the diversity that greedy accuracy hides.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
