@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxlm.inference.diffusion import diffusion_generate
 from jaxlm.inference.sampler import generate
 
 
@@ -58,7 +59,9 @@ def heldout_pass_at_k(model, task, n: int, ks: Sequence[int] = (1, 8), *, sample
     """pass@k of ``model`` on the first ``n`` held-out examples of ``task``: each prompt is
     sampled ``samples_per_problem`` times (default ``max(ks)``) at ``temperature`` / ``top_p``,
     every completion scored by ``task.verify`` (correct when it returns 1.0), and `pass_at_k`
-    averaged for each k. The draws are fixed by ``seed`` and ``batch_size``."""
+    averaged for each k. The draws are fixed by ``seed`` and ``batch_size``. A masked diffusion
+    model (``mode="diffusion"``) samples with `diffusion_generate`, one token per step
+    (``gen_length = steps = max_new_tokens``, Gumbel-max at ``temperature``; no ``top_p``)."""
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ValueError(f"n={n!r} is invalid: pass@k needs at least one held-out example")
     ks = tuple(ks)
@@ -71,13 +74,22 @@ def heldout_pass_at_k(model, task, n: int, ks: Sequence[int] = (1, 8), *, sample
         raise ValueError(f"batch_size={batch_size!r} is invalid: must be a positive int")
     if getattr(model, "tokenizer", None) is None:
         raise ValueError("the model has no tokenizer; cannot encode the task's prompts")
+    diffusion = getattr(model.config, "mode", "causal") == "diffusion"
+    if diffusion and top_p is not None:
+        raise ValueError(f"top_p={top_p!r} is invalid for a masked diffusion model: it samples by Gumbel-max at "
+                         "temperature only (leave top_p=None)")
     held = [task.example(i, "eval") for i in range(n)]
     rows = [(j, e) for j, e in enumerate(held) for _ in range(m)]  # problem j's samples are rows j*m .. j*m+m-1
     texts: list[str] = []
     for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        texts += generate(model, [e["prompt"] for _, e in chunk], max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_p=top_p, rng=seed * 1_000_003 + start).texts
+        prompts = [e["prompt"] for _, e in rows[start:start + batch_size]]
+        key = seed * 1_000_003 + start
+        if diffusion:
+            texts += diffusion_generate(model, prompts, gen_length=max_new_tokens, steps=max_new_tokens,
+                                        temperature=temperature, rng=key, tokenizer=model.tokenizer).texts
+        else:
+            texts += generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                              rng=key).texts
     scores = np.array([float(task.verify(e, t)) for (_, e), t in zip(rows, texts)]).reshape(n, m)
     correct = (scores >= 1.0).sum(axis=1)
     return PassAtKResult(

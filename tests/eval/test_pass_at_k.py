@@ -103,3 +103,19 @@ def test_heldout_pass_at_k_bad_arguments(model):
         heldout_pass_at_k(model, task, 2, ks=())
     with pytest.raises(ValueError, match="n=0"):
         heldout_pass_at_k(model, task, 0)
+
+
+def test_a_masked_diffusion_model_samples_with_diffusion_generate():
+    config = jaxlm.ModelConfig.tiny(vocab_size=260, mode="diffusion", mask_token_id=259, init_std=0.3, max_seq_len=32)
+    dllm = jaxlm.build_model(config, seed=1, tokenizer=ByteTokenizer())
+    task = EvenFirstByte(digits=1)
+    greedy = heldout_pass_at_k(dllm, task, 3, ks=(1, 2), temperature=0.0, max_new_tokens=4)
+    assert all(len(set(s["completions"])) == 1 for s in greedy.samples)
+    assert greedy.pass_at_k[1] == pytest.approx(jaxlm.eval.heldout_accuracy(dllm, task, 3, max_new_tokens=4).accuracy)
+    sampled = heldout_pass_at_k(dllm, task, 3, ks=(1, 2), temperature=1.5, max_new_tokens=4, seed=2)
+    held = [task.example(i, "eval") for i in range(3)]
+    recount = [sum(task.verify(e, t) for t in s["completions"]) for e, s in zip(held, sampled.samples)]
+    np.testing.assert_array_equal(sampled.correct, recount)
+    assert any(len(set(s["completions"])) > 1 for s in sampled.samples)  # the Gumbel-max draws differ
+    with pytest.raises(ValueError, match="top_p=0.9 is invalid for a masked diffusion model"):
+        heldout_pass_at_k(dllm, task, 2, top_p=0.9)
