@@ -17,6 +17,11 @@ default, a ones or tens slip, the errors a carry makes), so the one-token verdic
 close numbers while the reflection computes the sum and settles it. `verify` reads the last
 final verdict of the text (prefix included: CAMEL's rollouts continue after a forced verdict).
 
+With ``reflection="check"`` the worked reflection also copies answer A and says whether it
+equals the sum, so the final verdict follows from one comparison the reflection has just
+written (``Why: 47+38=85`` / ``A=75? no`` / ``Final: B``). The bare sum leaves a small judge
+to find, across the prompt, which answer shows that sum.
+
 In such demonstrations the final verdict always repeats the initial one, so a judge can learn
 to copy it (rubber-stamping) instead of reading its reflection. With ``revise_fraction`` that
 share of the examples are revision demonstrations: the prompt ends with the *wrong* verdict and
@@ -48,6 +53,9 @@ class SumJudging(Task):
     """The judging prompt, verdict letters and reflection/final markers."""
     revise_fraction: float = 0.0
     """Share of revision demonstrations (a wrong initial verdict in the prompt, corrected)."""
+    reflection: str = "sum"
+    """The worked reflection: ``"sum"`` (``a+b=c``) or ``"check"`` (the sum, then answer A
+    copied and checked against it: ``a+b=c`` / ``A=x? yes|no``)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -59,6 +67,8 @@ class SumJudging(Task):
         v = self.revise_fraction
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
             raise ValueError(f"sum_judging.revise_fraction={v!r} must be a number in [0, 1]")
+        if self.reflection not in ("sum", "check"):
+            raise ValueError(f"sum_judging.reflection={self.reflection!r} must be 'sum' or 'check'")
         if not isinstance(self.template, CamelTemplate):
             raise ValueError(f"sum_judging.template must be a CamelTemplate, got {type(self.template).__name__}")
 
@@ -76,7 +86,10 @@ class SumJudging(Task):
         question = f"{a}+{b}="
         prompt = pairwise_prompts([question], [str(first)], [str(second)], self.template.judge)[0]
         v = self.letter(answer)
-        reflection = f"{question}{right}\n{self.template.final}{v}"
+        reflection = f"{question}{right}\n"
+        if self.reflection == "check":
+            reflection += f"{self.template.judge.first}={first}? {'yes' if answer == 0 else 'no'}\n"
+        reflection += f"{self.template.final}{v}"
         revise = bool(rng.random() < self.revise_fraction)
         if revise:
             text, completion = prompt + self.letter(1 - answer) + self.template.reflect, reflection

@@ -57,9 +57,23 @@ def test_sum_judging_examples_are_camel_judgments_of_a_sum():
         kinds.append(e["revision"])
     assert 0.35 < np.mean(kinds) < 0.65
     for bad, match in ((dict(digits=0), "digits"), (dict(wrong_offsets=()), "wrong_offsets"),
-                       (dict(wrong_offsets=(0,)), "wrong_offsets"), (dict(revise_fraction=2), "revise_fraction")):
+                       (dict(wrong_offsets=(0,)), "wrong_offsets"), (dict(revise_fraction=2), "revise_fraction"),
+                       (dict(reflection="steps"), "reflection")):
         with pytest.raises(ValueError, match=match):
             SumJudging(**bad)
+
+
+def test_checking_reflection_copies_answer_a_and_compares_it_with_the_sum():
+    checking = SumJudging(wrong_offsets=(1, 10, 1000), revise_fraction=0.5, reflection="check")
+    for i in range(100):
+        c = checking.example(i, "train")
+        a, b = c["operands"]
+        assert c["prompt"] == c["judge_prompt"] + ("AB"[1 - c["answer"]] + "\nWhy: " if c["revision"] else "")
+        ok = "yes" if int(c["first"]) == a + b else "no"  # from the shown numbers, not the label
+        right = "AB"[c["answer"]]
+        check = f"{a}+{b}={a + b}\nA={c['first']}? {ok}\nFinal: {right}"
+        assert c["completion"] == (check if c["revision"] else f"{right}\nWhy: {check}")
+        assert checking.verify(c, c["completion"]) == 1.0
 
 
 @pytest.fixture(scope="module")
