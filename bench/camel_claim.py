@@ -11,8 +11,14 @@ same held-out pairs:
 * revision: greedy reflections after a forced initial verdict, the right one and the wrong one;
   the final verdict's accuracy after the wrong one is the revision rate (0: rubber-stamping).
 
+For judges that write the checking reflection (`SumJudging(reflection="check")`) it also
+reports how often the reflection's sum, its copy of answer A and its yes/no are right.
+
     jaxlm train camel_sft && jaxlm train camel_grpo
     python bench/camel_claim.py --judge sft=runs/camel_sft/model --judge camel=runs/camel_grpo/model
+    jaxlm train camel_check_sft data.source.width=4 trainer.out_dir=runs/camel_pad_sft
+    python bench/camel_claim.py --recipe camel_check_sft --set data.source.width=4 \
+        --max-reflection-tokens 40 --judge padded=runs/camel_pad_sft/model
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 
 import numpy as np
 
@@ -30,12 +37,33 @@ from jaxlm.inference.sampler import generate
 from trainers.recipes import load_config
 
 
-def forced(model, examples, verdicts, template: CamelTemplate, max_tokens: int) -> float:
-    """Final-verdict accuracy of greedy reflections after the given initial ``verdicts``."""
+def forced(model, examples, verdicts, template: CamelTemplate, max_tokens: int) -> tuple[float, list[str]]:
+    """Final-verdict accuracy of greedy reflections after the given initial ``verdicts``, and
+    the reflections."""
     letters = (template.judge.first, template.judge.second)
     prompts = [e["prompt"] + letters[v] + template.reflect for e, v in zip(examples, verdicts)]
     out = generate(model, prompts, max_new_tokens=max_tokens, temperature=0.0)
-    return float(np.mean([final_verdict(t, template) == e["answer"] for e, t in zip(examples, out.texts)]))
+    return float(np.mean([final_verdict(t, template) == e["answer"] for e, t in zip(examples, out.texts)])), out.texts
+
+
+def reflection_checks(task: SumJudging, examples, reflections) -> dict[str, float]:
+    """What the reflections got right: the sum (``a+b=c`` with the task's padding), and for the
+    checking reflection the copy of answer A and its yes/no against the sum (the truth from
+    the shown numbers), over all pairs and over the pairs whose answers have the same length."""
+    sums, copies, checks, same = [], [], [], []
+    for e, text in zip(examples, reflections):
+        a, b = e["operands"]
+        sums.append(text.startswith(f"{e['question']}{a + b:0{task.width}d}\n"))
+        found = re.search(r"\n" + re.escape(task.template.judge.first) + r"=(\d+)\? (yes|no)", text)
+        copies.append(bool(found) and found.group(1) == e["first"])
+        checks.append(bool(found) and (found.group(2) == "yes") == (int(e["first"]) == a + b))
+        same.append(len(e["first"]) == len(e["second"]))
+    out = {"sum": float(np.mean(sums))}
+    if task.reflection == "check":
+        checks, same = np.asarray(checks), np.asarray(same)
+        out.update(copy=float(np.mean(copies)), check=float(np.mean(checks)),
+                   check_same_length=float(np.mean(checks[same])) if same.any() else float("nan"))
+    return out
 
 
 def main():
@@ -43,10 +71,12 @@ def main():
     ap.add_argument("--judge", action="append", required=True, metavar="NAME=PATH", help="a judge checkpoint")
     ap.add_argument("--n", type=int, default=400, help="held-out pairs")
     ap.add_argument("--recipe", default="camel_sft", help="the config whose judging task the judges learned")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="overrides of the recipe (e.g. data.source.width=0), as on `jaxlm train`'s command line")
     ap.add_argument("--max-reflection-tokens", type=int, default=24)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    task = dataclasses.replace(load_config(args.recipe).data.source, revise_fraction=0.0)
+    task = dataclasses.replace(load_config(args.recipe, args.set).data.source, revise_fraction=0.0)
     if not isinstance(task, SumJudging):
         raise SystemExit(f"{args.recipe}'s data.source is {type(task).__name__}, not SumJudging")
     examples = [task.example(i, "eval") for i in range(args.n)]
@@ -64,9 +94,11 @@ def main():
         full = curve[-1]
         enough = [c for c in curve if c["accuracy"] >= full["accuracy"] - 0.01]
         best = min(enough, key=lambda c: c["tokens"])
-        after_right = forced(model, examples, labels, task.template, args.max_reflection_tokens)
-        after_wrong = forced(model, examples, 1 - labels, task.template, args.max_reflection_tokens)
-        results[name] = {"curve": curve, "gated": best, "after_right": after_right, "after_wrong": after_wrong}
+        after_right, right_texts = forced(model, examples, labels, task.template, args.max_reflection_tokens)
+        after_wrong, wrong_texts = forced(model, examples, 1 - labels, task.template, args.max_reflection_tokens)
+        checks = reflection_checks(task, examples * 2, right_texts + wrong_texts)
+        results[name] = {"curve": curve, "gated": best, "after_right": after_right, "after_wrong": after_wrong,
+                         "reflections": checks}
         print(f"{name}: margin quantiles {', '.join(f'{q}: {t:.3f}' for q, t in zip(qs, taus[1:-1]))}")
         for label, c in zip(["never"] + [f"q{q}" for q in qs] + ["always"], curve):
             print(f"  tau {label:7s} {c['tau']:8.3f}  accuracy {c['accuracy']:.3f}  tokens {c['tokens']:6.2f}  "
@@ -75,6 +107,8 @@ def main():
               f"{best['accuracy']:.3f}, {best['tokens']:.2f} tokens vs {full['tokens']:.2f} "
               f"({best['tokens'] / full['tokens']:.2f}x)")
         print(f"  final verdict after a forced right / wrong initial verdict: {after_right:.3f} / {after_wrong:.3f}")
+        print("  reflections after a forced verdict, share right: "
+              + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in checks.items()))
     if args.json:
         print(json.dumps(results))
 

@@ -53,6 +53,10 @@ class SumJudging(Task):
     """The judging prompt, verdict letters and reflection/final markers."""
     revise_fraction: float = 0.0
     """Share of revision demonstrations (a wrong initial verdict in the prompt, corrected)."""
+    width: int = 0
+    """Zero-pad the shown answers and the reflection's numbers to this many digits (0: no
+    padding). With a width every number sits at a fixed position, so the checking reflection
+    compares digits a fixed distance apart."""
     reflection: str = "sum"
     """The worked reflection: ``"sum"`` (``a+b=c``) or ``"check"`` (the sum, then answer A
     copied and checked against it: ``a+b=c`` / ``A=x? yes|no``)."""
@@ -67,6 +71,11 @@ class SumJudging(Task):
         v = self.revise_fraction
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
             raise ValueError(f"sum_judging.revise_fraction={v!r} must be a number in [0, 1]")
+        w = self.width
+        longest = len(str(2 * (10 ** self.digits - 1) + max(self.wrong_offsets)))
+        if isinstance(w, bool) or not isinstance(w, int) or not (w == 0 or w >= longest):
+            raise ValueError(f"sum_judging.width={w!r} must be 0 (no padding) or an int >= {longest}, the digits "
+                             f"of the longest answer {self.digits}-digit operands and wrong_offsets can give")
         if self.reflection not in ("sum", "check"):
             raise ValueError(f"sum_judging.reflection={self.reflection!r} must be 'sum' or 'check'")
         if not isinstance(self.template, CamelTemplate):
@@ -82,11 +91,11 @@ class SumJudging(Task):
         offset = int(self.wrong_offsets[int(rng.integers(len(self.wrong_offsets)))])
         wrong = right + offset if right - offset < 0 or rng.random() < 0.5 else right - offset
         answer = int(rng.integers(2))  # 0: the right answer is shown first (A)
-        first, second = (right, wrong) if answer == 0 else (wrong, right)
+        first, second = (f"{x:0{self.width}d}" for x in ((right, wrong) if answer == 0 else (wrong, right)))
         question = f"{a}+{b}="
-        prompt = pairwise_prompts([question], [str(first)], [str(second)], self.template.judge)[0]
+        prompt = pairwise_prompts([question], [first], [second], self.template.judge)[0]
         v = self.letter(answer)
-        reflection = f"{question}{right}\n"
+        reflection = f"{question}{right:0{self.width}d}\n"
         if self.reflection == "check":
             reflection += f"{self.template.judge.first}={first}? {'yes' if answer == 0 else 'no'}\n"
         reflection += f"{self.template.final}{v}"
@@ -96,7 +105,7 @@ class SumJudging(Task):
         else:
             text, completion = prompt, v + self.template.reflect + reflection
         return {"prompt": text, "completion": completion, "answer": answer, "question": question,
-                "first": str(first), "second": str(second), "operands": [a, b], "judge_prompt": prompt,
+                "first": first, "second": second, "operands": [a, b], "judge_prompt": prompt,
                 "revision": revise}
 
     def verify(self, example, completion):

@@ -63,17 +63,29 @@ def test_sum_judging_examples_are_camel_judgments_of_a_sum():
             SumJudging(**bad)
 
 
-def test_checking_reflection_copies_answer_a_and_compares_it_with_the_sum():
-    checking = SumJudging(wrong_offsets=(1, 10, 1000), revise_fraction=0.5, reflection="check")
+@pytest.mark.parametrize("width", [0, 4, 6])
+def test_checking_reflection_copies_answer_a_and_compares_it_with_the_sum(width):
+    checking = SumJudging(wrong_offsets=(1, 10, 1000), revise_fraction=0.5, reflection="check", width=width)
     for i in range(100):
         c = checking.example(i, "train")
         a, b = c["operands"]
         assert c["prompt"] == c["judge_prompt"] + ("AB"[1 - c["answer"]] + "\nWhy: " if c["revision"] else "")
+        shown = [c["first"], c["second"]]
+        assert c["judge_prompt"] == f"Question: {a}+{b}=\nAnswer A: {shown[0]}\nAnswer B: {shown[1]}\nBetter: "
+        if width:  # every answer zero-padded to the width
+            assert all(len(x) == width and x.isdigit() for x in shown)
+        else:
+            assert all(x == str(int(x)) for x in shown)
+        assert int(shown[c["answer"]]) == a + b and abs(int(shown[1 - c["answer"]]) - (a + b)) in (1, 10, 1000)
         ok = "yes" if int(c["first"]) == a + b else "no"  # from the shown numbers, not the label
         right = "AB"[c["answer"]]
-        check = f"{a}+{b}={a + b}\nA={c['first']}? {ok}\nFinal: {right}"
+        total = str(a + b).zfill(width)
+        check = f"{a}+{b}={total}\nA={c['first']}? {ok}\nFinal: {right}"
         assert c["completion"] == (check if c["revision"] else f"{right}\nWhy: {check}")
         assert checking.verify(c, c["completion"]) == 1.0
+    for bad in (3, -1, 2.0, True):  # 99+99+1000 has 4 digits
+        with pytest.raises(ValueError, match="width"):
+            SumJudging(wrong_offsets=(1, 10, 1000), width=bad)
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +171,23 @@ def test_camel_settings_are_checked():
         CamelConfig(flip_prob=1.5)
     with pytest.raises(ValueError, match="needs collector='camel'"):
         GRPOConfig(camel=CamelConfig())
+
+
+def test_camel_claims_reflection_checks_on_hand_written_reflections():
+    """`bench/camel_claim.py`'s reflection diagnostics, against reflections written here."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("camel_claim", Path(__file__).parents[2] / "bench" / "camel_claim.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    task = SumJudging(wrong_offsets=(1, 10, 1000), reflection="check", width=4)
+    e1 = {"operands": [97, 75], "question": "97+75=", "first": "0172", "second": "0173"}  # A right, same length
+    e2 = {"operands": [56, 90], "question": "56+90=", "first": "1146", "second": "0146"}  # A wrong
+    texts = ["97+75=0172\nA=0172? yes\nFinal: A",  # all right
+             "56+90=0146\nA=1146? yes\nFinal: A",  # sum and copy right, check wrong
+             "97+75=0171\nA=0172? no\nFinal: B",  # sum and check wrong
+             "56+90=146\nA=146? no\nFinal: B"]  # unpadded sum, wrong copy; the check is right for A=1146
+    got = bench.reflection_checks(task, [e1, e2, e1, e2], texts)
+    assert got == {"sum": 0.5, "copy": 0.75, "check": 0.5, "check_same_length": 0.5}
+    assert bench.reflection_checks(SumJudging(), [e1], ["97+75=172\nFinal: A"]) == {"sum": 1.0}
