@@ -11,14 +11,18 @@ same held-out pairs:
 * revision: greedy reflections after a forced initial verdict, the right one and the wrong one;
   the final verdict's accuracy after the wrong one is the revision rate (0: rubber-stamping).
 
-For judges that write the checking reflection (`SumJudging(reflection="check")`) it also
-reports how often the reflection's sum, its copy of answer A and its yes/no are right.
+For judges that write the checking or the column reflection (`SumJudging(reflection="check")`,
+``"columns"``) it also reports how often the reflection's sum, its copy of answer A and its
+yes/no are right (and for columns, the column arithmetic and the per-digit checks).
 
     jaxlm train camel_sft && jaxlm train camel_grpo
     python bench/camel_claim.py --judge sft=runs/camel_sft/model --judge camel=runs/camel_grpo/model
     jaxlm train camel_check_sft data.source.width=4 trainer.out_dir=runs/camel_pad_sft
     python bench/camel_claim.py --recipe camel_check_sft --set data.source.width=4 \
         --max-reflection-tokens 40 --judge padded=runs/camel_pad_sft/model
+    jaxlm train camel_columns_sft
+    python bench/camel_claim.py --recipe camel_columns_sft --max-reflection-tokens 100 \
+        --judge columns=runs/camel_columns_sft/model
 """
 
 from __future__ import annotations
@@ -47,22 +51,47 @@ def forced(model, examples, verdicts, template: CamelTemplate, max_tokens: int) 
 
 
 def reflection_checks(task: SumJudging, examples, reflections) -> dict[str, float]:
-    """What the reflections got right: the sum (``a+b=c`` with the task's padding), and for the
-    checking reflection the copy of answer A and its yes/no against the sum (the truth from
-    the shown numbers), over all pairs and over the pairs whose answers have the same length."""
-    sums, copies, checks, same = [], [], [], []
+    """What the reflections got right, against the truth from the shown numbers.
+
+    ``sum``: the reflection's sum (``a+b=c`` with the task's padding; for the column reflection
+    the column totals' last digits read right to left, plus the last carry). For the checking
+    and column reflections: ``copy`` (answer A copied, whole or digit by digit) and ``check``
+    (the yes/no on A), also over the pairs whose answers have the same length
+    (``check_same_length``). For the column reflection also ``columns`` (every column's
+    operand digits, carry and total right) and ``digit_checks`` (share of the per-digit ok/no
+    that match the digits written on their own line)."""
+    sums, copies, checks, same, columns, digit_checks = [], [], [], [], [], []
+    letter = re.escape(task.template.judge.first)
     for e, text in zip(examples, reflections):
         a, b = e["operands"]
-        sums.append(text.startswith(f"{e['question']}{a + b:0{task.width}d}\n"))
-        found = re.search(r"\n" + re.escape(task.template.judge.first) + r"=(\d+)\? (yes|no)", text)
-        copies.append(bool(found) and found.group(1) == e["first"])
-        checks.append(bool(found) and (found.group(2) == "yes") == (int(e["first"]) == a + b))
         same.append(len(e["first"]) == len(e["second"]))
+        if task.reflection == "columns":
+            lines = re.findall(r"^(\d)\+(\d)\+(\d)=(\d\d) " + letter + r"(\d) (ok|no)$", text, re.MULTILINE)
+            n = task.width or max(len(str(a + b)), len(e["first"]))
+            carry, good, written = 0, len(lines) == n, ""
+            for k, (x, y, c, total, shown, ok) in enumerate(lines):
+                true_x, true_y = a // 10 ** k % 10, b // 10 ** k % 10
+                good &= (int(x), int(y), int(c), int(total)) == (true_x, true_y, carry, true_x + true_y + carry)
+                carry = (true_x + true_y + carry) // 10
+                written = total[1] + written
+                digit_checks.append((ok == "ok") == (shown == total[1]))
+            columns.append(good)
+            sums.append(bool(lines) and int(lines[-1][3][0] + written) == a + b)
+            copies.append(len(lines) == n and "".join(line[4] for line in lines)[::-1] == e["first"].zfill(n))
+            found = re.search(r"^" + letter + r"\? (yes|no)$", text, re.MULTILINE)
+        else:
+            sums.append(text.startswith(f"{e['question']}{a + b:0{task.width}d}\n"))
+            found = re.search(r"\n" + letter + r"=(\d+)\? (yes|no)", text)
+            copies.append(bool(found) and found.group(1) == e["first"])
+        checks.append(bool(found) and (found.group(found.lastindex) == "yes") == (int(e["first"]) == a + b))
     out = {"sum": float(np.mean(sums))}
-    if task.reflection == "check":
+    if task.reflection in ("check", "columns"):
         checks, same = np.asarray(checks), np.asarray(same)
         out.update(copy=float(np.mean(copies)), check=float(np.mean(checks)),
                    check_same_length=float(np.mean(checks[same])) if same.any() else float("nan"))
+    if task.reflection == "columns":
+        out.update(columns=float(np.mean(columns)),
+                   digit_checks=float(np.mean(digit_checks)) if digit_checks else float("nan"))
     return out
 
 

@@ -11,12 +11,23 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
+    return env
+
+
+def train_recipe(recipe: str, *overrides: str) -> None:
+    """``jaxlm train <recipe> *overrides`` in a subprocess (a judge or model a bench then reads)."""
+    proc = subprocess.run([sys.executable, "-m", "trainers.cli", "train", recipe, *overrides], env=_env(),
+                          capture_output=True, text=True, cwd=BENCH.parent, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def run_bench(name: str, *args: str) -> dict | list:
     """``python bench/<name> *args``; the JSON value (object or list) the script prints last
     (one line, or pretty-printed to the end of its output)."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
-    proc = subprocess.run([sys.executable, str(BENCH / name), *args], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(BENCH / name), *args], env=_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     for i, line in enumerate(lines):

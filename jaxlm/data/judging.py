@@ -22,6 +22,21 @@ equals the sum, so the final verdict follows from one comparison the reflection 
 written (``Why: 47+38=85`` / ``A=75? no`` / ``Final: B``). The bare sum leaves a small judge
 to find, across the prompt, which answer shows that sum.
 
+With ``reflection="columns"`` the reflection is column addition, right to left, with answer A
+checked one digit at a time: each line adds one column of the operands and the carry, then
+copies A's digit in that column and says whether it equals the column's last digit; a last line
+says whether every digit matched. Every step reads only a few tokens a fixed distance back (the
+carry is the previous line's tens digit), so nothing has to be compared across a whole number::
+
+    Why: 47+38=
+    7+8+0=15 A5 ok
+    4+3+1=08 A7 no
+    A? no
+    Final: B
+
+The lines run over ``width`` columns (with a width) or over the digits of the longer of the sum
+and answer A; missing digits are zeros.
+
 In such demonstrations the final verdict always repeats the initial one, so a judge can learn
 to copy it (rubber-stamping) instead of reading its reflection. With ``revise_fraction`` that
 share of the examples are revision demonstrations: the prompt ends with the *wrong* verdict and
@@ -39,6 +54,24 @@ from jaxlm.eval.camel import CamelTemplate, final_verdict
 from jaxlm.eval.judge import pairwise_prompts
 
 
+REFLECTIONS = ("sum", "check", "columns")
+
+
+def column_lines(a: int, b: int, answer: str, letter: str, columns: int) -> list[str]:
+    """Column addition of ``a + b`` right to left over ``columns`` columns, each line checking
+    ``answer``'s digit in that column against the column's last digit:
+    ``{a_k}+{b_k}+{carry}={two-digit total} {letter}{answer_k} ok|no``."""
+    lines, carry = [], 0
+    digits = answer[::-1]
+    for k in range(columns):
+        x, y = a // 10 ** k % 10, b // 10 ** k % 10
+        total = x + y + carry
+        shown = int(digits[k]) if k < len(digits) else 0
+        lines.append(f"{x}+{y}+{carry}={total:02d} {letter}{shown} {'ok' if shown == total % 10 else 'no'}")
+        carry = total // 10
+    return lines
+
+
 @TASKS.register("sum_judging")
 @dataclasses.dataclass(frozen=True)
 class SumJudging(Task):
@@ -49,6 +82,10 @@ class SumJudging(Task):
     """Digits of each operand (1-6)."""
     wrong_offsets: tuple[int, ...] = (1, 10)
     """The wrong answer is the right one plus or minus one of these (drawn uniformly)."""
+    random_wrong: float = 0.0
+    """Share of pairs whose wrong answer is instead a random number with as many digits as the
+    right one (never the right one). Offsets keep most digits of the right answer, so a judge
+    can guess a digit of the sum from answer A; random wrong answers take that shortcut away."""
     template: CamelTemplate = CamelTemplate()
     """The judging prompt, verdict letters and reflection/final markers."""
     revise_fraction: float = 0.0
@@ -58,8 +95,9 @@ class SumJudging(Task):
     padding). With a width every number sits at a fixed position, so the checking reflection
     compares digits a fixed distance apart."""
     reflection: str = "sum"
-    """The worked reflection: ``"sum"`` (``a+b=c``) or ``"check"`` (the sum, then answer A
-    copied and checked against it: ``a+b=c`` / ``A=x? yes|no``)."""
+    """The worked reflection: ``"sum"`` (``a+b=c``), ``"check"`` (the sum, then answer A
+    copied and checked against it: ``a+b=c`` / ``A=x? yes|no``) or ``"columns"`` (column
+    addition with A checked digit by digit, see the module docstring)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -68,16 +106,17 @@ class SumJudging(Task):
         if not self.wrong_offsets or any(isinstance(o, bool) or not isinstance(o, int) or o <= 0
                                          for o in self.wrong_offsets):
             raise ValueError(f"sum_judging.wrong_offsets={self.wrong_offsets!r} must be positive ints")
-        v = self.revise_fraction
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-            raise ValueError(f"sum_judging.revise_fraction={v!r} must be a number in [0, 1]")
+        for name in ("revise_fraction", "random_wrong"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"sum_judging.{name}={v!r} must be a number in [0, 1]")
         w = self.width
         longest = len(str(2 * (10 ** self.digits - 1) + max(self.wrong_offsets)))
         if isinstance(w, bool) or not isinstance(w, int) or not (w == 0 or w >= longest):
             raise ValueError(f"sum_judging.width={w!r} must be 0 (no padding) or an int >= {longest}, the digits "
                              f"of the longest answer {self.digits}-digit operands and wrong_offsets can give")
-        if self.reflection not in ("sum", "check"):
-            raise ValueError(f"sum_judging.reflection={self.reflection!r} must be 'sum' or 'check'")
+        if self.reflection not in REFLECTIONS:
+            raise ValueError(f"sum_judging.reflection={self.reflection!r} must be one of {REFLECTIONS}")
         if not isinstance(self.template, CamelTemplate):
             raise ValueError(f"sum_judging.template must be a CamelTemplate, got {type(self.template).__name__}")
 
@@ -90,14 +129,24 @@ class SumJudging(Task):
         right = a + b
         offset = int(self.wrong_offsets[int(rng.integers(len(self.wrong_offsets)))])
         wrong = right + offset if right - offset < 0 or rng.random() < 0.5 else right - offset
+        if self.random_wrong and rng.random() < self.random_wrong:
+            n = len(str(right))
+            wrong = int(rng.integers(10 ** (n - 1) if n > 1 else 0, 10 ** n - 1))
+            wrong += wrong >= right  # uniform over the n-digit numbers other than the right one
         answer = int(rng.integers(2))  # 0: the right answer is shown first (A)
         first, second = (f"{x:0{self.width}d}" for x in ((right, wrong) if answer == 0 else (wrong, right)))
         question = f"{a}+{b}="
         prompt = pairwise_prompts([question], [first], [second], self.template.judge)[0]
         v = self.letter(answer)
-        reflection = f"{question}{right:0{self.width}d}\n"
-        if self.reflection == "check":
-            reflection += f"{self.template.judge.first}={first}? {'yes' if answer == 0 else 'no'}\n"
+        letter_a, verdict_a = self.template.judge.first, "yes" if answer == 0 else "no"
+        if self.reflection == "columns":
+            columns = self.width or max(len(str(right)), len(first))
+            reflection = "\n".join([question, *column_lines(a, b, first, letter_a, columns),
+                                    f"{letter_a}? {verdict_a}", ""])
+        else:
+            reflection = f"{question}{right:0{self.width}d}\n"
+            if self.reflection == "check":
+                reflection += f"{letter_a}={first}? {verdict_a}\n"
         reflection += f"{self.template.final}{v}"
         revise = bool(rng.random() < self.revise_fraction)
         if revise:

@@ -88,6 +88,61 @@ def test_checking_reflection_copies_answer_a_and_compares_it_with_the_sum(width)
             SumJudging(wrong_offsets=(1, 10, 1000), width=bad)
 
 
+def _column_addition(a: int, b: int, shown: str, columns: int) -> list[str]:
+    """Schoolbook addition on zero-filled digit strings, right to left, checking ``shown``."""
+    xs, ys, zs = (str(v).zfill(columns)[::-1] for v in (a, b, int(shown)))
+    out, carry = [], 0
+    for x, y, z in zip(xs, ys, zs):
+        total = int(x) + int(y) + carry
+        out.append(f"{x}+{y}+{carry}={total:02d} A{z} {'ok' if z == str(total)[-1] else 'no'}")
+        carry = 1 if total > 9 else 0
+    return out
+
+
+@pytest.mark.parametrize("digits,offsets,width", [(2, (1, 10, 1000), 0), (2, (1, 10, 1000), 4),
+                                                  (3, (1, 10, 100), 0), (1, (1, 10), 5)])
+def test_column_reflection_adds_by_columns_and_checks_answer_a_digit_by_digit(digits, offsets, width):
+    task = SumJudging(digits=digits, wrong_offsets=offsets, revise_fraction=0.5, reflection="columns", width=width)
+    lengths = set()
+    for i in range(150):
+        c = task.example(i, "train")
+        a, b = c["operands"]
+        columns = width or max(len(str(a + b)), len(c["first"]))
+        lengths.add(columns)
+        a_right = int(c["first"]) == a + b  # from the shown numbers, not the label
+        right = "AB"[c["answer"]]
+        lines = _column_addition(a, b, c["first"], columns)
+        assert all(line.endswith("ok") for line in lines) == a_right
+        body = "\n".join([f"{a}+{b}=", *lines, f"A? {'yes' if a_right else 'no'}", f"Final: {right}"])
+        assert c["completion"] == (body if c["revision"] else f"{right}\nWhy: {body}")
+        assert task.verify(c, c["completion"]) == 1.0
+    if not width:  # the columns follow the longer of the sum and answer A
+        assert len(lengths) > 1
+
+
+@pytest.mark.parametrize("digits", [1, 2, 3])
+def test_random_wrong_answers_have_the_right_answers_digit_count(digits):
+    task = SumJudging(digits=digits, wrong_offsets=(1, 10), random_wrong=0.5)
+    offsets, draws = 0, set()
+    for i in range(400):
+        e = task.example(i, "train")
+        a, b = e["operands"]
+        shown = [int(e["first"]), int(e["second"])]
+        right, wrong = shown[e["answer"]], shown[1 - e["answer"]]
+        assert right == a + b and wrong != right
+        if abs(wrong - right) in (1, 10):
+            offsets += 1
+        else:
+            assert len(str(wrong)) == len(str(right))
+            draws.add(wrong)
+    assert 0.35 < offsets / 400 < 0.75 and len(draws) > 30
+    assert all(abs(int(e["first"]) - int(e["second"])) in (1, 10)  # the default draws no random answers
+               for e in (SumJudging(digits=digits).example(i, "train") for i in range(50)))
+    for bad in (-0.1, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="random_wrong"):
+            SumJudging(random_wrong=bad)
+
+
 @pytest.fixture(scope="module")
 def judge():
     return jaxlm.build_model(MODEL, seed=1, tokenizer=TOK)
@@ -191,3 +246,15 @@ def test_camel_claims_reflection_checks_on_hand_written_reflections():
     got = bench.reflection_checks(task, [e1, e2, e1, e2], texts)
     assert got == {"sum": 0.5, "copy": 0.75, "check": 0.5, "check_same_length": 0.5}
     assert bench.reflection_checks(SumJudging(), [e1], ["97+75=172\nFinal: A"]) == {"sum": 1.0}
+
+    columns = SumJudging(wrong_offsets=(1, 10, 1000), reflection="columns", width=4)
+    texts = ["97+75=\n7+5+0=12 A2 ok\n9+7+1=17 A7 ok\n0+0+1=01 A1 ok\n0+0+0=00 A0 ok\nA? yes\nFinal: A",  # right
+             # right columns and copy; the last digit check and the yes/no are wrong
+             "56+90=\n6+0+0=06 A6 ok\n5+9+0=14 A4 ok\n0+0+1=01 A1 ok\n0+0+0=00 A1 ok\nA? yes\nFinal: A",
+             # a dropped carry: the sum is 0162, A's copy is right, the checks follow the written digits
+             "97+75=\n7+5+0=12 A2 ok\n9+7+0=16 A7 no\n0+0+0=00 A1 no\n0+0+0=00 A0 ok\nA? no\nFinal: B",
+             # three columns only: no column or copy credit, the sum still reads 146
+             "56+90=\n6+0+0=06 A6 ok\n5+9+0=14 A4 ok\n0+0+1=01 A1 ok\nA? no\nFinal: B"]
+    got = bench.reflection_checks(columns, [e1, e2, e1, e2], texts)
+    assert got == {"sum": 0.75, "copy": 0.75, "check": 0.5, "check_same_length": 0.5, "columns": 0.5,
+                   "digit_checks": 14 / 15}
