@@ -94,7 +94,7 @@ def camel_gate_is_shown(got: dict) -> None:
     assert got["reflections"]["columns"] > 0.9 and got["reflections"]["copy"] > 0.99, got["reflections"]
 
 
-@pytest.mark.slow  # trains the 3-layer judge 3000 steps, then 2400 greedy reflections (about 30 minutes on 2 cores)
+@pytest.mark.slow  # trains the 3-layer judge 3000 steps, then 2400 greedy reflections (about 15 minutes on 2 cores)
 def test_camel_gated_judge_matches_always_reflect_with_fewer_tokens(tmp_path):
     """The column-reflection judge (`configs/camel_columns_sft.py`), on held-out pairs as trained
     and on pairs off by 1, 10 or 1000 only (docs/benchmarks.md: 0.970 gated at 42 tokens vs
