@@ -289,12 +289,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--sample-temperature", type=float, default=2.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--mask-backend", default="auto", choices=("auto", "kernel", "interpret", "reference"),
+                    help="the on-device mask: the Pallas kernel (kernel, or interpret on CPU) or the jnp path")
     args = ap.parse_args()
     result = {}
     if args.compile_only:
         result["compile_s"] = {v: compile_times(v, args.repeats) for v in sorted({259, args.vocab})}
     elif not args.no_grid:
-        result["grid"] = overhead_grid(args)
+        from jaxlm.inference.grammar import mask_backend
+
+        with mask_backend(args.mask_backend):
+            result["grid"] = overhead_grid(args)
     if args.miniature:
         result["miniature"] = miniature(Path(args.run), args.steps, sample_temperature=args.sample_temperature)
         for name, r in result["miniature"].items():

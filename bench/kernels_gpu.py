@@ -6,7 +6,9 @@ One prepared script for one H200 (finishes in a few minutes):
 - model level: a WUSH-transformed W4A4 layer (`jaxlm.quant.w4a4.TransformedWeight`, NVFP4 and
   MXFP4, K = N = 4096) through ``linear`` under the ``kernel`` backend (fused per-block
   transform + activation quantization, then the W4A4 kernel) vs the bf16 ``jnp.dot``, and
-  the same layer's jnp path (``reference`` backend: fake-quantized activations, W4A16).
+  the same layer's jnp path (``reference`` backend: fake-quantized activations, W4A16);
+- the grammar mask (`kernels_pallas.grammar_mask`: bits unpacked in-kernel) vs its jnp path
+  at batch 1 / 16 / 64 over 32,000 and 151,936 logits (K = the vocabulary, M = the batch).
 Each line prints the median time, the achieved bandwidth (bytes the kernel must move /
 time) against a measured device-to-device copy, and the speedup. Goals on H200: >= 3x
 over bf16 for M <= 16 at K = N = 8192 (byte-ratio ceiling ~3.76x), >= 70% of copy
@@ -91,6 +93,33 @@ def model_level(smoke: bool, rng, ms, repeats) -> list[dict]:
     return rows
 
 
+def grammar_mask_rows(smoke: bool, rng, repeats) -> list[dict]:
+    """The masked logits ``[B, V]`` from each row's packed words ``[B, V/32]``: the kernel
+    against the jnp path the sampler runs by default (bytes: logits read and written, words)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels_pallas import grammar_mask
+
+    rows = []
+    for V in ((1000,) if smoke else (32000, 151936)):
+        for B in ((1, 8) if smoke else (1, 16, 64)):
+            logits = jnp.asarray(rng.randn(B, V), jnp.float32)
+            words = jnp.asarray(rng.randint(-(2**31), 2**31 - 1, size=(B, -(-V // 32))), jnp.int32)
+            nbytes = 2 * logits.nbytes + words.nbytes
+            ref = jax.jit(grammar_mask.reference)
+            kernel = jax.jit(lambda x, w: grammar_mask.masked_logits(x, w, interpret=smoke))
+            np.testing.assert_array_equal(np.asarray(kernel(logits, words)), np.asarray(ref(logits, words)))
+            t_ref = timeit(ref, logits, words, repeats=repeats)
+            t = timeit(kernel, logits, words, repeats=repeats)
+            rows.append({"kernel": "grammar mask jnp path", "K": V, "M": B, "ms": t_ref * 1e3,
+                         "gbs": nbytes / t_ref / 1e9})
+            rows.append({"kernel": "grammar mask kernel", "K": V, "M": B, "ms": t * 1e3, "gbs": nbytes / t / 1e9,
+                         "speedup_vs_jnp": t_ref / t})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode on CPU")
@@ -155,12 +184,19 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         print(f"model-level W4A4 entry failed: {type(e).__name__}: {e}")
         rows.append(dict(kernel="layer W4A4 WUSH (failed)", error=f"{type(e).__name__}: {e}"))
+    try:  # nor has the grammar mask kernel's
+        rows += grammar_mask_rows(args.smoke, rng, repeats)
+    except Exception as e:  # noqa: BLE001
+        print(f"grammar mask entry failed: {type(e).__name__}: {e}")
+        rows.append({"kernel": "grammar mask (failed)", "error": f"{type(e).__name__}: {e}"})
     for r in rows:
         if "error" in r:
             continue
         extra = ""
         if "speedup_vs_bf16" in r:
             extra = f"  speedup vs bf16 {r['speedup_vs_bf16']:.2f}x"
+        if "speedup_vs_jnp" in r:
+            extra = f"  speedup vs jnp path {r['speedup_vs_jnp']:.2f}x"
         if "overhead_vs_w4a16" in r:
             extra = f"  low-rank overhead {100 * r['overhead_vs_w4a16']:+.1f}%"
         print(f"{r['kernel']:32s} K=N={r['K']:5d} M={r['M']:3d}  {r['ms']:8.3f} ms  "

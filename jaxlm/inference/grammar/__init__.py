@@ -10,7 +10,7 @@ inside the compiled decoding loop, with no host round trip per token.
 Front ends: `compile_regex`, `compile_json_schema`, `compile_ebnf`. Each lowers the grammar
 to a byte automaton (`automaton`), then to token tables for the tokenizer (`tables`); see
 those modules for the construction and `jaxlm.inference.grammar.decoding` for the mask and
-state update in the sampler.
+state update in the sampler, and `mask_backend` for the Pallas mask kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from typing import Any, Sequence
 
 from jaxlm.inference.grammar.automaton import ByteDFA, GrammarError, to_dfa
+from jaxlm.inference.grammar.decoding import MASK_BACKEND
 from jaxlm.inference.grammar.ebnf import parse_ebnf
 from jaxlm.inference.grammar.json_schema import parse_json_schema
 from jaxlm.inference.grammar.regex import parse_regex
@@ -33,7 +34,12 @@ from jaxlm.inference.grammar.tables import (
 )
 
 __all__ = ["CompiledGrammar", "GrammarError", "compile_regex", "compile_json_schema", "compile_ebnf",
-           "token_byte_strings"]
+           "token_byte_strings", "mask_backend", "set_mask_backend"]
+
+#: ``with mask_backend("interpret"): jaxlm.generate(..., grammar=g)``: the mask as the Pallas
+#: kernel (``kernel``, or ``interpret`` on CPU), or the jnp path (``reference``, ``auto``)
+mask_backend = MASK_BACKEND.use
+set_mask_backend = MASK_BACKEND.set
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -6,6 +6,11 @@ Each row's grammar state is an int32 in the decode loop's carry. Per step:
     logits  = where(allowed, logits, -inf)        # before temperature / top-k / top-p
     state   = next[state, category[token]]
 
+With the bitmask, the mask can instead run as a Pallas kernel that unpacks the bits in-kernel
+(`kernels_pallas.grammar_mask`), chosen by `MASK_BACKEND` (``jaxlm.inference.grammar.
+mask_backend("kernel" | "interpret" | "reference")``). Its ``auto`` mode runs the jnp path on
+every platform: the compiled kernel is not yet measured against it on hardware.
+
 Several grammars (one per row) are merged into one table set: their states are stacked and
 the joint category of a token is the tuple of its categories in each grammar, so a row's
 lookups are exactly its own grammar's. A row given no grammar sits in a free state that
@@ -25,6 +30,10 @@ from flax import struct
 
 from jaxlm.inference.grammar.automaton import GrammarError
 from jaxlm.inference.grammar.tables import TokenTables, pack_bits
+from jaxlm.kernel_backend import KernelBackend
+from kernels_pallas import grammar_mask
+
+MASK_BACKEND = KernelBackend("grammar mask backend", auto_kernel_on=())
 
 SHAPE_BUCKET = 64
 
@@ -41,17 +50,19 @@ class DeviceGrammar:
 
 def allowed_tokens(g: DeviceGrammar, state: jax.Array) -> jax.Array:
     """``[B, V]`` bool: the tokens each row's grammar allows in ``state [B]``."""
-    V = g.category.shape[0]
     if g.bitmask is not None:
-        words = jnp.take(g.bitmask, state, axis=0)  # [B, W]
         # unpack by shifting each word through its 32 bits: elementwise work, no gather over V
-        bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
-        return bits.reshape(words.shape[0], -1)[:, :V].astype(bool)
+        return grammar_mask.unpack_words(jnp.take(g.bitmask, state, axis=0), g.category.shape[0])
     return jnp.take(jnp.take(g.next, state, axis=0), g.category, axis=1) >= 0
 
 
 def mask_logits(g: DeviceGrammar, state: jax.Array, logits: jax.Array) -> jax.Array:
-    return jnp.where(allowed_tokens(g, state), logits, -jnp.inf)
+    """``logits [B, V]`` with the tokens ``state [B]`` does not allow set to ``-inf``."""
+    mode = MASK_BACKEND.resolved()
+    if g.bitmask is not None and mode != "reference":
+        words = jnp.take(g.bitmask, state, axis=0)
+        return grammar_mask.masked_logits(logits, words, interpret=mode == "interpret")
+    return jnp.where(allowed_tokens(g, state), logits, jnp.asarray(-jnp.inf, logits.dtype))
 
 
 def advance(g: DeviceGrammar, state: jax.Array, token: jax.Array) -> jax.Array:
