@@ -2,7 +2,8 @@
 fewer steps than a random order, on data whose skills build on each other?
 
 Units are single-skill batches of addition with 1, 2 and 3 digits (the 2- and 3-digit sums
-reuse the 1-digit ones); the held-out loss is on all three. Each epoch, the scheduler reads
+reuse the 1-digit ones); the held-out loss is on all three (``--heldout-digits 3``: on the
+3-digit skill only, the one that builds on the others). Each epoch, the scheduler reads
 all units as one pool and orders them with the live model (`trainers.schedule.scheduler`:
 ``d3``, ``loss`` = lowest loss first, ``random``, ``fifo`` = skills in order 1, 2, 3
 interleaved). Same model init, units and optimizer for every order; steps to reach the
@@ -10,6 +11,7 @@ target (the median final loss of the random orders) are compared.
 
     python bench/d3_claim.py                 # 3 random seeds, d3, loss
     python bench/d3_claim.py --epochs 3 --units-per-skill 8
+    python bench/d3_claim.py --epochs 4 --random-seeds 5 --pool 6 --init-seed 1 --influence-lr 1e-3
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ class ListIterator:
         self.i = s["i"]
 
 
-def run(order_name: str, units, heldout, *, epochs: int, seed: int, lr: float, influence_lr: float, pool: int):
-    model = jaxlm.build_model(MODEL, seed=0)
+def run(order_name: str, units, heldout, *, epochs: int, seed: int, lr: float, influence_lr: float, pool: int,
+        init_seed: int = 0):
+    model = jaxlm.build_model(MODEL, seed=init_seed)
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     tx = optax.adam(lr)
@@ -98,17 +101,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--influence-lr", type=float, default=1e-2)
     ap.add_argument("--random-seeds", type=int, default=3)
     ap.add_argument("--pool", type=int, default=0, help="units ordered per refresh (0: a whole epoch)")
+    ap.add_argument("--init-seed", type=int, default=0, help="the model's initialisation (same for every order)")
+    ap.add_argument("--heldout-digits", default="1,2,3", help="the skills (digit counts) of the held-out loss")
     args = ap.parse_args(argv)
     skills = [Arithmetic(digits=d, ops=("+",)) for d in (1, 2, 3)]
     per = args.units_per_skill
     # fifo interleaves the skills: unit 3u + s is skill s
     units = [rows(skills[s], u * args.rows, args.rows) for u in range(per) for s in range(3)]
-    heldout = {k: jnp.asarray(np.concatenate([rows(s, 0, 32, "eval")[k] for s in skills])) for k in units[0]}
+    digits = args.heldout_digits.split(",")
+    if not digits or any(d not in ("1", "2", "3") for d in digits):
+        ap.error(f"--heldout-digits={args.heldout_digits!r}: a comma-separated subset of 1,2,3")
+    held = [skills[int(d) - 1] for d in digits]
+    heldout = {k: jnp.asarray(np.concatenate([rows(s, 0, 32, "eval")[k] for s in held])) for k in units[0]}
     results = {}
     for name, seed in [("random", s) for s in range(args.random_seeds)] + [("fifo", 0), ("loss", 0), ("d3", 0)]:
         start = time.perf_counter()
         curve, overhead, order = run(name, units, heldout, epochs=args.epochs, seed=seed, lr=args.lr,
-                                     influence_lr=args.influence_lr, pool=args.pool)
+                                     influence_lr=args.influence_lr, pool=args.pool, init_seed=args.init_seed)
         label = f"{name} {seed}" if name == "random" else name
         results[label] = {"curve": curve, "refresh_s": overhead, "wall_s": time.perf_counter() - start,
                           "first_epoch_skills": [u % 3 + 1 for u in order]}
