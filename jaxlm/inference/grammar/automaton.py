@@ -237,7 +237,9 @@ class ByteDFA:
         return s >= 0 and bool(self.accepting[s])
 
 
-def _determinize(nfa: _NFA, start: int, final: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+def _determinize(nfa: _NFA, start: int, final: int, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Subset construction over byte classes (maximal byte ranges no NFA edge splits):
+    ``(delta [S, classes], accepting [S], byte_class [256])``."""
     bounds = {0, 256}
     for edges in nfa.edges:
         for a, b, _ in edges:
@@ -294,42 +296,45 @@ def _determinize(nfa: _NFA, start: int, final: int, limit: int) -> tuple[np.ndar
             row[c] = ids[key]
         rows.append(row)
         i += 1
-    class_delta = np.stack(rows)
     accepting = np.array([final in m for m in order])
-    return class_delta[:, byte_class], accepting
+    return np.stack(rows), accepting, byte_class
 
 
 def _prune(delta: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Keep states reachable from 0 that can reach acceptance; transitions elsewhere reject."""
+    """Keep states reachable from 0 that can reach acceptance; transitions elsewhere reject.
+    ``delta [S, symbols]``: any alphabet (here the byte classes)."""
     S = delta.shape[0]
-    live = accepting.copy()
-    while True:  # co-reachability by fixed point (vectorised over states)
-        nxt = delta >= 0
-        reach = live | np.any(nxt & live[np.where(nxt, delta, 0)], axis=1)
-        if np.array_equal(reach, live):
-            break
-        live = reach
+    src, sym = np.nonzero(delta >= 0)
+    edges = np.unique(src * S + delta[src, sym])  # distinct (from, to) pairs
+    succ: list[list[int]] = [[] for _ in range(S)]
+    pred: list[list[int]] = [[] for _ in range(S)]
+    for a, b in zip((edges // S).tolist(), (edges % S).tolist()):
+        succ[a].append(b)
+        pred[b].append(a)
+
+    def closure(seeds, step) -> np.ndarray:  # every state reachable from seeds along step
+        seen = np.zeros(S, bool)
+        seen[seeds] = True
+        stack = list(seeds)
+        while stack:
+            for t in step[stack.pop()]:
+                if not seen[t]:
+                    seen[t] = True
+                    stack.append(t)
+        return seen
+
+    live = closure(np.flatnonzero(accepting).tolist(), pred)
     if not live[0]:
         raise GrammarError("the grammar can never be completed: no string matches it")
-    d = np.where((delta >= 0) & live[np.where(delta >= 0, delta, 0)], delta, -1)
-    seen = np.zeros(S, bool)
-    seen[0] = True
-    frontier = seen.copy()
-    while frontier.any():  # reachability, one breadth-first layer per pass
-        targets = d[frontier]
-        reached = np.zeros(S, bool)
-        reached[targets[targets >= 0]] = True
-        frontier = reached & ~seen
-        seen |= reached
-    keep = np.flatnonzero(seen & live)
+    keep = np.flatnonzero(live & closure([0], [[t for t in out if live[t]] for out in succ]))
     remap = np.full(S, -1, np.int64)
     remap[keep] = np.arange(len(keep))
-    d = d[keep]
+    d = delta[keep]
     return np.where(d >= 0, remap[np.where(d >= 0, d, 0)], -1), accepting[keep]
 
 
 def _minimize(delta: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Moore partition refinement; state 0 stays the start."""
+    """Moore partition refinement over ``delta [S, symbols]``; state 0 stays the start."""
     S = delta.shape[0]
     _, first_col = np.unique(delta.T, axis=0, return_index=True)
     columns = delta[:, np.sort(first_col)]  # one column per class of bytes no state tells apart
@@ -337,22 +342,25 @@ def _minimize(delta: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.
     n = len(np.unique(part))
     while True:
         succ = np.where(columns >= 0, part[np.where(columns >= 0, columns, 0)], -1)
-        sig = np.ascontiguousarray(np.concatenate([part[:, None], succ], axis=1))
-        _, new = np.unique(sig.view(np.dtype((np.void, sig.shape[1] * sig.itemsize))).ravel(), return_inverse=True)
-        new = new.reshape(-1)
-        m = int(new.max()) + 1
+        sig = np.concatenate([part[:, None], succ], axis=1)
+        # block ids: rank of each distinct signature row (sorted lexicographically)
+        order = np.lexsort(sig.T[::-1])
+        ranked = sig[order]
+        ids = np.concatenate([[0], np.cumsum(np.any(ranked[1:] != ranked[:-1], axis=1))])
+        new = np.empty(S, np.int64)
+        new[order] = ids
+        m = int(ids[-1]) + 1
         part = new
         if m == n:
             break
         n = m
-    # renumber blocks in order of first appearance so the start's block is 0
-    order = {}
-    for s in range(S):
-        order.setdefault(int(part[s]), len(order))
-    block = np.array([order[int(p)] for p in part])
-    rep = np.zeros(len(order), np.int64)
-    for s in range(S - 1, -1, -1):
-        rep[block[s]] = s
+    # renumber blocks in order of first appearance so the start's block is 0; each block's
+    # representative is its first state
+    _, first_state = np.unique(part, return_index=True)
+    rep = np.sort(first_state)
+    renumber = np.empty(len(rep), np.int64)
+    renumber[part[rep]] = np.arange(len(rep))
+    block = renumber[part]
     d = delta[rep]
     d = np.where(d >= 0, block[np.where(d >= 0, d, 0)], -1)
     return d.astype(np.int32), accepting[rep]
@@ -362,7 +370,8 @@ def to_dfa(expr, *, max_states: int = 200_000) -> ByteDFA:
     """The minimal byte DFA of ``expr`` (pruned to completable states)."""
     nfa = _NFA()
     start, final = nfa.build(expr, max_states * 8)
-    delta, accepting = _determinize(nfa, start, final, max_states)
+    # prune and minimise over the byte classes (tens of columns, not 256), then expand
+    delta, accepting, byte_class = _determinize(nfa, start, final, max_states)
     delta, accepting = _prune(delta, accepting)
     delta, accepting = _minimize(delta, accepting)
-    return ByteDFA(delta=delta, accepting=accepting)
+    return ByteDFA(delta=np.ascontiguousarray(delta[:, byte_class]), accepting=accepting)

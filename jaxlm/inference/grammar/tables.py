@@ -146,23 +146,68 @@ def pack_bits(allowed: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(packed).view("<u4").astype(np.uint32).view(np.int32).reshape(N, W)
 
 
-def _outcomes(class_delta: np.ndarray, classes: np.ndarray) -> np.ndarray:
-    """``[S, R]``: the state after each class sequence ``classes [R, n]`` from each state (-1:
-    rejected), with ``class_delta [S, n_classes]`` the DFA on byte classes. Only the (state,
-    token) pairs still alive are walked: most die at their first byte."""
-    S, R = class_delta.shape[0], classes.shape[0]
-    first = class_delta[:, classes[:, 0]]  # [S, R]
-    if classes.shape[1] == 1:
-        return first
-    out = np.full((S, R), -1, np.int32)
-    s_idx, r_idx = np.nonzero(first >= 0)
-    state = first[s_idx, r_idx]
+def _alive_pairs(class_delta: np.ndarray, classes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (token, state) pairs still alive after each class sequence ``classes [R, n]``, with
+    ``class_delta [S, n_classes]`` the DFA on byte classes: ``(token, start state, end state)``
+    arrays, sorted by token and then start state. Only pairs alive after the first byte are
+    built (most die there), and each byte drops the pairs it rejects."""
+    R = classes.shape[0]
+    by_class, from_state = np.nonzero(class_delta.T >= 0)  # sorted by class, then state
+    ptr = np.searchsorted(by_class, np.arange(class_delta.shape[1] + 1))
+    first = classes[:, 0].astype(np.int64)
+    counts = ptr[first + 1] - ptr[first]
+    token = np.repeat(np.arange(R), counts)
+    within = np.arange(len(token)) - np.repeat(np.cumsum(counts) - counts, counts)
+    start = from_state[np.repeat(ptr[first], counts) + within]
+    state = class_delta[start, classes[token, 0]]
     for k in range(1, classes.shape[1]):
-        state = class_delta[state, classes[r_idx, k]]
+        state = class_delta[state, classes[token, k]]
         keep = state >= 0
-        s_idx, r_idx, state = s_idx[keep], r_idx[keep], state[keep]
-    out[s_idx, r_idx] = state
-    return out
+        token, start, state = token[keep], start[keep], state[keep]
+    return token, start, state
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser over uint64 (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _group_outcomes(R: int, token: np.ndarray, start: np.ndarray, state: np.ndarray):
+    """Tokens ``0..R-1`` grouped by equal outcome (the same alive pairs, `_alive_pairs`):
+    ``(representative token of each group, each token's group)``, or None when two tokens
+    with different outcomes share a hash (the caller then compares whole outcome columns).
+    Each token's key is a sum of 64-bit hashes of its (start, end) pairs; the grouping is
+    then checked exactly, pair by pair, against each group's representative."""
+    count = np.bincount(token, minlength=R)
+    offset = np.cumsum(count) - count
+    with np.errstate(over="ignore"):
+        pair_hash = _mix64((start.astype(np.uint64) << np.uint64(32)) ^ state.astype(np.uint64))
+        key = np.zeros(R, np.uint64)
+        some = count > 0
+        if some.any():
+            key[some] = np.add.reduceat(pair_hash, offset[some])
+    _, rep, group = np.unique(key, return_index=True, return_inverse=True)
+    group = group.reshape(-1)
+    rep_of = rep[group]
+    if not np.array_equal(count, count[rep_of]):
+        return None
+    at_rep = offset[rep_of[token]] + (np.arange(len(token)) - offset[token])
+    if not (np.array_equal(start, start[at_rep]) and np.array_equal(state, state[at_rep])):
+        return None
+    return rep, group
+
+
+def _outcome_columns(S: int, R: int, reps: np.ndarray, token: np.ndarray, start: np.ndarray, state: np.ndarray):
+    """``[len(reps), S + 1]`` outcome columns of the tokens ``reps`` among ``0..R-1`` (-1:
+    rejected; the last entry, the finished state, always -1)."""
+    row = np.full(R, -1, np.int64)
+    row[reps] = np.arange(len(reps))
+    cols = np.full((len(reps), S + 1), -1, np.int32)
+    mine = row[token] >= 0
+    cols[row[token[mine]], start[mine]] = state[mine]
+    return cols
 
 
 def build_tables(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens: Sequence[int], *,
@@ -188,7 +233,7 @@ def build_tables(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens:
 
     never = np.full(S + 1, -1, np.int32)
     stop_col = np.where(np.append(dfa.accepting, False), finished, -1).astype(np.int32)
-    lengths = np.fromiter((len(t) if t else 0 for t in token_bytes), np.int64, V)
+    lengths = np.array([len(t) if t else 0 for t in token_bytes], np.int64).reshape(V)
     special = np.zeros(V, bool)
     special[stop] = True
     for i in np.flatnonzero(special | (lengths == 0)):  # stop tokens; tokens that write nothing
@@ -207,15 +252,20 @@ def build_tables(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens:
         _, rep, inverse = np.unique(keys, return_index=True, return_inverse=True)
         unique_cat = np.empty(len(rep), np.int32)
         for lo in range(0, len(rep), chunk):
-            reps = rep[lo: lo + chunk]
-            out = _outcomes(class_delta, classes[reps])
-            out = np.concatenate([out, np.full((1, len(reps)), -1, np.int32)])  # finished: nothing allowed
-            # equal outcome columns share a category: hash each distinct column once
-            cols = np.ascontiguousarray(out.T)
-            col_keys = cols.view(np.dtype((np.void, cols.shape[1] * cols.itemsize))).ravel()
-            _, col_rep, col_inverse = np.unique(col_keys, return_index=True, return_inverse=True)
-            cats = np.array([assign(cols[j]) for j in col_rep], np.int32)
-            unique_cat[lo: lo + len(reps)] = cats[col_inverse.reshape(-1)]
+            seqs = classes[rep[lo: lo + chunk]]
+            pairs = _alive_pairs(class_delta, seqs)
+            # equal outcome columns share a category: each distinct column is built once
+            grouped = _group_outcomes(len(seqs), *pairs)
+            if grouped is None:  # a hash collision: compare whole columns
+                cols = _outcome_columns(S, len(seqs), np.arange(len(seqs)), *pairs)
+                keys = cols.view(np.dtype((np.void, cols.shape[1] * cols.itemsize))).ravel()
+                _, col_rep, col_inverse = np.unique(keys, return_index=True, return_inverse=True)
+                cols = cols[col_rep]
+            else:
+                col_rep, col_inverse = grouped
+                cols = _outcome_columns(S, len(seqs), col_rep, *pairs)
+            cats = np.array([assign(c) for c in cols], np.int32)
+            unique_cat[lo: lo + len(seqs)] = cats[col_inverse.reshape(-1)]
         category[ids] = unique_cat[inverse.reshape(-1)]
     nxt = np.stack(columns, axis=1).astype(np.int32)  # [S + 1, C]
     accepting = np.append(dfa.accepting, True)
