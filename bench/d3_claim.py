@@ -12,6 +12,7 @@ target (the median final loss of the random orders) are compared.
     python bench/d3_claim.py                 # 3 random seeds, d3, loss
     python bench/d3_claim.py --epochs 3 --units-per-skill 8
     python bench/d3_claim.py --epochs 4 --random-seeds 5 --pool 6 --init-seed 1 --influence-lr 1e-3
+    python bench/d3_claim.py --epochs 3 --random-seeds 5 --pool 6 --units-per-skill 16,4,4  # unequal skills
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def run(order_name: str, units, heldout, *, epochs: int, seed: int, lr: float, i
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--units-per-skill", type=int, default=8)
+    ap.add_argument("--units-per-skill", default="8",
+                    help="units of each skill: one count, or three (1-, 2-, 3-digit) separated by commas")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -105,9 +107,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--heldout-digits", default="1,2,3", help="the skills (digit counts) of the held-out loss")
     args = ap.parse_args(argv)
     skills = [Arithmetic(digits=d, ops=("+",)) for d in (1, 2, 3)]
-    per = args.units_per_skill
-    # fifo interleaves the skills: unit 3u + s is skill s
-    units = [rows(skills[s], u * args.rows, args.rows) for u in range(per) for s in range(3)]
+    counts = [int(c) for c in args.units_per_skill.split(",")]
+    counts = counts * 3 if len(counts) == 1 else counts
+    if len(counts) != 3 or min(counts) < 0 or sum(counts) == 0:
+        ap.error(f"--units-per-skill={args.units_per_skill!r}: one count or three, >= 0")
+    # fifo interleaves the skills (1, 2, 3, 1, 2, 3, ... while each lasts)
+    skill_of = [s for u in range(max(counts)) for s in range(3) if u < counts[s]]
+    units = [rows(skills[s], skill_of[:i].count(s) * args.rows, args.rows) for i, s in enumerate(skill_of)]
     digits = args.heldout_digits.split(",")
     if not digits or any(d not in ("1", "2", "3") for d in digits):
         ap.error(f"--heldout-digits={args.heldout_digits!r}: a comma-separated subset of 1,2,3")
@@ -120,9 +126,9 @@ def main(argv=None) -> dict:
                                      influence_lr=args.influence_lr, pool=args.pool, init_seed=args.init_seed)
         label = f"{name} {seed}" if name == "random" else name
         results[label] = {"curve": curve, "refresh_s": overhead, "wall_s": time.perf_counter() - start,
-                          "first_epoch_skills": [u % 3 + 1 for u in order]}
+                          "first_epoch_skills": [skill_of[u] + 1 for u in order]}
     target = float(np.median([r["curve"][-1] for k, r in results.items() if k.startswith("random")]))
-    print(f"{len(units)} units ({per} per skill) of {args.rows} rows, {args.epochs} epochs, "
+    print(f"{len(units)} units ({'/'.join(map(str, counts))} of 1/2/3 digits) of {args.rows} rows, {args.epochs} epochs, "
           f"{args.pool or len(units)} units per refresh, held-out loss target "
           f"{target:.4f} (median final loss of the random orders)")
     print(f"{'order':<10} {'steps to target':>15} {'final loss':>10} {'refresh s':>9}  first epoch's skills")
