@@ -4,10 +4,11 @@ diffusion alone at a fixed total budget of forwards (denoising steps + edit roun
 Two models of the same run length, both from one trained masked diffusion LM given the edit head
 (`jaxlm.models.edit_head`): the **edit** model is trained with ME-DLM's stage 3 (half the batches
 the model's own filled and self-edited outputs), the **control** with stage 2 (masked answers
-only, both heads trained). On the same held-out
-prompts each model decodes with mask diffusion alone at S steps, and the edit model also with
-S - R steps followed by up to R edit rounds. Accuracy is exact match; "forwards" counts the
-forwards actually run (edit rounds stop once no row changes).
+only, both heads trained). On the same held-out prompts each model decodes with mask diffusion
+alone at S steps, and the edit model also with S - R steps followed by up to R edit rounds
+(every predicted edit, and with ``--edits-per-round k`` also only each row's k most confident
+edits per round). Accuracy is exact match; "forwards" counts the forwards actually run (edit
+rounds stop once no row changes).
 
     (train the base and add the edit head as configs/medlm_sort.py describes, then)
     jaxlm train medlm_sort init_from=runs/medlm_base trainer.out_dir=runs/medlm_stage3
@@ -28,13 +29,15 @@ from jaxlm.inference.diffusion import diffusion_generate
 from trainers.recipes import load_config
 
 
-def accuracy(model, examples, task, *, gen_length: int, steps: int, edit_rounds: int, batch: int = 250):
+def accuracy(model, examples, task, *, gen_length: int, steps: int, edit_rounds: int, edits_per_round=None,
+             batch: int = 250):
     correct, forwards, edits = [], 0, []
     delete = model.config.delete_token_id
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
         out = diffusion_generate(model, [e["prompt"] for e in chunk], gen_length=gen_length, steps=steps,
-                                 banned_tokens=(delete,), edit_rounds=edit_rounds)
+                                 banned_tokens=(delete,), edit_rounds=edit_rounds,
+                                 edits_per_round=edits_per_round if edit_rounds else None)
         correct += [task.verify(e, t) for e, t in zip(chunk, out.texts)]
         forwards += out.forwards * len(chunk)
         if edit_rounds:
@@ -53,6 +56,9 @@ def main():
     ap.add_argument("--gen-length", type=int, default=16)
     ap.add_argument("--budgets", type=int, nargs="*", default=[2, 4, 8, 16], help="total forwards S")
     ap.add_argument("--rounds", type=int, nargs="*", default=[1, 2, 4], help="edit rounds R taken from S")
+    ap.add_argument("--edits-per-round", type=int, nargs="*", default=[],
+                    help="also decode with only these many most confident edits per row and round (ME-DLM's "
+                         "pred_per_step); every predicted edit is always run too")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     task = load_config(args.recipe, args.set).data.source
@@ -68,19 +74,24 @@ def main():
         for R in args.rounds:
             if R >= S:
                 continue
-            acc, fwd, used = accuracy(models["edit"], examples, task, gen_length=G, steps=S - R, edit_rounds=R)
-            rows.append({"model": "edit", "budget": S, "mask_steps": S - R, "edit_rounds": R, "accuracy": acc,
-                         "forwards": fwd, "rounds_changing_a_row": used})
-    print(f"{'model':8s} {'S':>3s} {'mask':>5s} {'edit':>5s} {'accuracy':>9s} {'forwards':>9s}")
+            for k in [None, *args.edits_per_round]:
+                acc, fwd, used = accuracy(models["edit"], examples, task, gen_length=G, steps=S - R, edit_rounds=R,
+                                          edits_per_round=k)
+                rows.append({"model": "edit", "budget": S, "mask_steps": S - R, "edit_rounds": R,
+                             "edits_per_round": k, "accuracy": acc, "forwards": fwd, "rounds_changing_a_row": used})
+    print(f"{'model':8s} {'S':>3s} {'mask':>5s} {'edit':>5s} {'k':>4s} {'accuracy':>9s} {'forwards':>9s}")
     for r in rows:
-        print(f"{r['model']:8s} {r['budget']:3d} {r['mask_steps']:5d} {r['edit_rounds']:5d} {r['accuracy']:9.3f} "
-              f"{r['forwards']:9.2f}")
+        k = r.get("edits_per_round")
+        print(f"{r['model']:8s} {r['budget']:3d} {r['mask_steps']:5d} {r['edit_rounds']:5d} "
+              f"{'all' if k is None else k:>4} {r['accuracy']:9.3f} {r['forwards']:9.2f}")
     for S in args.budgets:
         base = max(r["accuracy"] for r in rows if r["budget"] == S and r["edit_rounds"] == 0)
         best = max((r for r in rows if r["budget"] == S and r["edit_rounds"]), key=lambda r: r["accuracy"],
                    default=None)
         if best is not None:
-            print(f"budget {S}: best with edits {best['accuracy']:.3f} (R={best['edit_rounds']}) vs best mask-only "
+            k = best.get("edits_per_round")
+            print(f"budget {S}: best with edits {best['accuracy']:.3f} (R={best['edit_rounds']}, "
+                  f"{'every edit' if k is None else f'{k} per round'}) vs best mask-only "
                   f"{base:.3f}: {best['accuracy'] - base:+.3f}")
     if args.json:
         print(json.dumps(rows))

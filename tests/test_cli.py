@@ -162,6 +162,14 @@ def test_generate_with_edit_rounds_on_an_edit_checkpoint(tmp_path, capsys):
     want = jaxlm.diffusion_generate(model, ["12+34="], gen_length=8, steps=2, edit_rounds=2, banned_tokens=(260,))
     assert out.out.splitlines() == [f"'12+34=' -> {want.texts[0]!r}"]
     assert f"+ {want.edit_rounds} edit rounds" in out.err
+    main(["generate", "--model", str(tmp_path / "medlm"), "--prompt", "12+34=", "--max-new-tokens", "8",
+          "--steps", "2", "--edit-rounds", "2", "--edits-per-round", "1", "--temperature", "0"])
+    want = jaxlm.diffusion_generate(model, ["12+34="], gen_length=8, steps=2, edit_rounds=2, edits_per_round=1,
+                                    banned_tokens=(260,))
+    assert capsys.readouterr().out.splitlines() == [f"'12+34=' -> {want.texts[0]!r}"]
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tmp_path / "medlm"), "--prompt", "x", "--edits-per-round", "1"])
+    assert "--edits-per-round limits the edits of each edit round" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "x", "--edit-rounds", "2"])  # the embedded default is causal
     assert "--edit-rounds apply to masked diffusion models" in capsys.readouterr().err

@@ -7,7 +7,7 @@ call into a library function.
     jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--chat] [--max-new-tokens 32] [--temperature 0]
                    [--regex PATTERN | --json-schema FILE] [--num-beams K --num-return-sequences R]
-                   [--steps S --block-length L | --threshold T] [--edit-rounds R]  # a diffusion checkpoint
+                   [--steps S --block-length L | --threshold T] [--edit-rounds R [--edits-per-round K]]  # diffusion
     jaxlm convert SRC DST [--to orbax|hf] [--overwrite]
     jaxlm quantize MODEL --out DIR [--method wush] [--format nvfp4] [--inner gptq]
     jaxlm compress MODEL --out DIR [--budget 0.5] [--components qk,ov,mlp]
@@ -96,6 +96,9 @@ class GenerateArgs:
     edit_rounds: int | None = None
     """Masked diffusion edit models (ME-DLM: next-token head and delete token): edit rounds after mask
     diffusion (delete / replace / insert; stops early once nothing changes)."""
+    edits_per_round: int | None = None
+    """With --edit-rounds: apply only each response's this many most confident edits per round (default:
+    every predicted edit)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,7 +372,8 @@ def run_generate(args: GenerateArgs) -> list[str]:
                    for p in prompts]
     if getattr(model.config, "mode", "causal") == "diffusion":
         return _generate_diffusion(args, model, prompts)
-    diffusion_only = [f"--{n.replace('_', '-')}" for n in ("steps", "block_length", "threshold", "edit_rounds")
+    diffusion_only = [f"--{n.replace('_', '-')}" for n in ("steps", "block_length", "threshold", "edit_rounds",
+                                                                 "edits_per_round")
                       if getattr(args, n) is not None]
     if diffusion_only:
         raise UsageError(f"{', '.join(diffusion_only)} apply to masked diffusion models; this model decodes left "
@@ -413,12 +417,14 @@ def _generate_diffusion(args: GenerateArgs, model, prompts: list) -> list[str]:
     if causal_only:
         raise UsageError(f"{', '.join(causal_only)} apply to left-to-right decoding; this model is a masked "
                          "diffusion LM (use --steps, --block-length, --threshold)")
+    if args.edits_per_round is not None and not args.edit_rounds:
+        raise UsageError("--edits-per-round limits the edits of each edit round: it needs --edit-rounds R (R >= 1)")
     steps = None if args.threshold is not None else (args.steps or args.max_new_tokens)
     start = time.perf_counter()
     result = jaxlm.diffusion_generate(
         model, prompts, gen_length=args.max_new_tokens, steps=steps, block_length=args.block_length,
         threshold=args.threshold, temperature=args.temperature, rng=args.seed, edit_rounds=args.edit_rounds or 0,
-        banned_tokens=() if model.config.delete_token_id is None else (model.config.delete_token_id,),
+        edits_per_round=args.edits_per_round, banned_tokens=() if model.config.delete_token_id is None else (model.config.delete_token_id,),
     )
     elapsed = time.perf_counter() - start
     for prompt, text in zip(args.prompt, result.texts):

@@ -121,9 +121,10 @@ def edit_model():
     return build_model(config, seed=3, tokenizer=jaxlm.ByteTokenizer())
 
 
-def _host_edit_rounds(model, prompt_row, prompt_valid, response, rounds, max_len):
+def _host_edit_rounds(model, prompt_row, prompt_valid, response, rounds, max_len, k=None):
     """The edit loop on the host: one eager forward over the unpadded sequence per round,
-    greedy heads (mask id excluded) and the list-based `apply_edits`."""
+    greedy heads (mask id excluded) and the list-based `apply_edits`; with ``k``, only the
+    ``k`` most confident edits (`_top_k_reference`, scores the softmax probabilities)."""
     eos = model.tokenizer.eos_id
     prompt = [int(t) for t, v in zip(prompt_row, prompt_valid) if v]
     changed_rounds = 0
@@ -134,8 +135,19 @@ def _host_edit_rounds(model, prompt_row, prompt_valid, response, rounds, max_len
         cur = np.array(model.unembed(hidden[:, P:P + len(response)]))[0]
         nxt = np.array(model.unembed_next(hidden[:, P - 1:P + len(response)]))[0]
         cur[:, MASK] = nxt[:, MASK] = -np.inf
-        new = apply_edits(response, cur.argmax(-1), nxt.argmax(-1), del_id=DELETE, eos_id=eos, max_len=max_len)
-        changed = new != response or (cur.argmax(-1) == DELETE).any()
+        c, x = cur.argmax(-1), nxt.argmax(-1)
+        if k is not None:
+            def prob(z):  # the argmax's softmax probability
+                return 1.0 / np.exp(z - z.max(-1, keepdims=True)).sum(-1)
+            n = len(response)
+            after = [c[g] if g < n else eos for g in range(n + 1)]
+            cands = [(-prob(cur)[i], 0, i) for i in range(n) if c[i] != response[i]]
+            cands += [(-prob(nxt)[g], 1, g) for g in range(n + 1) if x[g] != after[g]]
+            chosen = sorted(cands)[:k]
+            c = [c[i] if (0, i) in {(kd, j) for _, kd, j in chosen} else response[i] for i in range(n)]
+            x = [x[g] if (1, g) in {(kd, j) for _, kd, j in chosen} else (c[g] if g < n else eos) for g in range(n + 1)]
+        new = apply_edits(response, c, x, del_id=DELETE, eos_id=eos, max_len=max_len)
+        changed = new != response or any(t == DELETE for t in c)
         response = new
         changed_rounds += bool(changed)
         if not changed:
@@ -163,12 +175,35 @@ def test_sampler_edit_rounds_match_a_host_loop(edit_model):
     assert edited.edits.sum() > 0  # the random model does edit
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_sampler_edits_per_round_match_a_host_loop(edit_model, k):
+    from jaxlm.inference.diffusion import diffusion_generate
+    eos = edit_model.tokenizer.eos_id
+    plain = diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=4, banned_tokens=(DELETE,))
+    edited = diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=4, banned_tokens=(DELETE,), edit_rounds=3,
+                                edit_max_length=12, edits_per_round=k)
+    for b in range(len(PROMPTS)):
+        start = [t for t in plain.tokens[b].tolist() if t != eos]
+        valid = plain.prompt_tokens[b] != 0
+        ref, n_changed = _host_edit_rounds(edit_model, plain.prompt_tokens[b], valid, start, 3, 12, k=k)
+        assert edited.completions[b] == ref, b
+        assert int(edited.edits[b]) == n_changed
+        # each round makes at most k edits, so 3 rounds move the response at most 3k edits away
+        assert abs(len(ref) - len(start)) <= 3 * k
+    assert edited.edits.sum() > 0
+    unrestricted = diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=4, banned_tokens=(DELETE,),
+                                      edit_rounds=3, edit_max_length=12)
+    assert edited.completions != unrestricted.completions  # the random model predicts more than k edits a round
+
+
 def test_sampler_edit_errors(edit_model):
     import jaxlm
     from jaxlm.inference.diffusion import diffusion_generate
     from jaxlm.models.transformer import build_model
     with pytest.raises(ValueError, match="edit_max_length=4 is shorter than gen_length=8"):
         diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=8, edit_rounds=2, edit_max_length=4)
+    with pytest.raises(ValueError, match="edits_per_round=0 is invalid"):
+        diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=8, edit_rounds=2, edits_per_round=0)
     with pytest.raises(ValueError, match="edit_rounds=-1"):
         diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=8, edit_rounds=-1)
     with pytest.raises(ValueError, match="max_seq_len"):
@@ -182,3 +217,73 @@ def test_sampler_edit_errors(edit_model):
     with pytest.raises(ValueError, match="delete_token_id"):
         jaxlm.ModelConfig.tiny(vocab_size=261, mode="diffusion", mask_token_id=MASK, next_token_head=True,
                                delete_token_id=MASK)
+
+
+# ------------------------------------------------------------------ the most confident edits only
+def _top_k_reference(response, cur, nxt, cur_score, nxt_score, k, max_len):
+    """ME-DLM's ``pred_per_step`` on one row, from the reference loop's definition: the
+    substitutions (``cur[i] != response[i]``) and insertions (``nxt[g]`` differing from the
+    predicted token after gap ``g``, EOS after the last) ranked together by their scores
+    (ties: substitutions first, then leftmost); the others are undone before `apply_edits`."""
+    n = len(response)
+    after = [cur[g] if g < n else EOS for g in range(n + 1)]
+    candidates = [(-cur_score[i], 0, i) for i in range(n) if cur[i] != response[i]]
+    candidates += [(-nxt_score[g], 1, g) for g in range(n + 1) if nxt[g] != after[g]]
+    chosen = sorted(candidates)[:k]
+    subs = {i for _, kind, i in chosen if kind == 0}
+    inserts = {g for _, kind, g in chosen if kind == 1}
+    new_cur = [cur[i] if i in subs else response[i] for i in range(n)]
+    new_nxt = [nxt[g] if g in inserts else (new_cur[g] if g < n else EOS) for g in range(n + 1)]
+    return apply_edits(response, new_cur, new_nxt, del_id=DEL, eos_id=EOS, max_len=max_len)
+
+
+def test_select_edits_keeps_the_k_most_confident_edits():
+    from jaxlm.inference.diffusion.edit import select_edits
+    rng = np.random.default_rng(2)
+    B, W = 200, 12
+    lengths = rng.integers(1, 8, B)
+    response = np.full((B, W), EOS, np.int32)
+    for b in range(B):
+        response[b, :lengths[b] - 1] = rng.integers(0, 8, lengths[b] - 1)
+    cur = np.where(rng.random((B, W)) < 0.6, response, rng.choice([0, 1, 2, 3, 4, 5, 6, 7, DEL], (B, W)))
+    nxt = np.where(rng.random((B, W)) < 0.6, cur, rng.choice([0, 1, 2, 3, 4, 5, 6, 7, EOS, DEL], (B, W)))
+    # scores on a coarse grid, so that ties between substitutions and insertions occur
+    cur_score = rng.integers(1, 6, (B, W)) / 7.0
+    nxt_score = rng.integers(1, 6, (B, W)) / 7.0
+
+    @jax.jit
+    def run(k):
+        c, x = select_edits(jnp.asarray(response), jnp.asarray(lengths, jnp.int32), jnp.asarray(cur, jnp.int32),
+                            jnp.asarray(nxt, jnp.int32), jnp.asarray(cur_score, jnp.float32),
+                            jnp.asarray(nxt_score, jnp.float32), k=k, eos_id=EOS)
+        return apply_predictions(jnp.asarray(response), jnp.asarray(lengths, jnp.int32), c, x, del_id=DEL,
+                                 eos_id=EOS, max_len=W - 1)
+
+    for k in (1, 2, 3, 2 * W):
+        out, new_len, _ = (np.asarray(a) for a in jax.jit(run, static_argnums=0)(k))
+        for b in range(B):
+            n = lengths[b] - 1
+            ref = _top_k_reference(response[b, :n].tolist(), cur[b, :n].tolist(), nxt[b, :n + 1].tolist(),
+                                   cur_score[b].tolist(), nxt_score[b].tolist(), k, W - 1)
+            assert out[b, :new_len[b]].tolist() == ref + [EOS], (b, k)
+    # k at least the number of candidates: every predicted edit, as without selection
+    everything = apply_predictions(jnp.asarray(response), jnp.asarray(lengths, jnp.int32), jnp.asarray(cur),
+                                   jnp.asarray(nxt), del_id=DEL, eos_id=EOS, max_len=W - 1)
+    np.testing.assert_array_equal(np.asarray(jax.jit(run, static_argnums=0)(2 * W)[0]), np.asarray(everything[0]))
+
+
+def test_select_edits_hand_case():
+    """Response ``1 2 3``: replace 1 -> 4 (0.9), delete 2 (0.5), insert 6 before 3 (0.7),
+    append 7 (0.95)."""
+    from jaxlm.inference.diffusion.edit import select_edits
+    resp = jnp.asarray([[1, 2, 3, EOS, EOS, EOS]], jnp.int32)
+    lens = jnp.asarray([4], jnp.int32)
+    cur = jnp.asarray([[4, DEL, 3, 0, 0, 0]], jnp.int32)
+    nxt = jnp.asarray([[4, DEL, 6, 7, 0, 0]], jnp.int32)
+    cur_score = jnp.asarray([[0.9, 0.5, 0.8, 0.0, 0.0, 0.0]])
+    nxt_score = jnp.asarray([[0.1, 0.2, 0.7, 0.95, 0.0, 0.0]])
+    expected = {1: [1, 2, 3, 7], 2: [4, 2, 3, 7], 3: [4, 2, 6, 3, 7], 4: [4, 6, 3, 7]}
+    for k, want in expected.items():
+        c, x = select_edits(resp, lens, cur, nxt, cur_score, nxt_score, k=k, eos_id=EOS)
+        out, n, _ = apply_predictions(resp, lens, c, x, del_id=DEL, eos_id=EOS, max_len=5)
+        assert np.asarray(out)[0, :int(n[0])].tolist() == want + [EOS], k

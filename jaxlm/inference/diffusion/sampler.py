@@ -89,6 +89,7 @@ class _Plan:
     banned: tuple[int, ...]
     edit_rounds: int = 0
     edit_max_length: int = 0
+    edits_per_round: int | None = None
     delete_id: int = -1
     eos_id: int = -1
     stops: tuple[int, ...] = ()
@@ -271,7 +272,8 @@ def diffusion_tokens(graphdef, params, prompt_tokens, prompt_mask, rng, *, plan:
         response, lengths = edit.close_response(tokens, stop, eos_id=plan.eos_id, width=W)
         tokens, _, edits, rounds = edit.edit_rounds(
             model, prompt_tokens, prompt_mask, response, lengths, rounds=plan.edit_rounds, del_id=plan.delete_id,
-            eos_id=plan.eos_id, max_len=plan.edit_max_length, banned=(plan.mask_id,))
+            eos_id=plan.eos_id, max_len=plan.edit_max_length, banned=(plan.mask_id,),
+            edits_per_round=plan.edits_per_round)
         c = model.config
         round_flops = fw.full_flops(c, B, P + W, W) + fw.head_flops(c, W) * B  # + the next-token head
         forwards, flops = forwards + rounds, flops + rounds.astype(jnp.float32) * round_flops
@@ -314,6 +316,7 @@ def diffusion_generate(
     logits_eos_inf: bool = False,
     edit_rounds: int = 0,
     edit_max_length: int | None = None,
+    edits_per_round: int | None = None,
     bucket: int = 8,
 ) -> DiffusionResult:
     """Decode ``gen_length`` response tokens per prompt with a masked diffusion LM.
@@ -330,6 +333,9 @@ def diffusion_generate(
     edit_rounds: ME-DLM's edit rounds after mask diffusion (see the module docstring); needs
       ``ModelConfig.next_token_head`` and ``delete_token_id`` and a tokenizer with an EOS.
     edit_max_length: the longest response the edits may produce (default gen_length).
+    edits_per_round: apply only each row's this many most confident edits per round
+      (substitutions, deletions and insertions ranked together; ME-DLM's ``pred_per_step``);
+      None applies every predicted edit (the reference's default).
     """
     check_diffusion_model(model)
     config = model.config
@@ -392,6 +398,8 @@ def diffusion_generate(
         if cfg_scale:
             raise ValueError("edit_rounds run without guidance (cfg_scale=0)")
     edit_max_length = gen_length if edit_max_length is None else _positive_int("edit_max_length", edit_max_length)
+    if edits_per_round is not None:
+        edits_per_round = _positive_int("edits_per_round", edits_per_round)
     if edit_rounds and edit_max_length < gen_length:
         raise ValueError(f"edit_max_length={edit_max_length} is shorter than gen_length={gen_length}")
     longest = max(len(p) for p in token_lists)
@@ -418,7 +426,7 @@ def diffusion_generate(
     stops = tuple(sorted(set(int(t) for t in stop_tokens)))
     if edit_rounds:
         plan = dataclasses.replace(plan, edit_rounds=int(edit_rounds), edit_max_length=edit_max_length,
-                                   delete_id=int(config.delete_token_id), eos_id=int(eos), stops=stops)
+                                   edits_per_round=edits_per_round, delete_id=int(config.delete_token_id), eos_id=int(eos), stops=stops)
     if rng is None:
         rng = 0
     if isinstance(rng, int):
