@@ -6,8 +6,8 @@ Two models of the same run length, both from one trained masked diffusion LM giv
 the model's own filled and self-edited outputs), the **control** with stage 2 (masked answers
 only, both heads trained). On the same held-out prompts each model decodes with mask diffusion
 alone at S steps, and the edit model also with S - R steps followed by up to R edit rounds
-(every predicted edit, and with ``--edits-per-round k`` also only each row's k most confident
-edits per round). Accuracy is exact match; "forwards" counts the forwards actually run (edit
+(every predicted edit; with ``--edits-per-round k`` also only each row's k most confident edits
+per round, and with ``--edit-thresholds t`` only the edits of confidence >= t). Accuracy is exact match; "forwards" counts the forwards actually run (edit
 rounds stop once no row changes).
 
     (train the base and add the edit head as configs/medlm_sort.py describes, then)
@@ -30,19 +30,31 @@ from trainers.recipes import load_config
 
 
 def accuracy(model, examples, task, *, gen_length: int, steps: int, edit_rounds: int, edits_per_round=None,
-             batch: int = 250):
+             edit_threshold=None, batch: int = 250):
     correct, forwards, edits = [], 0, []
     delete = model.config.delete_token_id
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
         out = diffusion_generate(model, [e["prompt"] for e in chunk], gen_length=gen_length, steps=steps,
                                  banned_tokens=(delete,), edit_rounds=edit_rounds,
-                                 edits_per_round=edits_per_round if edit_rounds else None)
+                                 edits_per_round=edits_per_round if edit_rounds else None,
+                                 edit_threshold=edit_threshold if edit_rounds else None)
         correct += [task.verify(e, t) for e, t in zip(chunk, out.texts)]
         forwards += out.forwards * len(chunk)
         if edit_rounds:
             edits += out.edits.tolist()
     return float(np.mean(correct)), forwards / len(examples), float(np.mean(edits)) if edits else 0.0
+
+
+def _which(row) -> str:
+    """Which edits a row's rounds made: all, the k most confident ("top k") or those >= a threshold."""
+    if not row["edit_rounds"]:
+        return "-"
+    if row.get("edits_per_round") is not None:
+        return f"top {row['edits_per_round']}"
+    if row.get("edit_threshold") is not None:
+        return f">= {row['edit_threshold']:g}"
+    return "all"
 
 
 def main():
@@ -59,6 +71,8 @@ def main():
     ap.add_argument("--edits-per-round", type=int, nargs="*", default=[],
                     help="also decode with only these many most confident edits per row and round (ME-DLM's "
                          "pred_per_step); every predicted edit is always run too")
+    ap.add_argument("--edit-thresholds", type=float, nargs="*", default=[],
+                    help="also decode making only the edits whose confidence is at least this (not in the reference)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     task = load_config(args.recipe, args.set).data.source
@@ -74,24 +88,25 @@ def main():
         for R in args.rounds:
             if R >= S:
                 continue
-            for k in [None, *args.edits_per_round]:
+            selections = [(None, None), *((k, None) for k in args.edits_per_round),
+                          *((None, t) for t in args.edit_thresholds)]
+            for k, t in selections:
                 acc, fwd, used = accuracy(models["edit"], examples, task, gen_length=G, steps=S - R, edit_rounds=R,
-                                          edits_per_round=k)
+                                          edits_per_round=k, edit_threshold=t)
                 rows.append({"model": "edit", "budget": S, "mask_steps": S - R, "edit_rounds": R,
-                             "edits_per_round": k, "accuracy": acc, "forwards": fwd, "rounds_changing_a_row": used})
-    print(f"{'model':8s} {'S':>3s} {'mask':>5s} {'edit':>5s} {'k':>4s} {'accuracy':>9s} {'forwards':>9s}")
+                             "edits_per_round": k, "edit_threshold": t, "accuracy": acc, "forwards": fwd,
+                             "rounds_changing_a_row": used})
+    print(f"{'model':8s} {'S':>3s} {'mask':>5s} {'edit':>5s} {'edits':>8s} {'accuracy':>9s} {'forwards':>9s}")
     for r in rows:
-        k = r.get("edits_per_round")
-        print(f"{r['model']:8s} {r['budget']:3d} {r['mask_steps']:5d} {r['edit_rounds']:5d} "
-              f"{'all' if k is None else k:>4} {r['accuracy']:9.3f} {r['forwards']:9.2f}")
+        print(f"{r['model']:8s} {r['budget']:3d} {r['mask_steps']:5d} {r['edit_rounds']:5d} {_which(r):>8s} "
+              f"{r['accuracy']:9.3f} {r['forwards']:9.2f}")
     for S in args.budgets:
         base = max(r["accuracy"] for r in rows if r["budget"] == S and r["edit_rounds"] == 0)
         best = max((r for r in rows if r["budget"] == S and r["edit_rounds"]), key=lambda r: r["accuracy"],
                    default=None)
         if best is not None:
-            k = best.get("edits_per_round")
-            print(f"budget {S}: best with edits {best['accuracy']:.3f} (R={best['edit_rounds']}, "
-                  f"{'every edit' if k is None else f'{k} per round'}) vs best mask-only "
+            print(f"budget {S}: best with edits {best['accuracy']:.3f} (R={best['edit_rounds']}, edits: "
+                  f"{_which(best)}) vs best mask-only "
                   f"{base:.3f}: {best['accuracy'] - base:+.3f}")
     if args.json:
         print(json.dumps(rows))

@@ -99,6 +99,8 @@ class GenerateArgs:
     edits_per_round: int | None = None
     """With --edit-rounds: apply only each response's this many most confident edits per round (default:
     every predicted edit)."""
+    edit_threshold: float | None = None
+    """With --edit-rounds: make only the edits whose prediction has at least this probability."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +375,7 @@ def run_generate(args: GenerateArgs) -> list[str]:
     if getattr(model.config, "mode", "causal") == "diffusion":
         return _generate_diffusion(args, model, prompts)
     diffusion_only = [f"--{n.replace('_', '-')}" for n in ("steps", "block_length", "threshold", "edit_rounds",
-                                                                 "edits_per_round")
+                                                                 "edits_per_round", "edit_threshold")
                       if getattr(args, n) is not None]
     if diffusion_only:
         raise UsageError(f"{', '.join(diffusion_only)} apply to masked diffusion models; this model decodes left "
@@ -417,14 +419,15 @@ def _generate_diffusion(args: GenerateArgs, model, prompts: list) -> list[str]:
     if causal_only:
         raise UsageError(f"{', '.join(causal_only)} apply to left-to-right decoding; this model is a masked "
                          "diffusion LM (use --steps, --block-length, --threshold)")
-    if args.edits_per_round is not None and not args.edit_rounds:
-        raise UsageError("--edits-per-round limits the edits of each edit round: it needs --edit-rounds R (R >= 1)")
+    for flag, value in (("--edits-per-round", args.edits_per_round), ("--edit-threshold", args.edit_threshold)):
+        if value is not None and not args.edit_rounds:
+            raise UsageError(f"{flag} limits the edits of each edit round: it needs --edit-rounds R (R >= 1)")
     steps = None if args.threshold is not None else (args.steps or args.max_new_tokens)
     start = time.perf_counter()
     result = jaxlm.diffusion_generate(
         model, prompts, gen_length=args.max_new_tokens, steps=steps, block_length=args.block_length,
         threshold=args.threshold, temperature=args.temperature, rng=args.seed, edit_rounds=args.edit_rounds or 0,
-        edits_per_round=args.edits_per_round, banned_tokens=() if model.config.delete_token_id is None else (model.config.delete_token_id,),
+        edits_per_round=args.edits_per_round, edit_threshold=args.edit_threshold, banned_tokens=() if model.config.delete_token_id is None else (model.config.delete_token_id,),
     )
     elapsed = time.perf_counter() - start
     for prompt, text in zip(args.prompt, result.texts):

@@ -4,6 +4,8 @@ canonical alignment, by reaching the clean response."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,7 +123,7 @@ def edit_model():
     return build_model(config, seed=3, tokenizer=jaxlm.ByteTokenizer())
 
 
-def _host_edit_rounds(model, prompt_row, prompt_valid, response, rounds, max_len, k=None):
+def _host_edit_rounds(model, prompt_row, prompt_valid, response, rounds, max_len, k=None, threshold=None):
     """The edit loop on the host: one eager forward over the unpadded sequence per round,
     greedy heads (mask id excluded) and the list-based `apply_edits`; with ``k``, only the
     ``k`` most confident edits (`_top_k_reference`, scores the softmax probabilities)."""
@@ -136,14 +138,14 @@ def _host_edit_rounds(model, prompt_row, prompt_valid, response, rounds, max_len
         nxt = np.array(model.unembed_next(hidden[:, P - 1:P + len(response)]))[0]
         cur[:, MASK] = nxt[:, MASK] = -np.inf
         c, x = cur.argmax(-1), nxt.argmax(-1)
-        if k is not None:
+        if k is not None or threshold is not None:
             def prob(z):  # the argmax's softmax probability
                 return 1.0 / np.exp(z - z.max(-1, keepdims=True)).sum(-1)
             n = len(response)
             after = [c[g] if g < n else eos for g in range(n + 1)]
             cands = [(-prob(cur)[i], 0, i) for i in range(n) if c[i] != response[i]]
             cands += [(-prob(nxt)[g], 1, g) for g in range(n + 1) if x[g] != after[g]]
-            chosen = sorted(cands)[:k]
+            chosen = sorted(c for c in cands if threshold is None or -c[0] >= threshold)[:k]
             c = [c[i] if (0, i) in {(kd, j) for _, kd, j in chosen} else response[i] for i in range(n)]
             x = [x[g] if (1, g) in {(kd, j) for _, kd, j in chosen} else (c[g] if g < n else eos) for g in range(n + 1)]
         new = apply_edits(response, c, x, del_id=DELETE, eos_id=eos, max_len=max_len)
@@ -175,25 +177,26 @@ def test_sampler_edit_rounds_match_a_host_loop(edit_model):
     assert edited.edits.sum() > 0  # the random model does edit
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_sampler_edits_per_round_match_a_host_loop(edit_model, k):
+@pytest.mark.parametrize(("k", "threshold"), [(1, None), (3, None), (None, 0.3)])
+def test_sampler_edits_per_round_match_a_host_loop(edit_model, k, threshold):
     from jaxlm.inference.diffusion import diffusion_generate
     eos = edit_model.tokenizer.eos_id
     plain = diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=4, banned_tokens=(DELETE,))
     edited = diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=4, banned_tokens=(DELETE,), edit_rounds=3,
-                                edit_max_length=12, edits_per_round=k)
+                                edit_max_length=12, edits_per_round=k, edit_threshold=threshold)
     for b in range(len(PROMPTS)):
         start = [t for t in plain.tokens[b].tolist() if t != eos]
         valid = plain.prompt_tokens[b] != 0
-        ref, n_changed = _host_edit_rounds(edit_model, plain.prompt_tokens[b], valid, start, 3, 12, k=k)
+        ref, n_changed = _host_edit_rounds(edit_model, plain.prompt_tokens[b], valid, start, 3, 12, k=k,
+                                           threshold=threshold)
         assert edited.completions[b] == ref, b
         assert int(edited.edits[b]) == n_changed
-        # each round makes at most k edits, so 3 rounds move the response at most 3k edits away
-        assert abs(len(ref) - len(start)) <= 3 * k
+        if k is not None:  # each round makes at most k edits, so 3 rounds move the response at most 3k edits away
+            assert abs(len(ref) - len(start)) <= 3 * k
     assert edited.edits.sum() > 0
     unrestricted = diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=4, banned_tokens=(DELETE,),
                                       edit_rounds=3, edit_max_length=12)
-    assert edited.completions != unrestricted.completions  # the random model predicts more than k edits a round
+    assert edited.completions != unrestricted.completions  # the random model predicts edits left out here
 
 
 def test_sampler_edit_errors(edit_model):
@@ -204,6 +207,8 @@ def test_sampler_edit_errors(edit_model):
         diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=8, edit_rounds=2, edit_max_length=4)
     with pytest.raises(ValueError, match="edits_per_round=0 is invalid"):
         diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=8, edit_rounds=2, edits_per_round=0)
+    with pytest.raises(ValueError, match="edit_threshold=1.5 is invalid"):
+        diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=8, edit_rounds=2, edit_threshold=1.5)
     with pytest.raises(ValueError, match="edit_rounds=-1"):
         diffusion_generate(edit_model, PROMPTS, gen_length=8, steps=8, edit_rounds=-1)
     with pytest.raises(ValueError, match="max_seq_len"):
@@ -220,15 +225,18 @@ def test_sampler_edit_errors(edit_model):
 
 
 # ------------------------------------------------------------------ the most confident edits only
-def _top_k_reference(response, cur, nxt, cur_score, nxt_score, k, max_len):
+def _top_k_reference(response, cur, nxt, cur_score, nxt_score, k, max_len, threshold=None):
     """ME-DLM's ``pred_per_step`` on one row, from the reference loop's definition: the
     substitutions (``cur[i] != response[i]``) and insertions (``nxt[g]`` differing from the
     predicted token after gap ``g``, EOS after the last) ranked together by their scores
-    (ties: substitutions first, then leftmost); the others are undone before `apply_edits`."""
+    (ties: substitutions first, then leftmost); the others are undone before `apply_edits`.
+    ``threshold`` first drops the candidates scored below it; ``k=None`` keeps all."""
     n = len(response)
     after = [cur[g] if g < n else EOS for g in range(n + 1)]
     candidates = [(-cur_score[i], 0, i) for i in range(n) if cur[i] != response[i]]
     candidates += [(-nxt_score[g], 1, g) for g in range(n + 1) if nxt[g] != after[g]]
+    if threshold is not None:
+        candidates = [c for c in candidates if -c[0] >= threshold]
     chosen = sorted(candidates)[:k]
     subs = {i for _, kind, i in chosen if kind == 0}
     inserts = {g for _, kind, g in chosen if kind == 1}
@@ -251,25 +259,28 @@ def test_select_edits_keeps_the_k_most_confident_edits():
     cur_score = rng.integers(1, 6, (B, W)) / 7.0
     nxt_score = rng.integers(1, 6, (B, W)) / 7.0
 
-    @jax.jit
-    def run(k):
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def run(k, threshold):
         c, x = select_edits(jnp.asarray(response), jnp.asarray(lengths, jnp.int32), jnp.asarray(cur, jnp.int32),
                             jnp.asarray(nxt, jnp.int32), jnp.asarray(cur_score, jnp.float32),
-                            jnp.asarray(nxt_score, jnp.float32), k=k, eos_id=EOS)
+                            jnp.asarray(nxt_score, jnp.float32), eos_id=EOS, k=k, threshold=threshold)
         return apply_predictions(jnp.asarray(response), jnp.asarray(lengths, jnp.int32), c, x, del_id=DEL,
                                  eos_id=EOS, max_len=W - 1)
 
-    for k in (1, 2, 3, 2 * W):
-        out, new_len, _ = (np.asarray(a) for a in jax.jit(run, static_argnums=0)(k))
+    # thresholds on the grid (ties with the scores) and between it
+    for k, threshold in [(1, None), (2, None), (3, None), (2 * W, None), (None, 3 / 7), (None, 0.5), (2, 4 / 7)]:
+        out, new_len, _ = (np.asarray(a) for a in run(k, threshold))
         for b in range(B):
             n = lengths[b] - 1
             ref = _top_k_reference(response[b, :n].tolist(), cur[b, :n].tolist(), nxt[b, :n + 1].tolist(),
-                                   cur_score[b].tolist(), nxt_score[b].tolist(), k, W - 1)
-            assert out[b, :new_len[b]].tolist() == ref + [EOS], (b, k)
-    # k at least the number of candidates: every predicted edit, as without selection
+                                   cur_score[b].astype(np.float32).tolist(), nxt_score[b].astype(np.float32).tolist(),
+                                   k, W - 1, None if threshold is None else float(np.float32(threshold)))
+            assert out[b, :new_len[b]].tolist() == ref + [EOS], (b, k, threshold)
+    # k at least the number of candidates, or threshold 0: every predicted edit, as without selection
     everything = apply_predictions(jnp.asarray(response), jnp.asarray(lengths, jnp.int32), jnp.asarray(cur),
                                    jnp.asarray(nxt), del_id=DEL, eos_id=EOS, max_len=W - 1)
-    np.testing.assert_array_equal(np.asarray(jax.jit(run, static_argnums=0)(2 * W)[0]), np.asarray(everything[0]))
+    np.testing.assert_array_equal(np.asarray(run(2 * W, None)[0]), np.asarray(everything[0]))
+    np.testing.assert_array_equal(np.asarray(run(None, 0.0)[0]), np.asarray(everything[0]))
 
 
 def test_select_edits_hand_case():
@@ -287,3 +298,7 @@ def test_select_edits_hand_case():
         c, x = select_edits(resp, lens, cur, nxt, cur_score, nxt_score, k=k, eos_id=EOS)
         out, n, _ = apply_predictions(resp, lens, c, x, del_id=DEL, eos_id=EOS, max_len=5)
         assert np.asarray(out)[0, :int(n[0])].tolist() == want + [EOS], k
+    # a threshold of 0.75 keeps the append (0.95) and the replacement (0.9)
+    c, x = select_edits(resp, lens, cur, nxt, cur_score, nxt_score, threshold=0.75, eos_id=EOS)
+    out, n, _ = apply_predictions(resp, lens, c, x, del_id=DEL, eos_id=EOS, max_len=5)
+    assert np.asarray(out)[0, :int(n[0])].tolist() == [4, 2, 3, 7, EOS]

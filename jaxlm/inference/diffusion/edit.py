@@ -12,7 +12,8 @@ token after it; insertions beyond ``max_len`` response tokens are dropped, left 
 prompt and the trailing EOS are frozen (the trailing EOS's current-token label is EOS, and the
 gap before it inserts anything but EOS), which is `jaxlm.data.edit_labels.apply_edits` on
 every row. With ``edits_per_round=k`` (the reference's ``pred_per_step``), `select_edits` keeps
-only each row's ``k`` most confident edits of the round. A round that changes nothing is a
+only each row's ``k`` most confident edits of the round (``edit_threshold`` only those above a
+confidence). A round that changes nothing is a
 fixed point of greedy decoding, so the loop of `edit_rounds` stops when no row changes.
 
 Buffers are ``[B, W]`` token arrays with per-row lengths ``[B]`` counting the trailing EOS; slots
@@ -83,9 +84,14 @@ def apply_predictions(response: jax.Array, lengths: jax.Array, cur: jax.Array, n
 
 
 def select_edits(response: jax.Array, lengths: jax.Array, cur: jax.Array, nxt: jax.Array, cur_score: jax.Array,
-                 nxt_score: jax.Array, *, k: int, eos_id: int) -> tuple[jax.Array, jax.Array]:
-    """Keep only each row's ``k`` most confident edits (ME-DLM ``test.py::edit_diffusion`` with
-    ``pred_per_step=k``, ``max_prob_score=True``): ``(cur, nxt)`` to give `apply_predictions`.
+                 nxt_score: jax.Array, *, eos_id: int, k: int | None = None,
+                 threshold: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """Keep only some of each row's predicted edits: ``(cur, nxt)`` to give `apply_predictions`.
+
+    ``k``: the ``k`` most confident ones (ME-DLM ``test.py::edit_diffusion`` with
+    ``pred_per_step=k``, ``max_prob_score=True``). ``threshold``: only those whose score is at
+    least this (not in the reference, which makes every edit: Fast-dLLM's confidence rule
+    applied to edits). With both, the ``k`` most confident of those above the threshold.
 
     The candidates, as in the reference, are the substitutions (response token ``i`` predicted
     as another token or the delete id, scored by ``cur_score[i]``) and the insertions (gap ``i``
@@ -101,9 +107,13 @@ def select_edits(response: jax.Array, lengths: jax.Array, cur: jax.Array, nxt: j
     predicted = jnp.where(body, cur, eos_id)
     sub = body & (cur != response)
     ins = gaps & (nxt != predicted)
-    score = jnp.concatenate([jnp.where(sub, cur_score, -jnp.inf), jnp.where(ins, nxt_score, -jnp.inf)], 1)
-    rank = jnp.argsort(jnp.argsort(-score, axis=1, stable=True), axis=1, stable=True)
-    chosen = (rank < k) & jnp.concatenate([sub, ins], 1)
+    if threshold is not None:
+        sub, ins = sub & (cur_score >= threshold), ins & (nxt_score >= threshold)
+    chosen = jnp.concatenate([sub, ins], 1)
+    if k is not None:
+        score = jnp.concatenate([jnp.where(sub, cur_score, -jnp.inf), jnp.where(ins, nxt_score, -jnp.inf)], 1)
+        rank = jnp.argsort(jnp.argsort(-score, axis=1, stable=True), axis=1, stable=True)
+        chosen = chosen & (rank < k)
     cur = jnp.where(body & ~chosen[:, :W], response, cur)
     nxt = jnp.where(chosen[:, W:], nxt, jnp.where(body, cur, eos_id))
     return cur, nxt
@@ -120,26 +130,29 @@ def edit_logits(model, prompt: jax.Array, prompt_valid: jax.Array, response: jax
 
 
 def edit_round(model, prompt, prompt_valid, response, lengths, *, del_id: int, eos_id: int, max_len: int,
-               banned: tuple[int, ...] = (), edits_per_round: int | None = None):
+               banned: tuple[int, ...] = (), edits_per_round: int | None = None,
+               edit_threshold: float | None = None):
     """`edit_logits`, greedy predictions (``banned`` ids excluded, e.g. the mask id), with
-    ``edits_per_round`` only the most confident edits of each row (`select_edits`; confidence
-    is the prediction's softmax probability), and `apply_predictions`:
-    ``(response, lengths, changed)``."""
+    ``edits_per_round`` / ``edit_threshold`` only the most confident edits of each row
+    (`select_edits`; confidence is the prediction's softmax probability), and
+    `apply_predictions`: ``(response, lengths, changed)``."""
     cur_logits, next_logits = edit_logits(model, prompt, prompt_valid, response, lengths)
     if banned:
         ids = jnp.asarray(banned, jnp.int32)
         cur_logits = cur_logits.at[..., ids].set(-jnp.inf)
         next_logits = next_logits.at[..., ids].set(-jnp.inf)
     cur, nxt = argmax_last(cur_logits).astype(jnp.int32), argmax_last(next_logits).astype(jnp.int32)
-    if edits_per_round is not None:
+    if edits_per_round is not None or edit_threshold is not None:
         cur_score = jnp.exp(jnp.max(cur_logits, -1) - jax.nn.logsumexp(cur_logits, -1))
         nxt_score = jnp.exp(jnp.max(next_logits, -1) - jax.nn.logsumexp(next_logits, -1))
-        cur, nxt = select_edits(response, lengths, cur, nxt, cur_score, nxt_score, k=edits_per_round, eos_id=eos_id)
+        cur, nxt = select_edits(response, lengths, cur, nxt, cur_score, nxt_score, eos_id=eos_id, k=edits_per_round,
+                                threshold=edit_threshold)
     return apply_predictions(response, lengths, cur, nxt, del_id=del_id, eos_id=eos_id, max_len=max_len)
 
 
 def edit_rounds(model, prompt, prompt_valid, response, lengths, *, rounds: int, del_id: int, eos_id: int,
-                max_len: int, banned: tuple[int, ...] = (), edits_per_round: int | None = None):
+                max_len: int, banned: tuple[int, ...] = (), edits_per_round: int | None = None,
+                edit_threshold: float | None = None):
     """Up to ``rounds`` `edit_round` s in one ``while_loop``, stopping once no row changes.
     Returns ``(response, lengths, edits [B] = rounds that changed the row, forwards)``."""
     B = response.shape[0]
@@ -150,7 +163,7 @@ def edit_rounds(model, prompt, prompt_valid, response, lengths, *, rounds: int, 
     def body(c):
         resp, lens, changed = edit_round(model, prompt, prompt_valid, c["resp"], c["lens"], del_id=del_id,
                                          eos_id=eos_id, max_len=max_len, banned=banned,
-                                         edits_per_round=edits_per_round)
+                                         edits_per_round=edits_per_round, edit_threshold=edit_threshold)
         return {"resp": resp, "lens": lens, "round": c["round"] + 1, "any_changed": jnp.any(changed),
                 "edits": c["edits"] + changed.astype(jnp.int32)}
 

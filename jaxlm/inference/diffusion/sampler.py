@@ -90,6 +90,7 @@ class _Plan:
     edit_rounds: int = 0
     edit_max_length: int = 0
     edits_per_round: int | None = None
+    edit_threshold: float | None = None
     delete_id: int = -1
     eos_id: int = -1
     stops: tuple[int, ...] = ()
@@ -273,7 +274,7 @@ def diffusion_tokens(graphdef, params, prompt_tokens, prompt_mask, rng, *, plan:
         tokens, _, edits, rounds = edit.edit_rounds(
             model, prompt_tokens, prompt_mask, response, lengths, rounds=plan.edit_rounds, del_id=plan.delete_id,
             eos_id=plan.eos_id, max_len=plan.edit_max_length, banned=(plan.mask_id,),
-            edits_per_round=plan.edits_per_round)
+            edits_per_round=plan.edits_per_round, edit_threshold=plan.edit_threshold)
         c = model.config
         round_flops = fw.full_flops(c, B, P + W, W) + fw.head_flops(c, W) * B  # + the next-token head
         forwards, flops = forwards + rounds, flops + rounds.astype(jnp.float32) * round_flops
@@ -317,6 +318,7 @@ def diffusion_generate(
     edit_rounds: int = 0,
     edit_max_length: int | None = None,
     edits_per_round: int | None = None,
+    edit_threshold: float | None = None,
     bucket: int = 8,
 ) -> DiffusionResult:
     """Decode ``gen_length`` response tokens per prompt with a masked diffusion LM.
@@ -336,6 +338,8 @@ def diffusion_generate(
     edits_per_round: apply only each row's this many most confident edits per round
       (substitutions, deletions and insertions ranked together; ME-DLM's ``pred_per_step``);
       None applies every predicted edit (the reference's default).
+    edit_threshold: make only edits whose prediction has a softmax probability of at least
+      this (not in ME-DLM's reference; combines with ``edits_per_round``).
     """
     check_diffusion_model(model)
     config = model.config
@@ -400,6 +404,9 @@ def diffusion_generate(
     edit_max_length = gen_length if edit_max_length is None else _positive_int("edit_max_length", edit_max_length)
     if edits_per_round is not None:
         edits_per_round = _positive_int("edits_per_round", edits_per_round)
+    if edit_threshold is not None and (isinstance(edit_threshold, bool) or not isinstance(edit_threshold, (int, float))
+                                       or not 0 <= edit_threshold <= 1):
+        raise ValueError(f"edit_threshold={edit_threshold!r} is invalid: must be a number in [0, 1]")
     if edit_rounds and edit_max_length < gen_length:
         raise ValueError(f"edit_max_length={edit_max_length} is shorter than gen_length={gen_length}")
     longest = max(len(p) for p in token_lists)
@@ -426,7 +433,9 @@ def diffusion_generate(
     stops = tuple(sorted(set(int(t) for t in stop_tokens)))
     if edit_rounds:
         plan = dataclasses.replace(plan, edit_rounds=int(edit_rounds), edit_max_length=edit_max_length,
-                                   edits_per_round=edits_per_round, delete_id=int(config.delete_token_id), eos_id=int(eos), stops=stops)
+                                   edits_per_round=edits_per_round,
+                                   edit_threshold=None if edit_threshold is None else float(edit_threshold),
+                                   delete_id=int(config.delete_token_id), eos_id=int(eos), stops=stops)
     if rng is None:
         rng = 0
     if isinstance(rng, int):
