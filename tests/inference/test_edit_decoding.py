@@ -22,15 +22,22 @@ def _apply_reference(response, length, cur, nxt, max_len):
     return apply_edits(response[:n], cur[:n], nxt[:n + 1], del_id=DEL, eos_id=EOS, max_len=max_len)
 
 
-def test_apply_predictions_matches_apply_edits_row_by_row():
-    rng = np.random.default_rng(0)
-    B, W = 256, 12
+def _random_rows(rng, B, W):
+    """``(lengths, response, cur)``: random responses closed by EOS and current-token predictions
+    that mostly keep the token, else replace or delete it."""
     lengths = rng.integers(1, 8, B)
     response = np.full((B, W), EOS, np.int32)
     for b in range(B):
         response[b, :lengths[b] - 1] = rng.integers(0, 8, lengths[b] - 1)
-    # predictions mostly "keep / insert nothing", some replaces, deletes and insertions
     cur = np.where(rng.random((B, W)) < 0.6, response, rng.choice([0, 1, 2, 3, 4, 5, 6, 7, DEL], (B, W)))
+    return lengths, response, cur
+
+
+def test_apply_predictions_matches_apply_edits_row_by_row():
+    rng = np.random.default_rng(0)
+    B, W = 256, 12
+    # predictions mostly "keep / insert nothing", some replaces, deletes and insertions
+    lengths, response, cur = _random_rows(rng, B, W)
     following = np.concatenate([response[:, :], np.full((B, 1), EOS)], 1)[:, :W]  # gap i: token i
     nxt = np.where(rng.random((B, W)) < 0.6, following, rng.choice([0, 1, 2, 3, 4, 5, 6, 7, EOS, DEL], (B, W)))
     for max_len in (4, 7, W - 1):
@@ -249,11 +256,7 @@ def test_select_edits_keeps_the_k_most_confident_edits():
     from jaxlm.inference.diffusion.edit import select_edits
     rng = np.random.default_rng(2)
     B, W = 200, 12
-    lengths = rng.integers(1, 8, B)
-    response = np.full((B, W), EOS, np.int32)
-    for b in range(B):
-        response[b, :lengths[b] - 1] = rng.integers(0, 8, lengths[b] - 1)
-    cur = np.where(rng.random((B, W)) < 0.6, response, rng.choice([0, 1, 2, 3, 4, 5, 6, 7, DEL], (B, W)))
+    lengths, response, cur = _random_rows(rng, B, W)
     nxt = np.where(rng.random((B, W)) < 0.6, cur, rng.choice([0, 1, 2, 3, 4, 5, 6, 7, EOS, DEL], (B, W)))
     # scores on a coarse grid, so that ties between substitutions and insertions occur
     cur_score = rng.integers(1, 6, (B, W)) / 7.0
