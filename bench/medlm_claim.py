@@ -7,8 +7,9 @@ the model's own filled and self-edited outputs), the **control** with stage 2 (m
 only, both heads trained). On the same held-out prompts each model decodes with mask diffusion
 alone at S steps, and the edit model also with S - R steps followed by up to R edit rounds
 (every predicted edit; with ``--edits-per-round k`` also only each row's k most confident edits
-per round, and with ``--edit-thresholds t`` only the edits of confidence >= t). Accuracy is exact match; "forwards" counts the forwards actually run (edit
-rounds stop once no row changes).
+per round, and with ``--edit-thresholds t`` only the edits of confidence >= t). Accuracy is
+exact match; "forwards" counts the forwards actually run (edit rounds stop once no row
+changes).
 
     (train the base and add the edit head as configs/medlm_sort.py describes, then)
     jaxlm train medlm_sort init_from=runs/medlm_base trainer.out_dir=runs/medlm_stage3

@@ -7,7 +7,7 @@ call into a library function.
     jaxlm eval --model DIR [source:countdown] [--n 200]
     jaxlm generate --prompt "12+30=" [--model DIR] [--chat] [--max-new-tokens 32] [--temperature 0]
                    [--regex PATTERN | --json-schema FILE] [--num-beams K --num-return-sequences R]
-                   [--steps S --block-length L | --threshold T] [--edit-rounds R [--edits-per-round K]]  # diffusion
+                   [--steps S --block-length L | --threshold T] [--edit-rounds R]  # a diffusion checkpoint
     jaxlm convert SRC DST [--to orbax|hf] [--overwrite]
     jaxlm quantize MODEL --out DIR [--method wush] [--format nvfp4] [--inner gptq]
     jaxlm compress MODEL --out DIR [--budget 0.5] [--components qk,ov,mlp]
@@ -375,7 +375,7 @@ def run_generate(args: GenerateArgs) -> list[str]:
     if getattr(model.config, "mode", "causal") == "diffusion":
         return _generate_diffusion(args, model, prompts)
     diffusion_only = [f"--{n.replace('_', '-')}" for n in ("steps", "block_length", "threshold", "edit_rounds",
-                                                                 "edits_per_round", "edit_threshold")
+                                                           "edits_per_round", "edit_threshold")
                       if getattr(args, n) is not None]
     if diffusion_only:
         raise UsageError(f"{', '.join(diffusion_only)} apply to masked diffusion models; this model decodes left "
@@ -427,7 +427,8 @@ def _generate_diffusion(args: GenerateArgs, model, prompts: list) -> list[str]:
     result = jaxlm.diffusion_generate(
         model, prompts, gen_length=args.max_new_tokens, steps=steps, block_length=args.block_length,
         threshold=args.threshold, temperature=args.temperature, rng=args.seed, edit_rounds=args.edit_rounds or 0,
-        edits_per_round=args.edits_per_round, edit_threshold=args.edit_threshold, banned_tokens=() if model.config.delete_token_id is None else (model.config.delete_token_id,),
+        edits_per_round=args.edits_per_round, edit_threshold=args.edit_threshold,
+        banned_tokens=() if model.config.delete_token_id is None else (model.config.delete_token_id,),
     )
     elapsed = time.perf_counter() - start
     for prompt, text in zip(args.prompt, result.texts):

@@ -12,9 +12,9 @@ token after it; insertions beyond ``max_len`` response tokens are dropped, left 
 prompt and the trailing EOS are frozen (the trailing EOS's current-token label is EOS, and the
 gap before it inserts anything but EOS), which is `jaxlm.data.edit_labels.apply_edits` on
 every row. With ``edits_per_round=k`` (the reference's ``pred_per_step``), `select_edits` keeps
-only each row's ``k`` most confident edits of the round (``edit_threshold`` only those above a
-confidence). A round that changes nothing is a
-fixed point of greedy decoding, so the loop of `edit_rounds` stops when no row changes.
+only each row's ``k`` most confident edits of the round (``edit_threshold``: only those above a
+confidence). A round that changes nothing is a fixed point of greedy decoding, so the loop of
+`edit_rounds` stops when no row changes.
 
 Buffers are ``[B, W]`` token arrays with per-row lengths ``[B]`` counting the trailing EOS; slots
 at and after the length hold EOS.

@@ -404,7 +404,8 @@ def diffusion_generate(
     edit_max_length = gen_length if edit_max_length is None else _positive_int("edit_max_length", edit_max_length)
     if edits_per_round is not None:
         edits_per_round = _positive_int("edits_per_round", edits_per_round)
-    if edit_threshold is not None and (isinstance(edit_threshold, bool) or not isinstance(edit_threshold, (int, float))
+    if edit_threshold is not None and (isinstance(edit_threshold, bool)
+                                       or not isinstance(edit_threshold, (int, float, np.integer, np.floating))
                                        or not 0 <= edit_threshold <= 1):
         raise ValueError(f"edit_threshold={edit_threshold!r} is invalid: must be a number in [0, 1]")
     if edit_rounds and edit_max_length < gen_length:
