@@ -9,7 +9,10 @@ same held-out pairs:
   generated tokens per judgment at tau = 0 (never reflect), at quantiles of the verdict margin
   and at tau = inf (always reflect);
 * revision: greedy reflections after a forced initial verdict, the right one and the wrong one;
-  the final verdict's accuracy after the wrong one is the revision rate (0: rubber-stamping).
+  the final verdict's accuracy after the wrong one is the revision rate (0: rubber-stamping);
+* with several judges, each against the first on the same pairs (always reflecting, and after a
+  forced wrong verdict): pairs fixed and broken and the exact sign test
+  (`jaxlm.eval.paired`).
 
 For judges that write the checking or the column reflection (`SumJudging(reflection="check")`,
 ``"columns"``) it also reports how often the reflection's sum, its copy of answer A and its
@@ -23,6 +26,11 @@ yes/no are right (and for columns, the column arithmetic and the per-digit check
     jaxlm train camel_columns_sft
     python bench/camel_claim.py --recipe camel_columns_sft --max-reflection-tokens 100 \
         --judge columns=runs/camel_columns_sft/model
+    jaxlm train camel_columns_grpo
+    jaxlm train camel_columns_grpo algorithm.camel.flip_prob=0 trainer.out_dir=runs/camel_columns_grpo_own
+    python bench/camel_claim.py --recipe camel_columns_sft --max-reflection-tokens 100 --n 1000 \
+        --judge sft=runs/camel_columns_sft/model --judge counterfactual=runs/camel_columns_grpo/model \
+        --judge own=runs/camel_columns_grpo_own/model
 """
 
 from __future__ import annotations
@@ -37,17 +45,18 @@ import numpy as np
 import jaxlm
 from jaxlm.data.judging import SumJudging
 from jaxlm.eval.camel import CamelTemplate, final_verdict, gate_curve, gated_judge
+from jaxlm.eval.paired import paired_comparison
 from jaxlm.inference.sampler import generate
 from trainers.recipes import load_config
 
 
-def forced(model, examples, verdicts, template: CamelTemplate, max_tokens: int) -> tuple[float, list[str]]:
-    """Final-verdict accuracy of greedy reflections after the given initial ``verdicts``, and
-    the reflections."""
+def forced(model, examples, verdicts, template: CamelTemplate, max_tokens: int) -> tuple[np.ndarray, list[str]]:
+    """Per pair, whether the greedy reflection after the given initial ``verdicts`` ends in the
+    right final verdict, and the reflections."""
     letters = (template.judge.first, template.judge.second)
     prompts = [e["prompt"] + letters[v] + template.reflect for e, v in zip(examples, verdicts)]
     out = generate(model, prompts, max_new_tokens=max_tokens, temperature=0.0)
-    return float(np.mean([final_verdict(t, template) == e["answer"] for e, t in zip(examples, out.texts)])), out.texts
+    return np.asarray([final_verdict(t, template) == e["answer"] for e, t in zip(examples, out.texts)]), out.texts
 
 
 def reflection_checks(task: SumJudging, examples, reflections) -> dict[str, float]:
@@ -111,7 +120,7 @@ def main():
     examples = [task.example(i, "eval") for i in range(args.n)]
     labels = np.asarray([e["answer"] for e in examples])
     cols = {k: [e[k] for e in examples] for k in ("question", "first", "second")}
-    results = {}
+    results, per_pair = {}, {}
     for spec in args.judge:
         name, path = spec.split("=", 1)
         model = jaxlm.load_model(path)
@@ -126,6 +135,8 @@ def main():
         after_right, right_texts = forced(model, examples, labels, task.template, args.max_reflection_tokens)
         after_wrong, wrong_texts = forced(model, examples, 1 - labels, task.template, args.max_reflection_tokens)
         checks = reflection_checks(task, examples * 2, right_texts + wrong_texts)
+        per_pair[name] = {"always reflect": always.final == labels, "after a wrong verdict": after_wrong}
+        after_right, after_wrong = float(after_right.mean()), float(after_wrong.mean())
         results[name] = {"curve": curve, "gated": best, "after_right": after_right, "after_wrong": after_wrong,
                          "reflections": checks}
         print(f"{name}: margin quantiles {', '.join(f'{q}: {t:.3f}' for q, t in zip(qs, taus[1:-1]))}")
@@ -138,6 +149,13 @@ def main():
         print(f"  final verdict after a forced right / wrong initial verdict: {after_right:.3f} / {after_wrong:.3f}")
         print("  reflections after a forced verdict, share right: "
               + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in checks.items()))
+    first, *others = per_pair
+    for name in others:  # paired on the same held-out pairs: the exact sign test on the discordant ones
+        for setting, right in per_pair[name].items():
+            c = paired_comparison(per_pair[first][setting], right)
+            results[name].setdefault("paired", {})[setting] = dataclasses.asdict(c)
+            print(f"{name} vs {first}, {setting}: {c.fixed} pairs fixed, {c.broken} broken, sign test p = "
+                  f"{c.p_value:.2g}")
     if args.json:
         print(json.dumps(results))
 
