@@ -9,7 +9,9 @@ alone at S steps, and the edit model also with S - R steps followed by up to R e
 (every predicted edit; with ``--edits-per-round k`` also only each row's k most confident edits
 per round, and with ``--edit-thresholds t`` only the edits of confidence >= t). Accuracy is
 exact match; "forwards" counts the forwards actually run (edit rounds stop once no row
-changes).
+changes). For every budget and R (all edits) the edit model's S mask steps and its S - R steps +
+R rounds are also compared prompt by prompt: prompts fixed and broken by the rounds, and the
+exact sign test (`jaxlm.eval.paired`).
 
     (train the base and add the edit head as configs/medlm_sort.py describes, then)
     jaxlm train medlm_sort init_from=runs/medlm_base trainer.out_dir=runs/medlm_stage3
@@ -21,17 +23,20 @@ changes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
 
 import jaxlm
+from jaxlm.eval.paired import paired_comparison
 from jaxlm.inference.diffusion import diffusion_generate
 from trainers.recipes import load_config
 
 
 def accuracy(model, examples, task, *, gen_length: int, steps: int, edit_rounds: int, edits_per_round=None,
              edit_threshold=None, batch: int = 250):
+    """Accuracy, forwards per prompt, rounds that changed a row, and per prompt whether it was right."""
     correct, forwards, edits = [], 0, []
     delete = model.config.delete_token_id
     for i in range(0, len(examples), batch):
@@ -44,7 +49,8 @@ def accuracy(model, examples, task, *, gen_length: int, steps: int, edit_rounds:
         forwards += out.forwards * len(chunk)
         if edit_rounds:
             edits += out.edits.tolist()
-    return float(np.mean(correct)), forwards / len(examples), float(np.mean(edits)) if edits else 0.0
+    return (float(np.mean(correct)), forwards / len(examples), float(np.mean(edits)) if edits else 0.0,
+            np.asarray(correct, bool))
 
 
 def _which(row) -> str:
@@ -79,11 +85,11 @@ def main():
     task = load_config(args.recipe, args.set).data.source
     examples = [task.example(i, "eval") for i in range(args.n)]
     models = {"edit": jaxlm.load_model(args.edit), "control": jaxlm.load_model(args.control)}
-    rows = []
+    rows, right = [], {}
     G = args.gen_length
     for S in args.budgets:
         for name, model in models.items():
-            acc, fwd, _ = accuracy(model, examples, task, gen_length=G, steps=S, edit_rounds=0)
+            acc, fwd, _, right[name, S, 0] = accuracy(model, examples, task, gen_length=G, steps=S, edit_rounds=0)
             rows.append({"model": name, "budget": S, "mask_steps": S, "edit_rounds": 0, "accuracy": acc,
                          "forwards": fwd})
         for R in args.rounds:
@@ -92,8 +98,10 @@ def main():
             selections = [(None, None), *((k, None) for k in args.edits_per_round),
                           *((None, t) for t in args.edit_thresholds)]
             for k, t in selections:
-                acc, fwd, used = accuracy(models["edit"], examples, task, gen_length=G, steps=S - R, edit_rounds=R,
-                                          edits_per_round=k, edit_threshold=t)
+                acc, fwd, used, correct = accuracy(models["edit"], examples, task, gen_length=G, steps=S - R,
+                                                   edit_rounds=R, edits_per_round=k, edit_threshold=t)
+                if k is None and t is None:
+                    right["edit", S, R] = correct
                 rows.append({"model": "edit", "budget": S, "mask_steps": S - R, "edit_rounds": R,
                              "edits_per_round": k, "edit_threshold": t, "accuracy": acc, "forwards": fwd,
                              "rounds_changing_a_row": used})
@@ -109,6 +117,12 @@ def main():
             print(f"budget {S}: best with edits {best['accuracy']:.3f} (R={best['edit_rounds']}, edits: "
                   f"{_which(best)}) vs best mask-only "
                   f"{base:.3f}: {best['accuracy'] - base:+.3f}")
+    for (name, S, R), correct in right.items():  # the edit model's own S mask steps vs S - R steps + R rounds
+        if name == "edit" and R:
+            c = paired_comparison(right["edit", S, 0], correct)
+            rows.append({"model": "edit", "budget": S, "paired_edit_rounds": R, **dataclasses.asdict(c)})
+            print(f"budget {S}, edit model: {S - R} steps + {R} edit round(s) vs {S} mask steps, paired: {c.fixed} "
+                  f"prompts fixed, {c.broken} broken, sign test p = {c.p_value:.2g}")
     if args.json:
         print(json.dumps(rows))
 
