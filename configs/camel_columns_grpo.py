@@ -5,7 +5,9 @@ probability ``algorithm.camel.flip_prob``, the other letter; the reward is the f
 correctness, so only a reflection that checks the answer earns it after a wrong verdict.
 ``algorithm.camel.flip_prob=0`` is the same GRPO without counterfactual prefixes (rollouts after
 the judge's own verdict only). `bench/camel_claim.py --recipe camel_columns_sft` compares the
-judges.
+judges. Measured (docs/benchmarks.md): from a judge trained with 5% revision demonstrations,
+both forms raise the final verdict's accuracy after a forced wrong verdict from 0.55 to 0.89;
+from the judge of `camel_columns_sft` (half revisions) neither adds more than noise.
 
     jaxlm train camel_columns_sft && jaxlm train camel_columns_grpo
 """
