@@ -18,6 +18,9 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"jaxlm-tests-xla-cache-{os.getuid()}"))
+# Cache every program, not only those that took a second to compile (JAX's default): the
+# same small programs recur across test files, workers and subprocesses.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
