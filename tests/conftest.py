@@ -19,7 +19,8 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"jaxlm-tests-xla-cache-{os.getuid()}"))
 # Cache every program, not only those that took a second to compile (JAX's default): the
-# same small programs recur across test files, workers and subprocesses.
+# same small programs recur across test files, workers and subprocesses. (A cold run writes
+# ~150 MB there; no size limit, as JAX's eviction rescans the directory on every write.)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
