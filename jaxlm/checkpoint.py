@@ -210,12 +210,14 @@ def _check_stored_shapes(path: Path, target_dict) -> None:
     wanted = {_dotted(kp): tuple(leaf.shape) for kp, leaf in jax.tree_util.tree_leaves_with_path(target_dict)}
     bad = [f"{name} is {stored[name]} in params/ but {shape} by config/" for name, shape in wanted.items()
            if name in stored and stored[name] != shape]
-    missing = [name for name in wanted if stored and name not in stored]
-    if bad or missing:
+    missing = [f"{name} is missing from params/" for name in wanted if stored and name not in stored]
+    extra = [f"params/ holds {name}, which config/ has no place for" for name in stored if name not in wanted]
+    problems = bad[:4] + missing[:4] + extra[:4]
+    more = len(bad) + len(missing) + len(extra) - len(problems)
+    if problems:
         raise CheckpointError(
             f"{path}: the stored parameters do not match the stored config ("
-            + "; ".join(bad[:4] + [f"{n} is missing from params/" for n in missing[:4]])
-            + (f"; {len(bad) + len(missing) - 8} more" if len(bad) + len(missing) > 8 else "")
+            + "; ".join(problems) + (f"; {more} more" if more else "")
             + "): config/ was edited or belongs to another model"
         )
 
@@ -274,10 +276,17 @@ def load_checkpoint(
 
 
 def load_model(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, **hf_kwargs) -> Transformer:
-    """Load either a jaxlm (orbax) checkpoint or a HuggingFace directory, by what ``path`` holds."""
+    """Load either a jaxlm (orbax) checkpoint or a HuggingFace directory, by what ``path`` holds.
+
+    ``hf_kwargs`` (`load_hf`'s options: ``dtype``, ``scan_layers``, ...) apply to a HF
+    directory; a jaxlm checkpoint is restored as its stored config says, so passing them
+    for one is an error rather than ignored."""
     path = Path(path)
     recover(path)
     if (path / "config").is_dir() and (path / "params").is_dir():
+        if hf_kwargs:
+            raise TypeError(f"load_model({sorted(hf_kwargs)}): these options apply to HF directories; {path} is a "
+                            "jaxlm checkpoint, restored as its stored config says (load_checkpoint)")
         return load_checkpoint(path, mesh=mesh)
     if (path / "omni.json").exists() and (path / "lm").is_dir():
         raise CheckpointError(f"{path} is an omni checkpoint (a language model and media encoders): load it with "

@@ -101,3 +101,43 @@ def test_save_hf_replaces_atomically_and_keeps_other_files(tmp_path):
     assert (path / "extras" / "a.txt").read_text() == "kept"
     _assert_same(_params(other), _params(jaxlm.load_hf(path)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_save_hf_over_a_jaxlm_checkpoint_replaces_it(tmp_path):
+    """The orbax checkpoint a HF directory is written over is not carried into it: every loader
+    then reads the new model (`load_model` prefers a jaxlm checkpoint when it finds one)."""
+    from jaxlm.checkpoint import convert_checkpoint, load_model
+
+    old, new = (jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=s) for s in (1, 2))
+    path = tmp_path / "m"
+    save_checkpoint(old, path)
+    (path / "NOTES.md").write_text("kept")
+    jaxlm.save_hf(new, path)
+    assert sorted(p.name for p in path.iterdir()) == ["NOTES.md", "config.json", "model.safetensors"]
+    _assert_same(_params(new), _params(load_model(path)))
+    save_checkpoint(old, tmp_path / "c")  # the in-place conversion writes the same directory
+    convert_checkpoint(tmp_path / "c", tmp_path / "c", to="hf", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["config.json", "model.safetensors"]
+    _assert_same(_params(old), _params(load_model(tmp_path / "c")))
+
+
+def test_save_hf_writes_the_new_tokenizer_over_the_old_ones_files(tmp_path):
+    """A model with its own tokenizer, saved over a directory with another tokenizer: the reload
+    has the new tokenizer's special ids and (no) chat template, as in a fresh directory."""
+    from tokenizers import Tokenizer, models
+
+    def word_tokenizer(words, eos, template=None):
+        vocab = {w: i for i, w in enumerate(words)}
+        return jaxlm.HFTokenizer(Tokenizer(models.WordLevel(vocab, unk_token=words[0])), eos_id=vocab[eos],
+                                 chat_template=template)
+
+    path = tmp_path / "hf"
+    first = jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=1)
+    first.tokenizer = word_tokenizer(["<unk>", "<a_eos>", "x"], "<a_eos>", template="{{ messages[0]['content'] }}")
+    jaxlm.save_hf(first, path)
+    second = jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=2)
+    second.tokenizer = word_tokenizer(["<unk>", "x", "y", "<b_eos>"], "<b_eos>")
+    jaxlm.save_hf(second, path)
+    again = jaxlm.load_hf(path).tokenizer
+    assert (again.eos_id, again.chat_template, again.special_tokens) == (3, None, {"eos_token": "<b_eos>"})
+    assert not (path / "chat_template.jinja").exists()

@@ -42,3 +42,28 @@ def test_bad_restores(tmp_path):
     with pytest.raises(FileExistsError, match="overwrite=True"):
         save_checkpoint(model, tmp_path / "ckpt")
     save_checkpoint(model, tmp_path / "ckpt", overwrite=True)
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"n_layers": 1}, r"params/ holds layers\.1\.\S+, which config/ has no place for"),
+    ({"tie_embeddings": True}, r"params/ holds lm_head\.kernel, which config/ has no place for"),
+    ({"n_layers": 3}, r"layers\.2\.\S+ is missing from params/"),
+])
+def test_edited_config_is_named_in_both_directions(tmp_path, edit, match):
+    """A stored config that implies fewer (or more) weights than params/ holds is a config
+    mismatch, not file damage."""
+    import json
+
+    save_checkpoint(jaxlm.build_model(jaxlm.ModelConfig.tiny()), tmp_path / "ckpt")
+    meta = tmp_path / "ckpt" / "config" / "metadata"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), **edit}))
+    with pytest.raises(jaxlm.CheckpointError, match=match + ".*config/ was edited or belongs to another model"):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+def test_load_model_refuses_hf_options_for_a_jaxlm_checkpoint(tmp_path):
+    from jaxlm.checkpoint import load_model
+
+    save_checkpoint(jaxlm.build_model(jaxlm.ModelConfig.tiny()), tmp_path / "ckpt")
+    with pytest.raises(TypeError, match=r"load_model\(\['dtype'\]\): these options apply to HF directories"):
+        load_model(tmp_path / "ckpt", dtype="bfloat16")

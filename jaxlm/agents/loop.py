@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from jaxlm.agents.parsing import parse_reply
 from jaxlm.agents.tools import Toolbox
-from jaxlm.inference.sampler import generate
+from jaxlm.inference.sampler import default_stop_tokens, generate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +228,7 @@ class ModelPolicy:
         self.tokenizer = model.tokenizer
         self._templated = getattr(self.tokenizer, "chat_template", None) is not None
         if stop_tokens is None:
-            eos = [] if self.tokenizer.eos_id is None else [self.tokenizer.eos_id]
+            eos = list(default_stop_tokens(self.tokenizer))
             stop_tokens = eos if self._templated else [*self.tokenizer.encode("\n"), *eos]
         self.stop_tokens = list(stop_tokens)
         self._seed = seed

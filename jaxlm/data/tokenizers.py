@@ -67,14 +67,24 @@ def _token_string(special) -> str | None:
     return special if isinstance(special, str) else None
 
 
-def _token_id(tok, special) -> int | None:
+def _token_ids(tok, special) -> list[int]:
+    """The ids a special-token entry names: an id, a token string, ``{"content": ...}``, or
+    a list of those (``config.json``'s ``eos_token_id`` in Llama 3); unknown strings skipped."""
     if special is None:
-        return None
+        return []
+    if isinstance(special, (list, tuple)):
+        return [i for s in special for i in _token_ids(tok, s)]
     if isinstance(special, dict):  # {"content": "<s>", ...}
         special = special.get("content")
-    if isinstance(special, int):
-        return special
-    return tok.token_to_id(special)
+    if isinstance(special, bool) or not isinstance(special, (int, str)):
+        raise TypeError(f"special token {special!r} is neither a token id nor a token string")
+    token_id = special if isinstance(special, int) else tok.token_to_id(special)
+    return [] if token_id is None else [token_id]
+
+
+def _token_id(tok, special) -> int | None:
+    ids = _token_ids(tok, special)
+    return ids[0] if ids else None
 
 
 class HFTokenizer:
@@ -88,9 +98,10 @@ class HFTokenizer:
 
     def __init__(self, tokenizer, *, bos_id=None, eos_id=None, pad_id=None, source: Path | None = None,
                  special_tokens: dict[str, str] | None = None, chat_template: str | None = None,
-                 template_origin: str = "chat_template"):
+                 template_origin: str = "chat_template", extra_eos_ids: Sequence[int] = ()):
         self._tok = tokenizer
         self.bos_id, self.eos_id = bos_id, eos_id
+        self.extra_eos_ids = tuple(int(i) for i in extra_eos_ids if i != eos_id)
         if special_tokens is None:
             named = {"bos_token": bos_id, "eos_token": eos_id, "pad_token": pad_id}
             special_tokens = {k: tokenizer.id_to_token(i) for k, i in named.items() if i is not None}
@@ -120,10 +131,17 @@ class HFTokenizer:
             tok = Tokenizer.from_file(str(file))
         except Exception as e:  # the library raises a bare Exception on bad JSON
             raise ValueError(f"{file} is not a valid tokenizer.json: {e}") from None
+        eos_ids = _token_ids(tok, eos)
         return cls(
-            tok, bos_id=_token_id(tok, bos), eos_id=_token_id(tok, eos), pad_id=_token_id(tok, pad),
-            source=file,
+            tok, bos_id=_token_id(tok, bos), eos_id=eos_ids[0] if eos_ids else None, pad_id=_token_id(tok, pad),
+            source=file, extra_eos_ids=eos_ids[1:],
         )
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a sequence: EOS, then any other end-of-sequence ids the
+        checkpoint lists (``eos_token_id: [128001, 128008, 128009]``)."""
+        return (() if self.eos_id is None else (self.eos_id,)) + self.extra_eos_ids
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "HFTokenizer":
@@ -197,21 +215,39 @@ _CONFIG = "tokenizer_config.json"
 def save_tokenizer(tokenizer, path: str | os.PathLike) -> None:
     """Write ``tokenizer`` into directory ``path`` so `load_tokenizer` finds it again.
 
-    HF: ``tokenizer.json``, the chat template as ``chat_template.jinja``, and the special
-    tokens (ids and strings) in ``tokenizer_config.json`` unless one exists; byte-level: a
-    ``tokenizer_config.json`` naming ``ByteTokenizer``.
+    HF: ``tokenizer.json``, the chat template as ``chat_template.jinja``, and
+    ``tokenizer_config.json``: the one of the directory the tokenizer was read from (its
+    other settings kept) with the tokenizer's own special tokens (ids and strings) and
+    without a chat template of its own; byte-level: a ``tokenizer_config.json`` naming
+    ``ByteTokenizer``.
     """
     path = Path(path)
     if isinstance(tokenizer, ByteTokenizer):
         (path / _CONFIG).write_text(json.dumps({"tokenizer_class": "ByteTokenizer"}))
     elif isinstance(tokenizer, HFTokenizer):
+        source = tokenizer._source.parent / _CONFIG if tokenizer._source is not None else None
+        config = {}
+        if source is not None and source.exists():
+            try:
+                config = json.loads(source.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                config = {}
+            config = config if isinstance(config, dict) else {}
         tokenizer.save(path)
         if tokenizer.chat_template is not None:
             (path / TEMPLATE_FILE).write_text(tokenizer.chat_template.source, encoding="utf-8")
-        if not (path / _CONFIG).exists():
-            config = {f"{k}_token_id": getattr(tokenizer, f"{k}_id") for k in ("bos", "eos", "pad")}
-            config.update(tokenizer.special_tokens)
-            (path / _CONFIG).write_text(json.dumps(config))
+        config.pop("chat_template", None)  # the template is chat_template.jinja or none
+        for name in SPECIAL_TOKEN_NAMES:  # exactly the tokenizer's special token strings
+            config.pop(name, None)
+        config.update(tokenizer.special_tokens)
+        for key in ("bos", "eos", "pad"):
+            token_id = getattr(tokenizer, f"{key}_id")
+            config[f"{key}_token_id"] = token_id
+            if f"{key}_token" in config and token_id is not None:  # a string names the id in use
+                string = tokenizer._tok.id_to_token(token_id)
+                if string is not None:
+                    config[f"{key}_token"] = string
+        (path / _CONFIG).write_text(json.dumps(config, indent=2))
     else:
         raise TypeError(f"cannot save a tokenizer of type {type(tokenizer).__name__}")
 

@@ -33,9 +33,10 @@ class Temperature:
 
 
 def _ordered_bits(x: jax.Array) -> jax.Array:
-    """float32 -> int32 with the same order (the IEEE total-order trick): a sortable key."""
+    """float32 -> int32 with the same order (the IEEE total-order trick): a sortable key;
+    ``-0.0`` and ``+0.0`` get the same key (0), as they compare equal."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+    return jnp.where(bits < 0, (bits ^ jnp.int32(0x7FFFFFFF)) + 1, bits)
 
 
 def keep_top(values: jax.Array, enough) -> jax.Array:

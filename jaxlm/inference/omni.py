@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm.inference.logits_processors import Temperature
-from jaxlm.inference.sampler import GenerateResult, generate_tokens
+from jaxlm.inference.sampler import GenerateResult, default_stop_tokens, generate_tokens
 from jaxlm.models.omni import OmniModel, check_media
 
 
@@ -40,7 +40,7 @@ def omni_generate(model: OmniModel, batch: dict, *, max_new_tokens: int, tempera
     (e.g. compressed by OmniSIFT, with ``batch`` describing the kept tokens)."""
     tok = model.tokenizer
     if stop_tokens is None:
-        stop_tokens = () if tok is None or tok.eos_id is None else (tok.eos_id,)
+        stop_tokens = default_stop_tokens(tok)
     tokens = jnp.asarray(batch["tokens"])
     if embeds is None:
         embeds = omni_inputs_embeds(model, batch["tokens"], batch.get("video"), batch.get("audio"))

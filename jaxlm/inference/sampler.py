@@ -262,12 +262,20 @@ def generate_tokens(
     return final
 
 
+def _token_id(value, where: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where} holds {value!r} ({type(value).__name__}): token ids must be ints")
+    return int(value)
+
+
 def _as_token_lists(prompts, tokenizer, add_bos: bool) -> list[list[int]]:
     if isinstance(prompts, str):
         prompts = [prompts]
     if isinstance(prompts, np.ndarray) or isinstance(prompts, jax.Array):
         if prompts.ndim != 2:
             raise ValueError(f"prompts array must be [B, P], got shape {prompts.shape}")
+        if not jnp.issubdtype(prompts.dtype, jnp.integer):
+            raise TypeError(f"prompts array has dtype {prompts.dtype}: token ids must be integers")
         return [list(map(int, row)) for row in np.asarray(prompts)]
     prompts = list(prompts)
     if not prompts:
@@ -280,8 +288,55 @@ def _as_token_lists(prompts, tokenizer, add_bos: bool) -> list[list[int]]:
                     f"prompt {i} is text but no tokenizer is known: pass tokenizer= or token ids"
                 )
             p = tokenizer.encode(p, add_bos=add_bos)
-        out.append([int(t) for t in p])
+        elif isinstance(p, (int, np.integer)):
+            raise TypeError(f"prompts[{i}] is the id {p!r}: prompts is a list of prompts (texts or token-id "
+                            "lists); wrap one prompt's ids as [[...]]")
+        elif isinstance(p, (np.ndarray, jax.Array)) and not jnp.issubdtype(p.dtype, jnp.integer):
+            raise TypeError(f"prompt {i} has dtype {p.dtype}: token ids must be integers")
+        out.append([_token_id(t, f"prompt {i}") for t in p])
     return out
+
+
+def _token_ids(value, name: str) -> tuple[int, ...]:
+    """A sequence of token ids (``stop_tokens=``, ``banned_tokens=``) as ints."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name}={value!r} is invalid: must be a sequence of token ids (e.g. ({value!r},))")
+    return tuple(_token_id(t, name) for t in value)
+
+
+def _check_rng(rng):
+    """An int seed (Python or numpy) or a JAX key -> a JAX key."""
+    if rng is None:
+        rng = 0
+    if isinstance(rng, (bool, np.bool_)):
+        raise TypeError(f"rng={rng!r} is invalid: pass an int seed or a jax.random key")
+    if isinstance(rng, (int, np.integer)):
+        return jax.random.key(int(rng))
+    if isinstance(rng, np.ndarray) and rng.dtype == np.uint32:  # a raw key held in numpy
+        return jnp.asarray(rng)
+    if not isinstance(rng, jax.Array):
+        raise TypeError(f"rng={rng!r} is invalid: pass an int seed or a jax.random key")
+    return rng
+
+
+def _check_bucket(bucket) -> int:
+    if isinstance(bucket, (bool, np.bool_)) or not isinstance(bucket, (int, np.integer)) or bucket <= 0:
+        raise ValueError(f"bucket={bucket!r} is invalid: must be a positive int")
+    return int(bucket)
+
+
+def _is_number(x) -> bool:
+    return not isinstance(x, (bool, np.bool_)) and isinstance(x, (int, float, np.integer, np.floating))
+
+
+def default_stop_tokens(tokenizer) -> tuple[int, ...]:
+    """The ids that end a sequence by default: the tokenizer's ``stop_ids`` (EOS and any
+    other end-of-sequence ids its checkpoint lists), else its ``eos_id``, else none."""
+    ids = getattr(tokenizer, "stop_ids", None)
+    if ids is not None:
+        return tuple(int(i) for i in ids)
+    eos = getattr(tokenizer, "eos_id", None)
+    return () if eos is None else (int(eos),)
 
 
 def generate(
@@ -317,7 +372,8 @@ def generate(
     prompts: token-id lists of any lengths, or text (encoded with ``tokenizer``,
       else ``model.tokenizer``; BOS prepended when ``add_bos`` and the tokenizer has one).
     temperature: 0 means greedy (argmax of the processed logits).
-    stop_tokens: ids that end a sequence (default: the tokenizer's EOS if known).
+    stop_tokens: ids that end a sequence (default: the tokenizer's `stop_ids`, its EOS and
+        any other end-of-sequence ids its checkpoint lists).
     logits_processors: applied first, in order, before temperature, top-k, top-p.
     cache_dtype: the KV cache's dtype, a name or a jnp/numpy dtype (default: the model's).
     bucket: prompt blocks are left-padded to a multiple of this to reuse compilations.
@@ -371,19 +427,30 @@ def generate(
             f"{longest + max_new_tokens} exceeds ModelConfig.max_seq_len={config.max_seq_len}"
         )
     cache_dtype = optional_dtype_name(cache_dtype, field="generate(cache_dtype)")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature={temperature!r} is invalid: must be >= 0 (0 = greedy)")
+    if not _is_number(temperature) or not 0 <= temperature < np.inf:
+        raise ValueError(f"temperature={temperature!r} is invalid: must be a finite number >= 0 (0 = greedy)")
+    temperature = float(temperature)
+    bucket = _check_bucket(bucket)
 
     if stop_tokens is None:
-        eos = getattr(tokenizer, "eos_id", None)
-        stop_tokens = () if eos is None else (eos,)
-    stop_tokens = tuple(int(t) for t in stop_tokens)
+        stop_tokens = default_stop_tokens(tokenizer)
+    stop_tokens = _token_ids(stop_tokens, "stop_tokens")
     bad = [t for t in stop_tokens if not 0 <= t < config.vocab_size]
     if bad:
         raise ValueError(f"stop_tokens {bad} are outside [0, vocab_size={config.vocab_size})")
     if pad_id is None:
         pad_id = getattr(tokenizer, "pad_id", None)
-        pad_id = 0 if pad_id is None else int(pad_id)
+        pad_id = 0 if pad_id is None else pad_id
+    pad_id = _token_id(pad_id, "pad_id")
+    if not 0 <= pad_id < config.vocab_size:  # an id outside the embedding would read NaN into every row
+        raise ValueError(f"pad_id={pad_id} is outside [0, vocab_size={config.vocab_size})"
+                         + (" (from the tokenizer)" if tokenizer is not None else ""))
+    for i, p in enumerate(logits_processors):
+        try:
+            hash(p)
+        except TypeError:
+            raise TypeError(f"logits_processors[{i}] ({type(p).__name__}) is not hashable: processors are static "
+                            "arguments of the compiled decode loop; make it a frozen dataclass") from None
 
     processors = list(logits_processors)
     greedy = temperature == 0
@@ -418,10 +485,7 @@ def generate(
                 f"interventions[{i}] uses a [B, T] position mask, which has no meaning while "
                 "decoding: use where='last' or where='all' with generate"
             )
-    if rng is None:
-        rng = 0
-    if isinstance(rng, int):
-        rng = jax.random.key(rng)
+    rng = _check_rng(rng)
     check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences)
     if num_beams > 1:
         if draft is not None or early_exit is not None or decode_segments is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -68,10 +69,10 @@ class RopeScaling:
             raise ValueError(
                 f"RopeScaling.kind={self.kind!r} is invalid: must be one of {_ROPE_SCALINGS}"
             )
-        if not isinstance(self.factor, (int, float)) or self.factor <= 0:
-            raise ValueError(f"RopeScaling.factor={self.factor!r} is invalid: must be > 0")
+        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or not 0 < self.factor < math.inf:
+            raise ValueError(f"RopeScaling.factor={self.factor!r} is invalid: must be a finite number > 0")
         if self.kind == "llama3":
-            if not self.high_freq_factor > self.low_freq_factor > 0:
+            if not math.inf > self.high_freq_factor > self.low_freq_factor > 0:
                 raise ValueError(
                     "RopeScaling.high_freq_factor="
                     f"{self.high_freq_factor!r} must be > low_freq_factor={self.low_freq_factor!r}"
@@ -245,8 +246,8 @@ class ModelConfig:
                            f"must equal head_dim={self.head_dim} with qk_norm=True (the norm is over head_dim)")
         for name in ("norm_eps", "rope_theta", "init_std"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise _err(name, value, "must be a number > 0")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise _err(name, value, "must be a finite number > 0")
         if not isinstance(self.rope_scaling, RopeScaling):
             raise _err("rope_scaling", self.rope_scaling, "must be a RopeScaling")
         if self.sliding_window is not None:
@@ -258,6 +259,9 @@ class ModelConfig:
         if self.affine_scale_act not in ("sigmoid2", "exp"):
             raise _err("affine_scale_act", self.affine_scale_act, "must be 'sigmoid2' or 'exp'")
         _check_positive_int("ModelConfig", "meta_rank", self.meta_rank)
+        if isinstance(self.sink_init, bool) or not isinstance(self.sink_init, (int, float)) \
+                or not math.isfinite(self.sink_init):
+            raise _err("sink_init", self.sink_init, "must be a finite number")
         if self.graph_rope_pairs is not None and not 0 <= self.graph_rope_pairs <= self.head_dim // 2:
             raise _err("graph_rope_pairs", self.graph_rope_pairs, f"must be in [0, head_dim/2 = {self.head_dim // 2}]")
         if self.graph_rope_band not in ("low", "high"):

@@ -110,3 +110,24 @@ def test_byte_tokenizer_chat_uses_the_builtin_format():
                                                        add_eos=True)
     assert tok.apply_chat_template(chat[:1], add_generation_prompt=True) == tok.encode(
         "<|user|>\n12+30=\n<|assistant|>\n", add_bos=True)
+
+
+def test_a_list_of_eos_ids_loads_and_every_one_stops_generation(tmp_path):
+    """Llama 3 configs list several end ids (``eos_token_id: [..., ...]``): the first is EOS,
+    and `generate` stops at any of them by default."""
+    _train_tokenizer(tmp_path)
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(vocab_size=300))
+    jaxlm.save_hf(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, "<unk>", 7], "bos_token_id": 1}))
+    loaded = jaxlm.load_hf(tmp_path)
+    tok = loaded.tokenizer
+    assert (tok.bos_id, tok.eos_id, tok.extra_eos_ids, tok.stop_ids) == (1, 2, (0, 7), (2, 0, 7))
+    free = [int(t) for t in jaxlm.generate(loaded, [[5, 6, 9]], max_new_tokens=12, temperature=0,
+                                           stop_tokens=()).tokens[0]]  # greedy, never stopped
+    tok.extra_eos_ids = (free[2],)  # its third token becomes an end id too
+    want = next(i for i, t in enumerate(free) if t in tok.stop_ids) + 1
+    out = jaxlm.generate(loaded, [[5, 6, 9]], max_new_tokens=12, temperature=0)
+    assert out.completions()[0] == free[:want]
+    with pytest.raises(TypeError, match="neither a token id nor a token string"):
+        HFTokenizer.from_file(tmp_path / "tokenizer.json", eos=2.5)

@@ -269,7 +269,29 @@ def test_banned_tokens_are_never_proposed(model):
     assert ((out.tokens < 3) | (out.tokens >= 200)).all()
 
 
-# ------------------------------------------------------------------ the model mode and bad input
+@pytest.fixture(scope="module")
+def mask_loving_model():
+    """A model whose every logit is 0 and whose [MASK] is id 0: the argmax (first of the tie)
+    is [MASK] at every position."""
+    m = build_model(jaxlm.ModelConfig.tiny(vocab_size=260, mode="diffusion", mask_token_id=0), seed=1)
+    m.lm_head.kernel[...] = jnp.zeros_like(m.lm_head.kernel[...])
+    return m
+
+
+@pytest.mark.parametrize("rule", [dict(steps=8), dict(threshold=0.9), dict(steps=8, remasking="random"),
+                                  dict(slow_fast=SlowFast())])
+def test_mask_id_is_never_committed(mask_loving_model, rule):
+    """A committed [MASK] would read as still masked: a block decoded until no mask is left
+    would never end, and the fixed schedule would return mask ids as text."""
+    prompts = [[5, 6, 7], [9, 10]]
+    assert (np.asarray(mask_loving_model(jnp.asarray(prompts[:1])).logits).argmax(-1) == 0).all()
+    out = diffusion_generate(mask_loving_model, prompts, gen_length=8, block_length=4, **rule)
+    assert out.tokens.shape == (2, 8) and (out.tokens != 0).all()
+    only = diffusion_generate(mask_loving_model, prompts, gen_length=8, steps=8,
+                              banned_tokens=[t for t in range(1, 260) if t not in (5, 258)])
+    assert set(only.tokens.ravel().tolist()) <= {5, 258}  # the only ids left besides [MASK]
+
+
 def test_diffusion_model_attends_bidirectionally(model):
     x = jnp.asarray([[1, 20, 30, 40, 50]])
     y = x.at[0, 4].set(60)
@@ -330,3 +352,18 @@ def test_bad_input_errors(model):
     with pytest.raises(ValueError, match="kv_quant"):
         q = build_model(diffusion_config(kv_quant="int4", head_dim=16), seed=0)
         diffusion_generate(q, [[1, 2]], gen_length=4, steps=4, cache="dual")
+    with pytest.raises(ValueError, match=r"stop_tokens \[1000000\] are outside"):
+        diffusion_generate(model, PROMPTS, gen_length=8, steps=8, stop_tokens=[10**6])
+    with pytest.raises(ValueError, match="bucket=0 is invalid"):
+        diffusion_generate(model, PROMPTS, gen_length=8, steps=8, bucket=0)
+    with pytest.raises(TypeError, match="token ids must be ints"):
+        diffusion_generate(model, [[5.7, 9.2]], gen_length=8, steps=8)
+
+
+def test_bucket_padding_shrinks_to_fit_the_context(model):
+    """A prompt that fits without the bucket's padding is decoded (as `generate` does), the
+    same as with no bucketing at all."""
+    room = model.config.max_seq_len - 8
+    prompt = [[1 + i % 200 for i in range(room - 1)]]  # padded to a multiple of 8 it would not fit
+    got = diffusion_generate(model, prompt, gen_length=8, steps=8)
+    np.testing.assert_array_equal(got.tokens, diffusion_generate(model, prompt, gen_length=8, steps=8, bucket=1).tokens)

@@ -1,6 +1,8 @@
 """`generate`: cache decoding equals recomputation, log-probs equal a fresh forward pass,
 per-sequence stopping, logits processors against numpy references, bad inputs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,6 +138,18 @@ def test_sampling_matches_softmax_frequencies():
     assert p > 1e-3, (chi2, p)
 
 
+def test_top_k_keeps_both_signed_zeros():
+    """-0.0 == +0.0: a tie at the k-th value, so both are kept."""
+    kept = np.isfinite(np.asarray(TopK(1)(jnp.asarray([[0.0, -0.0, -1.0], [-0.0, 0.0, -2.0]]))))
+    np.testing.assert_array_equal(kept, [[True, True, False], [True, True, False]])
+    # the order of the other values is unchanged: negatives, the extremes, the smallest normals
+    values = jnp.asarray([[-3e38, -3.0, -1e-38, -0.0, 1e-38, 2.0]])
+    for k in range(1, 7):
+        got = np.isfinite(np.asarray(TopK(k)(values)))[0]
+        want = np.asarray(values)[0] >= np.sort(np.asarray(values)[0])[::-1][k - 1]
+        np.testing.assert_array_equal(got, want)
+
+
 def test_processors_against_numpy():
     rng = np.random.RandomState(0)
     logits = rng.randn(3, 50).astype(np.float32)
@@ -185,6 +199,46 @@ def test_user_processor_composes(model):
 def test_bad_generate_inputs(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         jaxlm.generate(model, **kwargs)
+
+
+@dataclasses.dataclass
+class _MutableProcessor:  # a plain (unfrozen) dataclass: not hashable
+    token: int
+
+    def __call__(self, logits, state):
+        return logits.at[..., self.token].set(-jnp.inf)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(prompts=[[5.7, 9.2]]), TypeError, r"prompt 0 holds 5.7 \(float\): token ids must be ints"),
+        (dict(prompts=np.array([[5.9, 9.99]])), TypeError, "dtype float64: token ids must be integers"),
+        (dict(prompts=[5, 9, 200]), TypeError, r"prompts\[0\] is the id 5: .*wrap one prompt's ids as \[\[...\]\]"),
+        (dict(prompts=[[1, True]]), TypeError, "token ids must be ints"),
+        (dict(prompts=[[1]], pad_id=CFG.vocab_size), ValueError, r"pad_id=259 is outside \[0, vocab_size=259\)"),
+        (dict(prompts=[[1]], stop_tokens=2), TypeError, r"stop_tokens=2 is invalid: must be a sequence of token ids"),
+        (dict(prompts=[[1]], bucket=0), ValueError, "bucket=0 is invalid: must be a positive int"),
+        (dict(prompts=[[1]], bucket=-8), ValueError, "bucket=-8 is invalid"),
+        (dict(prompts=[[1]], rng="seed"), TypeError, "pass an int seed or a jax.random key"),
+        (dict(prompts=[[1]], temperature=float("nan")), ValueError, "must be a finite number >= 0"),
+        (dict(prompts=[[1]], logits_processors=[_MutableProcessor(3)]), TypeError,
+         r"logits_processors\[0\] \(_MutableProcessor\) is not hashable"),
+    ],
+)
+def test_ill_typed_generate_inputs(model, kwargs, error, match):
+    """Wrong types get an error naming the argument; nothing is truncated or read out of range."""
+    with pytest.raises(error, match=match):
+        jaxlm.generate(model, **{"max_new_tokens": 2, **kwargs})
+
+
+def test_numpy_scalars_are_accepted(model):
+    want = jaxlm.generate(model, [[1, 2]], max_new_tokens=3, temperature=0.5, rng=3)
+    got = jaxlm.generate(model, np.array([[1, 2]], np.int32), max_new_tokens=3, temperature=np.float32(0.5),
+                         rng=np.int64(3), stop_tokens=np.array([7]))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(jaxlm.generate(
+        model, [[1, 2]], max_new_tokens=3, temperature=0.5, rng=3, stop_tokens=(7,)).tokens))
+    assert want.tokens.shape == got.tokens.shape
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

@@ -157,3 +157,41 @@ def test_save_hf_refuses_what_the_family_cannot_express(tmp_path):
         jaxlm.save_hf(model, tmp_path)
     jaxlm.save_hf(model, tmp_path, family="qwen3")  # the family that has qk-norm
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c: c.pop("vocab_size"), "config.json has no 'vocab_size' field"),
+        (lambda c: c.pop("intermediate_size"), "config.json has no 'intermediate_size' field"),
+        (lambda c: c.update(hidden_size="64"), r"config.json field 'hidden_size'='64' is not an integer"),
+        (lambda c: c.update(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}),
+         "config.json rope_parameters has no 'factor' field"),
+    ],
+)
+def test_missing_or_mistyped_config_fields_are_named(good_dir, tmp_path, edit, match):
+    path = _copy(good_dir, tmp_path, edit_config=edit)
+    with pytest.raises(UnsupportedConfigError, match=match):
+        jaxlm.load_hf(path)
+
+
+def test_null_optional_fields_take_their_defaults(good_dir, tmp_path):
+    """HF writes ``null`` for an unset optional field: the default applies, as for a missing one."""
+    path = _copy(good_dir, tmp_path, edit_config=lambda c: c.update(rms_norm_eps=None, sliding_window=None))
+    assert jaxlm.load_hf(path).config.norm_eps == 1e-6
+
+
+def test_config_json_must_be_an_object(good_dir, tmp_path):
+    path = _copy(good_dir, tmp_path)
+    (path / "config.json").write_text("[1, 2]")
+    with pytest.raises(jaxlm.CheckpointError, match="config.json holds a JSON list, not an object"):
+        jaxlm.load_hf(path)
+
+
+def test_save_hf_refuses_quantized_weights(tmp_path):
+    from jaxlm.quant.apply import quantize_with
+
+    model = quantize_with(jaxlm.build_model(jaxlm.ModelConfig.tiny(vocab_size=97)), "rtn", "mxfp4", weights_only=True)
+    with pytest.raises(UnsupportedConfigError, match="quantized or transformed weight.*save_checkpoint"):
+        jaxlm.save_hf(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

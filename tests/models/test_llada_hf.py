@@ -134,3 +134,25 @@ def test_llada_unsupported_options_and_default_mask_id(reference, tmp_path):
     _write(tmp_path / "noheads", tensors, {k: v for k, v in base.items() if k != "n_heads"})
     with pytest.raises(UnsupportedConfigError, match="no 'n_heads' field"):
         jaxlm.load_hf(tmp_path / "noheads")
+
+
+@pytest.mark.parametrize("edit_head", [False, True])
+def test_save_hf_of_a_diffusion_model_round_trips_as_llada(tmp_path, edit_head):
+    """A diffusion model is written in the Llama-named LLaDA layout (never as a causal Llama):
+    reloading it gives the same mode, ids, logits and next-token logits."""
+    config = jaxlm.ModelConfig.tiny(vocab_size=V, mode="diffusion", mask_token_id=MASK_ID, next_token_head=edit_head,
+                                    delete_token_id=MASK_ID - 1 if edit_head else None)
+    model = jaxlm.build_model(config, seed=3)
+    jaxlm.save_hf(model, tmp_path / "saved")
+    written = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert written["architectures"] == ["LLaDAForCausalLM"] and written["mask_token_id"] == MASK_ID
+    loaded = jaxlm.load_hf(tmp_path / "saved")
+    assert loaded.config == config
+    tokens, mask, positions = _batch()
+    want = model(jnp.asarray(tokens), jnp.asarray(positions), mask=jnp.asarray(mask))
+    got = loaded(jnp.asarray(tokens), jnp.asarray(positions), mask=jnp.asarray(mask))
+    np.testing.assert_array_equal(np.asarray(got.logits), np.asarray(want.logits))
+    if edit_head:
+        np.testing.assert_array_equal(np.asarray(got.next_logits), np.asarray(want.next_logits))
+    with pytest.raises(UnsupportedConfigError, match="mode='diffusion' with family='qwen2'"):
+        jaxlm.save_hf(model, tmp_path / "qwen2", family="qwen2")

@@ -20,8 +20,13 @@ from jaxlm.models.config import PRESETS, ModelConfig, RopeScaling, preset
         (dict(d_model=2.5), r"d_model=2.5 is invalid"),
         (dict(d_model=65), r"d_model=65 is not divisible by n_heads=4"),
         (dict(head_dim=15), r"head_dim=15 is invalid: must be even"),
-        (dict(norm_eps=0.0), r"norm_eps=0.0 is invalid: must be a number > 0"),
+        (dict(norm_eps=0.0), r"norm_eps=0.0 is invalid: must be a finite number > 0"),
+        (dict(norm_eps=float("nan")), r"norm_eps=nan is invalid: must be a finite number > 0"),
         (dict(rope_theta=-1.0), r"rope_theta=-1.0 is invalid"),
+        (dict(rope_theta=float("inf")), r"rope_theta=inf is invalid"),
+        (dict(init_std=float("nan")), r"init_std=nan is invalid"),
+        (dict(sink_init=float("nan")), r"sink_init=nan is invalid: must be a finite number"),
+        (dict(rope_scaling=RopeScaling(kind="linear", factor=2.0), norm_eps=True), r"norm_eps=True is invalid"),
         (dict(sliding_window=0), r"sliding_window=0 is invalid"),
         (dict(dtype="float8"), r"dtype='float8' is invalid: must be one of \('float32', 'bfloat16', 'float16'\)"),
         (dict(param_dtype="int8"), r"param_dtype='int8' is invalid"),
@@ -46,6 +51,8 @@ def test_bad_values_name_the_field(changes, match):
     [
         (dict(kind="yarn"), r"RopeScaling.kind='yarn' is invalid: must be one of \('none', 'linear', 'llama3'\)"),
         (dict(kind="linear", factor=0.0), r"RopeScaling.factor=0.0 is invalid"),
+        (dict(kind="linear", factor=float("nan")), r"RopeScaling.factor=nan is invalid: must be a finite number > 0"),
+        (dict(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=float("inf")), r"high_freq_factor=inf"),
         (dict(kind="llama3", factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0), r"high_freq_factor=1.0 must be > low_freq_factor=4.0"),
     ],
 )

@@ -135,6 +135,8 @@ def test_cut_points_and_band_choice_by_hand(monkeypatch):
     assert choose_cut([2, 4, 7, 9], [0.0, 0.1, 0.45, 0.9], 0.2, 0.8) == 7  # the one in [0.2, 0.8]
     assert choose_cut([2, 4, 7, 9], [0.3, 0.35, 0.6, 0.9], 0.2, 0.8) == 7  # |0.6-0.5| < |0.35-0.5|
     assert choose_cut([2, 4], [0.6, 0.4], 0.2, 0.8) == 2  # tie: the shorter prefix
+    assert choose_cut([3, 7], [3 / 10, 7 / 10], 0.2, 0.8) == 3  # a tie up to float error too
+    assert choose_cut([3, 7], [0.55, 0.45], 0.2, 0.8) == 3
     assert choose_cut([3], [0.2], 0.2, 0.8) == 3  # edges are in the band
     assert choose_cut([2, 4], [0.1, 0.95], 0.2, 0.8) is None
     assert choose_cut([2, 4, 7], [0.1, 0.3, 0.5], 0.05, 0.5) == 4  # centre 0.275

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxlm.agents.loop import run_episodes
 from jaxlm.agents.tasks import AgentTaskConfig
+from jaxlm.inference.sampler import default_stop_tokens
 from trainers.rl.collectors import COLLECTORS, Experience
 from trainers.rl.multiturn import ChatRows, sample_turn
 
@@ -32,7 +33,7 @@ class StreamPolicy:
     def __init__(self, n: int, graphdef, params, tokenizer, *, width: int, temperature: float,
                  top_p: float | None, rng: jax.Array, prompt_sharding=None):
         templated = getattr(tokenizer, "chat_template", None) is not None
-        eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+        eos = default_stop_tokens(tokenizer)
         newline = () if templated else tuple(tokenizer.encode("\n"))
         self.stop_tokens = newline + eos
         self.rows = ChatRows(n, tokenizer, stop_tokens=self.stop_tokens)

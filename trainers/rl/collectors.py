@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxlm.data.pipeline import ExampleSource
+from jaxlm.inference.sampler import default_stop_tokens
 from jaxlm.registry import Registry
 from trainers.rl.rewards import REWARDS, combine_rewards
 from trainers.rl.rollout import sample_rollouts
@@ -73,11 +74,10 @@ class SingleTurnCollector:
         a, B = self.cfg.algorithm, self.cfg.data.batch_size
         G = a.num_generations
         examples = [self.examples(iteration * B + i) for i in range(B)]
-        eos = self.tokenizer.eos_id
         rows = sample_rollouts(
             self.graphdef, params, [self.prompt_ids(e) for e in examples], num_generations=G,
             prompt_block=self.prompt_block, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-            top_p=a.top_p, rng=rng, pad_id=self.tokenizer.pad_id, stop_tokens=() if eos is None else (eos,),
+            top_p=a.top_p, rng=rng, pad_id=self.tokenizer.pad_id, stop_tokens=default_stop_tokens(self.tokenizer),
             prompt_sharding=self.prompt_sharding,
         )
         texts = [self.tokenizer.decode(c[:n]) for c, n in zip(rows["completion"], rows["lengths"])]

@@ -27,6 +27,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from jaxlm.inference.sampler import default_stop_tokens
 from jaxlm.sharding import to_host
 from trainers.rl.rollout import left_pad, positions_of, sample_block
 
@@ -100,8 +101,7 @@ class ChatRows(TurnRows):
         super().__init__(n, [tokenizer.bos_id] if builtin_bos else [])
         self.tokenizer, self.template_kwargs = tokenizer, template_kwargs
         self._template = template  # None: the built-in format, whose specials carry no text
-        eos = tokenizer.eos_id
-        self.stop_tokens = tuple(stop_tokens) if stop_tokens is not None else (() if eos is None else (eos,))
+        self.stop_tokens = tuple(stop_tokens) if stop_tokens is not None else default_stop_tokens(tokenizer)
         self.messages: list[list[dict]] = [[] for _ in range(n)]
         self._held = [""] * n  # the rendered text the stream's tokens stand for
 

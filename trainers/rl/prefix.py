@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxlm.inference.sampler import default_stop_tokens
 from trainers.rl.collectors import SingleTurnCollector
 from trainers.rl.rollout import sample_rollouts
 
@@ -56,6 +57,7 @@ def sample_completions(policy, prompts: Sequence[Sequence[int]], n: int, spec: S
     with repeats, so every call has one shape and compiles once)."""
     graphdef, params = policy
     tok = spec.tokenizer
+    stops = default_stop_tokens(tok)
     flat = [list(p) for p in prompts for _ in range(n)]
     if not flat:
         return [[] for _ in prompts]
@@ -68,11 +70,11 @@ def sample_completions(policy, prompts: Sequence[Sequence[int]], n: int, spec: S
             graphdef, params, padded, num_generations=1, prompt_block=spec.prompt_block,
             max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
             rng=jax.random.fold_in(rng, c), pad_id=tok.pad_id,
-            stop_tokens=() if tok.eos_id is None else (tok.eos_id,),
+            stop_tokens=stops,
         )
         for ids, length in zip(rows["completion"][: len(chunk)], rows["lengths"][: len(chunk)]):
             ids = ids[:length].tolist()
-            if ids and ids[-1] == tok.eos_id:
+            if ids and ids[-1] in stops:
                 ids = ids[:-1]
             out.append(ids)
     return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -135,7 +137,8 @@ def choose_cut(cuts: Sequence[int], rates: Sequence[float], band_lo: float, band
     centre = 0.5 * (band_lo + band_hi)
     best = None
     for h, r in sorted(zip(cuts, rates)):
-        if band_lo <= r <= band_hi and (best is None or abs(r - centre) < abs(best[1] - centre)):
+        # distances equal up to float error tie (rates 3/10 and 7/10 around 0.5)
+        if band_lo <= r <= band_hi and (best is None or abs(r - centre) < abs(best[1] - centre) - 1e-9):
             best = (h, r)
     return None if best is None else best[0]
 

@@ -46,7 +46,14 @@ from jaxlm.inference.diffusion.commit import (
     predict,
 )
 from jaxlm.inference.diffusion.forward import DLLMCache
-from jaxlm.inference.sampler import _as_token_lists
+from jaxlm.inference.sampler import (
+    _as_token_lists,
+    _check_bucket,
+    _check_rng,
+    _is_number,
+    _token_ids,
+    default_stop_tokens,
+)
 
 CACHES = (None, "prefix", "dual")
 
@@ -373,10 +380,11 @@ def diffusion_generate(
         fw.check_cacheable(config)
     if slow_fast is not None and (cache is not None or cfg_scale):
         raise ValueError("slow_fast= runs without a cache and without guidance (cache=None, cfg_scale=0)")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature={temperature!r} is invalid: must be a number >= 0")
-    if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, (int, float)) or cfg_scale < 0:
-        raise ValueError(f"cfg_scale={cfg_scale!r} is invalid: must be a number >= 0")
+    if not _is_number(temperature) or not 0 <= temperature < np.inf:
+        raise ValueError(f"temperature={temperature!r} is invalid: must be a finite number >= 0")
+    if not _is_number(cfg_scale) or not 0 <= cfg_scale < np.inf:
+        raise ValueError(f"cfg_scale={cfg_scale!r} is invalid: must be a finite number >= 0")
+    bucket = _check_bucket(bucket)
 
     token_lists = _as_token_lists(prompts, tokenizer, add_bos)
     for i, p in enumerate(token_lists):
@@ -387,10 +395,13 @@ def diffusion_generate(
             raise ValueError(f"prompt {i} has ids {bad[:5]} outside [0, vocab_size={config.vocab_size}) or equal "
                              f"to mask_token_id={config.mask_token_id}")
     eos = getattr(tokenizer, "eos_id", None)
-    banned = tuple(int(t) for t in banned_tokens) + ((int(eos),) if logits_eos_inf and eos is not None else ())
+    banned = _token_ids(banned_tokens, "banned_tokens") + ((int(eos),) if logits_eos_inf and eos is not None else ())
     for t in banned:
         if not 0 <= t < config.vocab_size:
             raise ValueError(f"banned_tokens has {t}, outside [0, vocab_size={config.vocab_size})")
+    # [MASK] is never proposed: a committed mask id would read as still masked (a block
+    # decoded until no mask is left would never end) and could reach the output
+    banned = tuple(sorted(set(banned) | {int(config.mask_token_id)}))
     if isinstance(edit_rounds, bool) or not isinstance(edit_rounds, (int, np.integer)) or edit_rounds < 0:
         raise ValueError(f"edit_rounds={edit_rounds!r} is invalid: must be an int >= 0")
     if edit_rounds:
@@ -411,7 +422,8 @@ def diffusion_generate(
     if edit_rounds and edit_max_length < gen_length:
         raise ValueError(f"edit_max_length={edit_max_length} is shorter than gen_length={gen_length}")
     longest = max(len(p) for p in token_lists)
-    P = -(-longest // bucket) * bucket
+    room = config.max_seq_len - gen_length - (edit_max_length + 1 - gen_length if edit_rounds else 0)
+    P = max(longest, min(-(-longest // bucket) * bucket, room))  # bucket padding only where it fits
     if edit_rounds and P + edit_max_length + 1 > config.max_seq_len:
         raise ValueError(f"prompt ({longest} tokens, padded to {P}) + edit_max_length={edit_max_length} + the closing "
                          f"EOS exceeds ModelConfig.max_seq_len={config.max_seq_len}")
@@ -419,6 +431,8 @@ def diffusion_generate(
         raise ValueError(f"prompt ({longest} tokens, padded to {P}) + gen_length={gen_length} exceeds "
                          f"ModelConfig.max_seq_len={config.max_seq_len}")
     pad = getattr(tokenizer, "pad_id", None) or 0
+    if not 0 <= pad < config.vocab_size:
+        raise ValueError(f"the tokenizer's pad_id={pad} is outside [0, vocab_size={config.vocab_size})")
     tokens = np.full((len(token_lists), P), pad, np.int32)
     mask = np.zeros((len(token_lists), P), bool)
     for i, p in enumerate(token_lists):
@@ -430,17 +444,17 @@ def diffusion_generate(
         mask_id=int(config.mask_token_id), banned=banned,
     )
     if stop_tokens is None:
-        stop_tokens = () if eos is None else (int(eos),)
-    stops = tuple(sorted(set(int(t) for t in stop_tokens)))
+        stop_tokens = default_stop_tokens(tokenizer)
+    stops = tuple(sorted(set(_token_ids(stop_tokens, "stop_tokens"))))
+    bad = [t for t in stops if not 0 <= t < config.vocab_size]
+    if bad:
+        raise ValueError(f"stop_tokens {bad} are outside [0, vocab_size={config.vocab_size})")
     if edit_rounds:
         plan = dataclasses.replace(plan, edit_rounds=int(edit_rounds), edit_max_length=edit_max_length,
                                    edits_per_round=edits_per_round,
                                    edit_threshold=None if edit_threshold is None else float(edit_threshold),
                                    delete_id=int(config.delete_token_id), eos_id=int(eos), stops=stops)
-    if rng is None:
-        rng = 0
-    if isinstance(rng, int):
-        rng = jax.random.key(rng)
+    rng = _check_rng(rng)
     graphdef, state = nnx.split(model)
     out, n_steps, n_forwards, flops, committed, mask_out, edits, rounds, row_steps = diffusion_tokens(
         graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), rng, plan=plan)

@@ -6,27 +6,49 @@ from __future__ import annotations
 from typing import Any
 
 from jaxlm.models.config import ModelConfig, RopeScaling
+from jaxlm.models.hf import llada
 from jaxlm.models.hf.families import Family, UnsupportedConfigError, family_for_architecture
+
+_REQUIRED = object()
+
+
+def _field(hf: dict[str, Any], name: str, default: Any = _REQUIRED, *, kind: type = int, where: str = "config.json"):
+    """``hf[name]`` as ``kind`` (a missing or null entry: ``default``); an entry that is
+    missing without a default, or not a number of that kind, raises naming the field."""
+    value = hf.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            raise UnsupportedConfigError(f"{where} has no {name!r} field")
+        return default
+    number = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if isinstance(value, bool) or not number:
+        raise UnsupportedConfigError(f"{where} field {name!r}={value!r} is not {'an integer' if kind is int else 'a number'}")
+    return kind(value)
 
 
 def _rope_from_hf(hf: dict[str, Any]):
     params = hf.get("rope_parameters")
+    where = "config.json rope_parameters"
     if params is None:  # transformers < 5: rope_theta + rope_scaling
         params = dict(hf.get("rope_scaling") or {})
-        params.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
+        where = "config.json rope_scaling"
+        if params.get("rope_theta") is None:
+            params["rope_theta"] = hf.get("rope_theta")
+    if not isinstance(params, dict):
+        raise UnsupportedConfigError(f"{where}={params!r} is not an object")
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    theta = _field(params, "rope_theta", _field(hf, "rope_theta", 10_000.0, kind=float), kind=float, where=where)
     if kind == "default":
         return theta, RopeScaling()
     if kind == "linear":
-        return theta, RopeScaling(kind="linear", factor=float(params["factor"]))
+        return theta, RopeScaling(kind="linear", factor=_field(params, "factor", kind=float, where=where))
     if kind == "llama3":
         return theta, RopeScaling(
             kind="llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_len=int(params["original_max_position_embeddings"]),
+            factor=_field(params, "factor", kind=float, where=where),
+            low_freq_factor=_field(params, "low_freq_factor", kind=float, where=where),
+            high_freq_factor=_field(params, "high_freq_factor", kind=float, where=where),
+            original_max_len=_field(params, "original_max_position_embeddings", where=where),
         )
     raise UnsupportedConfigError(
         f"rope type {kind!r} is not supported; supported: ['default', 'linear', 'llama3']"
@@ -53,23 +75,24 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any):
     if layer_types and any(t != "full_attention" for t in layer_types) and not fam.sliding_window:
         raise UnsupportedConfigError(f"layer_types={sorted(set(layer_types))} is not supported")
     theta, scaling = _rope_from_hf(hf)
-    n_heads = hf["num_attention_heads"]
+    n_heads = _field(hf, "num_attention_heads")
+    d_model = _field(hf, "hidden_size")
     fields = dict(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
+        vocab_size=_field(hf, "vocab_size"),
+        d_model=d_model,
+        n_layers=_field(hf, "num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        ffn_dim=hf["intermediate_size"],
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        n_kv_heads=_field(hf, "num_key_value_heads", n_heads),
+        head_dim=_field(hf, "head_dim", None) or (d_model // n_heads if n_heads > 0 else None),
+        ffn_dim=_field(hf, "intermediate_size"),
+        norm_eps=_field(hf, "rms_norm_eps", 1e-6, kind=float),
         rope_theta=theta,
         rope_scaling=scaling,
         qkv_bias=fam.qkv_bias,
         qk_norm=fam.qk_norm,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=hf.get("sliding_window") if fam.sliding_window else None,
-        max_seq_len=hf.get("max_position_embeddings", 2048),
+        sliding_window=_field(hf, "sliding_window", None) if fam.sliding_window else None,
+        max_seq_len=_field(hf, "max_position_embeddings", 2048),
         family=fam.name,
     )
     fields.update(overrides)
@@ -98,6 +121,9 @@ def config_to_hf(config: ModelConfig, family: Family) -> dict[str, Any]:
     for name, default in (("attention", "softmax"), ("mlp", "swiglu"), ("rope", "default")):
         if getattr(config, name) != default:
             problems.append(f"{name}={getattr(config, name)!r} (the family has {default!r})")
+    if config.mode == "diffusion" and family.name != "llama":
+        problems.append(f"mode='diffusion' with family={family.name!r} (a diffusion model is saved in the "
+                        "Llama-named LLaDA layout: family='llama')")
     if problems:
         raise UnsupportedConfigError(
             f"this model cannot be saved as {family.architecture}: " + "; ".join(problems)
@@ -133,6 +159,11 @@ def config_to_hf(config: ModelConfig, family: Family) -> dict[str, Any]:
         "torch_dtype": config.param_dtype,
         "initializer_range": config.init_std,
     }
+    if config.mode == "diffusion":  # the Llama-named LLaDA layout `jaxlm.models.hf.llada` reads
+        hf.update(architectures=list(llada.ARCHITECTURES[1:]), model_type="llada",
+                  mask_token_id=config.mask_token_id)
+        if config.delete_token_id is not None:
+            hf["delete_token_id"] = config.delete_token_id
     if family.name in ("llama", "qwen3"):
         hf["attention_bias"] = False
     if family.name == "llama":

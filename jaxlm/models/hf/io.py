@@ -25,9 +25,9 @@ import numpy as np
 from jaxlm.data.tokenizers import load_tokenizer, save_tokenizer
 from jaxlm.dtypes import optional_dtype_name
 from jaxlm.fileio import LOCK_FILE, atomic_directory, describe_leftovers, recover_directory
-from jaxlm.models.hf.configs import config_from_hf, config_to_hf
 from jaxlm.models.hf import llada
-from jaxlm.models.hf.families import FAMILIES
+from jaxlm.models.hf.configs import config_from_hf, config_to_hf
+from jaxlm.models.hf.families import FAMILIES, UnsupportedConfigError
 from jaxlm.models.params import flat_params, init_params, model_from_flat, param_axes, param_shapes
 from jaxlm.models.transformer import Transformer
 from jaxlm.sharding import LOGICAL_RULES, param_sharding
@@ -41,11 +41,14 @@ class CheckpointError(ValueError):
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -215,8 +218,7 @@ def load_hf(
     return model
 
 
-# Files save_tokenizer may write (in place): an old directory's copies are copied, never
-# hard-linked, so writing them cannot change the old directory.
+# The tokenizer's files: a model that has its own tokenizer writes them afresh.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -227,21 +229,23 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _carry_over(old: Path, new: Path, *, copy: tuple[str, ...] | None = None) -> None:
+# What a jaxlm (orbax) checkpoint holds beside its tokenizer: a model written over one
+# replaces it, so none of it is carried into the new directory.
+_ORBAX_ENTRIES = ("config", "params", "quant", "_CHECKPOINT_METADATA", "commit_success.txt")
+
+
+def _carry_over(old: Path, new: Path, *, skip: tuple[str, ...] = ()) -> None:
     """Bring the files of an existing directory ``old`` that ``new`` lacks into ``new``
-    (hard links where possible), except weights, the index and lock files. With
-    ``copy``: only those names, as copies."""
+    (hard links where possible), except weights (HF and orbax), the index, lock files
+    and the names in ``skip``."""
     if not old.is_dir():
         return
     for entry in old.iterdir():
         name = entry.name
         if (new / name).exists() or name.endswith(".safetensors") or name == INDEX_FILE \
-                or name.startswith(LOCK_FILE):
+                or name.startswith(LOCK_FILE) or name in _ORBAX_ENTRIES or name in skip:
             continue
-        if copy is not None:
-            if name in copy and entry.is_file():
-                shutil.copy2(entry, new / name)
-        elif entry.is_dir() and not entry.is_symlink():
+        if entry.is_dir() and not entry.is_symlink():
             shutil.copytree(entry, new / name, symlinks=True, copy_function=_link_or_copy)
         elif entry.is_symlink():
             os.symlink(os.readlink(entry), new / name)
@@ -263,8 +267,10 @@ def save_hf(
     weights are split into numbered shards with an index file.
 
     An existing ``path`` is replaced atomically: the new directory is written beside it
-    (other files of the old one carried over, its ``*.safetensors`` and index not) and
-    swapped in, so ``path`` holds the complete old or new model at every moment.
+    and swapped in, so ``path`` holds the complete old or new model at every moment. Other
+    files of the old directory are carried over; its weights (``*.safetensors``, the index,
+    a jaxlm checkpoint's ``config/`` and ``params/``) are not, nor its tokenizer files when
+    ``model`` has a tokenizer of its own.
     """
     from safetensors.numpy import save_file
 
@@ -279,6 +285,12 @@ def save_hf(
         if mapped is None:
             raise ValueError(f"parameter {name!r} has no {fam.architecture} tensor; this model cannot be saved as HF")
         hf_name, transpose = mapped
+        if not isinstance(value, (jax.Array, np.ndarray)):
+            raise UnsupportedConfigError(
+                f"parameter {name!r} is a {type(value).__name__} (a quantized or transformed weight); HF "
+                "safetensors hold plain tensors, so this model cannot be saved as HF: save it with "
+                "jaxlm.save_checkpoint instead"
+            )
         array = np.asarray(jax.device_get(value))
         tensors[hf_name] = np.ascontiguousarray(array.T if transpose else array)
 
@@ -304,8 +316,7 @@ def save_hf(
             index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-        _carry_over(path, staging, copy=_TOKENIZER_FILES)
-        if model.tokenizer is not None:
+        if model.tokenizer is not None:  # the model's own tokenizer replaces the old one's files
             save_tokenizer(model.tokenizer, staging)
-        _carry_over(path, staging)
+        _carry_over(path, staging, skip=_TOKENIZER_FILES if model.tokenizer is not None else ())
     return path

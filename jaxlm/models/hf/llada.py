@@ -9,8 +9,9 @@ Two layouts occur:
   ``attn_norm``, ``ff_norm``, ``ff_proj`` (gate), ``up_proj``, ``ff_out`` (down), ``ln_f`` and
   the LM head ``ff_out``). The architecture is Llama's with bidirectional attention.
 * **Llama-named** (``architectures: ["LLaDAForCausalLM"]``, ``model_type: "llada"``, e.g.
-  ME-DLM's converted checkpoints): Llama's config fields and tensor names, plus ME-DLM's
-  ``next_token_head.weight`` when the model has the edit head.
+  ME-DLM's converted checkpoints, and what `jaxlm.save_hf` writes for a diffusion model):
+  Llama's config fields and tensor names, plus ME-DLM's ``next_token_head.weight`` when the
+  model has the edit head (and its ``delete_token_id``).
 
 `as_llama` rewrites the config to Llama's and `tensor_name` the tensor names, so `load_hf`
 reads both through the Llama table; the model is ``mode="diffusion"`` with the checkpoint's
@@ -95,5 +96,8 @@ def tensor_name(name: str) -> str:
 def diffusion_overrides(hf: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
     """The `ModelConfig` fields that make the Llama reading a LLaDA model."""
     mask = hf.get("mask_token_id", DEFAULT_MASK_TOKEN_ID)
-    return {"mode": "diffusion", "mask_token_id": int(mask),
-            "next_token_head": "next_token_head.weight" in tensor_names}
+    out = {"mode": "diffusion", "mask_token_id": int(mask),
+           "next_token_head": "next_token_head.weight" in tensor_names}
+    if hf.get("delete_token_id") is not None:  # written by `jaxlm.save_hf` for an edit model
+        out["delete_token_id"] = int(hf["delete_token_id"])
+    return out
