@@ -72,9 +72,10 @@ def sft_loss_sum(logits, batch, weight_fn=uniform_weights) -> tuple[jax.Array, j
 
 
 def token_entropy(logits: jax.Array) -> jax.Array:
-    """``H_t = -sum_v p log p`` per position, float32 ``[B, T]`` (differentiable)."""
+    """``H_t = -sum_v p log p`` per position, float32 ``[B, T]`` (differentiable; a ``-inf``
+    logit, a banned token, contributes ``0 log 0 = 0``)."""
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+    return -jnp.sum(jnp.exp(lp) * jnp.where(jnp.isneginf(lp), 0.0, lp), axis=-1)
 
 
 def sem_weights(entropy: jax.Array, valid: jax.Array, threshold: float) -> jax.Array:

@@ -69,11 +69,13 @@ edge_hamming = set_hamming  # a graph is its edge set (edges as sorted pairs for
 
 
 def weighted_mode(latents: Sequence[Hashable], w: np.ndarray) -> Hashable:
-    """The latent with the largest total weight (ties: the first seen)."""
+    """The latent with the largest total weight (ties, up to float rounding of the sums: the
+    first seen)."""
     mass: dict[Hashable, float] = {}
     for l, wk in zip(latents, w):
-        mass[l] = mass.get(l, 0.0) + wk
-    return max(mass, key=lambda l: mass[l])  # dicts keep first-seen order; max keeps the first maximum
+        mass[l] = mass.get(l, 0.0) + float(wk)
+    top = max(mass.values())
+    return next(l for l in mass if mass[l] >= top - 1e-12 * max(abs(top), 1.0))  # dicts keep first-seen order
 
 
 def weighted_median(latents: Sequence[float], w: np.ndarray) -> float:

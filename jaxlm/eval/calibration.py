@@ -26,14 +26,17 @@ def _binary(confidence, correct) -> tuple[np.ndarray, np.ndarray]:
     return confidence, correct
 
 
-def _check_bins(n_bins: int) -> None:
-    if int(n_bins) != n_bins or n_bins < 1:
-        raise ValueError(f"n_bins={n_bins} must be an integer >= 1")
+def _check_bins(n_bins: int) -> int:
+    """``n_bins`` as an int (an integral float such as 15.0 is accepted)."""
+    if isinstance(n_bins, (bool, np.bool_)) or not isinstance(n_bins, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(n_bins) or int(n_bins) != n_bins or n_bins < 1:
+        raise ValueError(f"n_bins={n_bins!r} must be an integer >= 1")
+    return int(n_bins)
 
 
 def _width_bins(confidence: np.ndarray, correct: np.ndarray, n_bins: int):
     """Per equal-width bin ``(b/n, (b+1)/n]`` (0 in the first): count, confidence sum, hits."""
-    _check_bins(n_bins)
+    n_bins = _check_bins(n_bins)
     bins = np.clip(np.ceil(confidence * n_bins).astype(int) - 1, 0, n_bins - 1)
     return (np.bincount(bins, minlength=n_bins), np.bincount(bins, weights=confidence, minlength=n_bins),
             np.bincount(bins, weights=correct, minlength=n_bins))
@@ -71,7 +74,7 @@ def adaptive_calibration_error(confidence: np.ndarray, correct: np.ndarray, *, n
     predictions sorted by confidence (bin ``b`` holds sorted ranks ``[b N / B, (b+1) N / B)``,
     ties broken by input order)."""
     confidence, correct = _binary(confidence, correct)
-    _check_bins(n_bins)
+    n_bins = _check_bins(n_bins)
     n = confidence.size
     if n == 0:
         return 0.0
@@ -104,7 +107,13 @@ def full_calibration_error(probs: np.ndarray, labels: np.ndarray, *, n_bins: int
     labels = np.asarray(labels).ravel()
     if probs.ndim != 2 or probs.shape[0] != labels.size:
         raise ValueError(f"probs must be [N, V] with N = len(labels), got {probs.shape} and {labels.shape}")
-    _check_bins(n_bins)
+    if probs.size and not (np.all(probs >= 0.0) and np.all(probs <= 1.0)):
+        raise ValueError("probs must lie in [0, 1] (probabilities, not logits)")
+    if labels.size and not (np.issubdtype(labels.dtype, np.integer)
+                            and labels.min() >= 0 and labels.max() < probs.shape[1]):
+        raise ValueError(f"labels must be class ids in [0, V={probs.shape[1]}), got {labels.dtype} "
+                         f"in [{labels.min()}, {labels.max()}]")
+    n_bins = _check_bins(n_bins)
     n, V = probs.shape
     if n == 0:
         return 0.0

@@ -106,7 +106,7 @@ def step_evidence(logprobs, entropies, hidden, step_of_token, n_steps: int, *, k
         sel = step_of_token == t
         if not sel.any():
             e[t] = e[t - 1] if t else 0.0
-            means.append(means[-1] if means else None)
+            means.append(None)  # no hidden state: not part of later steps' reference
             continue
         if kind == "logprob":
             e[t] = logprobs[sel].mean()

@@ -75,6 +75,7 @@ def selective_accuracy(confidence: np.ndarray, correct: np.ndarray, coverage: fl
         raise ValueError(f"coverage={coverage} must be in (0, 1]")
     if confidence.size == 0:
         raise ValueError("selective accuracy of no predictions")
-    k = int(np.ceil(coverage * confidence.size - 1e-12))
+    x = coverage * confidence.size  # ceil up to float error, relative to x (0.28 * 1e5 = 28000.000000000004)
+    k = int(np.ceil(x - 1e-9 * max(x, 1.0)))
     top = np.argsort(-confidence, kind="mergesort")[:k]
     return float(correct[top].mean())

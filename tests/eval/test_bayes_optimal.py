@@ -39,6 +39,9 @@ def test_mode_median_and_ties():
     assert bayes_optimal(["a", "b"]).latent == "a"  # tie: first seen
     # weighted mode follows the weights, not the counts
     assert bayes_optimal(["a", "b", "b"], weights=[0.6, 0.2, 0.2]).latent == "a"
+    # a tie in exact arithmetic stays a tie when the float sums differ in the last bit
+    for weights in ([3, 1, 2], [0.3, 0.1, 0.2]):
+        assert bayes_optimal(["a", "b", "b"], weights=weights).latent == "a"
     # an even split: every point between the middle two is a median; risk is the same
     got = bayes_optimal([1.0, 2.0, 3.0, 10.0], "absolute")
     assert got.latent == 2.0 and got.risk == pytest.approx((1 + 0 + 1 + 8) / 4)

@@ -48,6 +48,20 @@ def test_full_ece_is_the_classwise_sum():
     np.testing.assert_allclose(full_calibration_error(probs, labels), want, rtol=1e-10, atol=1e-12)
     # one-hot predictions that are always right are perfectly calibrated
     assert full_calibration_error(np.eye(4)[[0, 1, 2, 3]], np.array([0, 1, 2, 3])) == 0.0
+    with pytest.raises(ValueError, match="probabilities, not logits"):
+        full_calibration_error(np.log(probs), labels)
+    with pytest.raises(ValueError, match=r"labels must be class ids in \[0, V=5\)"):
+        full_calibration_error(probs[:2], np.array([0, 5]))
+    assert full_calibration_error(probs, labels, n_bins=15.0) == full_calibration_error(probs, labels)
+
+
+def test_bin_counts_must_be_integers():
+    conf, correct = np.array([0.2, 0.7, 0.9]), np.array([0, 1, 1])
+    for metric in (expected_calibration_error, signed_calibration_error, adaptive_calibration_error):
+        assert metric(conf, correct, n_bins=4.0) == metric(conf, correct, n_bins=4)
+        for bad in (0, 2.5, float("nan"), True, "4"):
+            with pytest.raises(ValueError, match="must be an integer >= 1"):
+                metric(conf, correct, n_bins=bad)
 
 
 def loop_bins(conf, correct, n_bins):

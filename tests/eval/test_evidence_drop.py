@@ -66,3 +66,20 @@ def test_step_evidence_equals_an_unpadded_forward(model):
     assert single.score[0] == 0.0 and single.step[0] == -1
     with pytest.raises(ValueError, match="evidence="):
         evidence_drop(model, [prompt], [trace], evidence="density")
+
+
+def test_hidden_similarity_reference_skips_empty_steps():
+    """Each step's evidence is the cosine of its mean hidden state to the mean of the earlier
+    steps' means; a step with no tokens repeats the previous evidence and adds nothing."""
+    from jaxlm.eval.evidence_drop import step_evidence
+
+    hidden = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, 0.0]])
+    step_of_token = np.array([0, 1, 3, 3])  # step 2 has no token
+
+    def cos(a, b):
+        return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+    e = step_evidence(np.zeros(4), np.zeros(4), hidden, step_of_token, 4, kind="hidden_similarity", vocab_size=10)
+    step3 = hidden[2:].mean(0)
+    np.testing.assert_allclose(e, [1.0, cos(hidden[1], hidden[0]), cos(hidden[1], hidden[0]),
+                                   cos(step3, (hidden[0] + hidden[1]) / 2)], atol=1e-12)

@@ -56,5 +56,10 @@ def test_selective_accuracy():
     assert selective_accuracy(conf, correct, 0.25) == 1.0
     assert selective_accuracy(conf, correct, 0.5) == 0.5
     assert selective_accuracy(conf, correct, 1.0) == 0.5
+    # ceil(coverage * N) of the decimal coverage: 0.28 * 1e5 keeps 28000, not 28001
+    big_conf = -np.arange(100_000, dtype=float)
+    big_correct = np.arange(100_000) < 28_000  # exactly the 28000 most confident are right
+    assert selective_accuracy(big_conf, big_correct, 0.28) == 1.0
+    assert selective_accuracy(big_conf, big_correct, 0.28001) < 1.0
     with pytest.raises(ValueError, match="coverage"):
         selective_accuracy(conf, correct, 0.0)

@@ -184,6 +184,35 @@ def test_grpo_config_names_the_ccc_fields():
 
 
 # -- the task --------------------------------------------------------------------------
+def test_huge_answers_keep_rewards_and_advantages_finite():
+    """A parsed 60-digit answer is clipped (`PRED_LIMIT`) before the float32 rewards: the
+    group's rewards and GRPO advantages stay finite and the outlier still ranks last."""
+    from trainers.rl.advantages import ADVANTAGES
+
+    task = LongTailedRegression()
+    exs = [dict(task.example(0, "train"), target=4.0)]
+    flat = ["3", "4", "5", "1" + "0" * 60]
+    for name in ("ccc", "crps_loo"):
+        r = REWARDS[name](None, flat, **_columns(task, exs, 4))
+        adv = np.asarray(ADVANTAGES["grpo"](r.reshape(1, 4)))
+        assert np.isfinite(r).all() and np.isfinite(adv).all(), name
+    assert r[3] < 0 < r[:3].min() and adv[0, 3] < 0  # crps_loo: the outlier loses its group's credit
+
+
+def test_evaluate_regression_with_no_parsed_answer(monkeypatch):
+    """An untrained model may parse nothing: every answer is invalid, CCC is nan, no error."""
+    import types
+
+    import jaxlm
+
+    task = LongTailedRegression()
+    exs = [task.example(i, "eval") for i in range(6)]
+    monkeypatch.setattr(jaxlm, "generate", lambda *a, **k: types.SimpleNamespace(texts=["x?"] * len(exs)))
+    out = evaluate_regression(None, task, exs)
+    assert out["invalid"] == 1.0 and out["accuracy"] == 0.0 and np.isnan(out["ccc"])
+    assert all(out[f"mae_{task.bucket(e)}"] == task.error_scale for e in exs)
+
+
 def test_long_tailed_regression_task():
     task = LongTailedRegression()
     p = task.bin_frequencies()

@@ -30,6 +30,16 @@ def _numpy_sem(logits, valid, threshold):
     return H, w, float((w * H).sum())
 
 
+def test_token_entropy_of_a_banned_token_is_zero_log_zero():
+    """A -inf logit is a token of probability 0: it adds 0 log 0 = 0, not NaN."""
+    logits = np.array([[[1.0, 2.0, -np.inf, 0.5]]], np.float32)
+    p = np.exp(logits[0, 0, [0, 1, 3]] - logits[0, 0, [0, 1, 3]].max())
+    p /= p.sum()
+    np.testing.assert_allclose(np.asarray(token_entropy(jnp.asarray(logits)))[0, 0], -(p * np.log(p)).sum(), rtol=1e-6)
+    grad = jax.grad(lambda x: token_entropy(x).sum())(jnp.asarray(logits))
+    assert np.isfinite(np.asarray(grad)).all()
+
+
 @pytest.mark.parametrize("threshold", [0.25, 0.75, 1.0])
 def test_sem_weights_and_term_match_numpy(threshold):
     batch, logits = _batch()

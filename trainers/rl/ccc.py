@@ -134,13 +134,19 @@ def ccc_reward(prompts, completions, *, examples, group, num_generations, task, 
                       lambda p, v, y: swap_in_ccc_rewards(p, v, y, invalid_reward=r_min))
 
 
+#: parsed answers are clipped to +-this before the rewards are computed
+PRED_LIMIT = 1e15
+
+
 def _per_group(completions, examples, group, num_generations, task, rewards_fn) -> np.ndarray:
     """Flat rollouts -> ``rewards_fn(pred [B, G], valid [B, G], target [B])`` -> flat float32
     rewards in the rollouts' order."""
     pred = _parse(task, completions)
     idx = _grouped(group, num_generations, len(completions))
     target = _targets(examples)[idx[:, 0]]
-    grouped = np.clip(pred[idx], -1e100, 1e100)  # keeps squares finite; nan (invalid) stays nan
+    # |answers| <= PRED_LIMIT keeps the rewards, and their squares in GRPO's float32 group
+    # statistics, finite (a parsed 60-digit answer overflowed float32); nan (invalid) stays nan
+    grouped = np.clip(pred[idx], -PRED_LIMIT, PRED_LIMIT)
     out = np.empty(len(completions), np.float64)
     out[idx] = rewards_fn(np.nan_to_num(grouped), ~np.isnan(grouped), target)
     return out.astype(np.float32)
@@ -217,10 +223,11 @@ def evaluate_regression(model, task, examples, tokenizer=None, *, max_new_tokens
                 signed_few.append(p - e["target"])
             pred.append(p)
             target.append(e["target"])
-    result = {f"mae_{b}": float(np.mean(v)) for b, v in err.items()}
+    result = {f"mae_{b}": float(np.mean(v)) if v else float("nan") for b, v in err.items()}  # nan: empty bucket
     result["bias_few"] = float(np.mean(signed_few)) if signed_few else float("nan")
-    result["ccc"] = ccc(pred, target)
+    result["ccc"] = ccc(pred, target) if pred else float("nan")  # nan: no answer parsed
     result["invalid"] = 1.0 - len(pred) / len(examples)
     result["accuracy"] = float(np.mean(correct))
-    result["accuracy_few"] = float(np.mean([c for c, e in zip(correct, examples) if task.bucket(e) == "few"]))
+    few = [c for c, e in zip(correct, examples) if task.bucket(e) == "few"]
+    result["accuracy_few"] = float(np.mean(few)) if few else float("nan")
     return result
