@@ -728,3 +728,13 @@ def read_jsonl(path: str | os.PathLike, *, what: str = "JSON-lines file", warn: 
             complete = end  # a parsed last line without a newline is complete
         offset = end
     return JsonlContents(records, None, complete)
+
+
+def jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of each non-blank line of a UTF-8 JSON Lines file, split at
+    ``\\n`` only (``str.splitlines`` would also split at U+2028, U+2029 and U+0085, which
+    ``json.dumps(..., ensure_ascii=False)`` writes raw inside strings)."""
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), 1):
+        line = line.removesuffix("\r")
+        if line.strip():
+            yield n, line

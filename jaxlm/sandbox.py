@@ -163,7 +163,11 @@ def _limit(limits: Limits) -> str:
     return "\n".join(lines) + "\ndel _resource\n"
 
 
-def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str, str] | None) -> RunResult:
+def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str, str] | None,
+         *, results_mark: str | None = None) -> RunResult:
+    """Run ``script`` beside ``program.py``. Output is read as UTF-8 with undecodable bytes
+    replaced; stdout keeps its first ``limits.output_chars`` characters, plus everything from
+    the last ``results_mark`` on (where a caller's results follow the program's own output)."""
     work = tempfile.mkdtemp(prefix="jaxlm-sandbox-")
     try:
         with open(os.path.join(work, "program.py"), "w") as f:
@@ -178,7 +182,8 @@ def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str,
         env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "PYTHONDONTWRITEBYTECODE": "1",
                "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
         # output goes to files in the run's directory, so the file-size limit bounds it too
-        with open(os.path.join(work, ".stdout"), "w+") as out_f, open(os.path.join(work, ".stderr"), "w+") as err_f:
+        with open(os.path.join(work, ".stdout"), "w+", encoding="utf-8", errors="replace") as out_f, \
+                open(os.path.join(work, ".stderr"), "w+", encoding="utf-8", errors="replace") as err_f:
             proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _limit(limits) + _GUARD + script], cwd=work,
                                     env=env, stdin=subprocess.PIPE, stdout=out_f, stderr=err_f,
                                     start_new_session=True, text=True)
@@ -190,7 +195,12 @@ def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str,
                 proc.wait()
                 timed_out = True
             out_f.seek(0)
-            out = out_f.read(limits.output_chars)
+            full = out_f.read()  # at most Limits.file_mb
+            out = full[:limits.output_chars]
+            if results_mark is not None and results_mark in full:
+                results = full[full.rindex(results_mark):]
+                if not out.endswith(results):
+                    out += results
             err_f.seek(0)
             err = err_f.read()[-limits.output_chars:]
         if timed_out:
@@ -246,7 +256,7 @@ def call_function(program: str, function: str, inputs: list, *, call_timeout_s: 
         if not isinstance(args, (list, tuple)):
             raise ValueError(f"inputs[{i}]={args!r} must be a list of positional arguments (e.g. [x])")
     spec = json.dumps({"function": function, "inputs": list(inputs), "timeout_s": float(call_timeout_s)})
-    run = _run(textwrap.dedent(_CALLER), program, spec, limits, None)
+    run = _run(textwrap.dedent(_CALLER), program, spec, limits, None, results_mark=_RESULT_MARK)
     reported: list = []
     if _RESULT_MARK in run.stdout:
         try:

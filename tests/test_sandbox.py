@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from jaxlm.sandbox import Limits, VIOLATION_EXIT, call_function, run_python
+from jaxlm.sandbox import VIOLATION_EXIT, CallResult, Limits, call_function, run_python
 
 FAST = Limits(timeout_s=3.0, cpu_s=3, memory_mb=256, file_mb=1)
 
@@ -70,3 +70,19 @@ def test_a_dead_process_fails_every_call():
     assert "SyntaxError" in results[0].error
     with pytest.raises(ValueError, match="timeout_s"):
         Limits(timeout_s=0)
+
+
+def test_undecodable_output_is_replaced_not_raised():
+    """Bytes that are not UTF-8 on stdout or stderr come back replaced; the caller survives."""
+    run = run_python("import os, sys\nos.write(1, b'ok \\xff')\nsys.stderr.buffer.write(b'caf\\xe9')\n")
+    assert run.status == "ok" and run.stdout == "ok \ufffd" and run.stderr == "caf\ufffd"
+    calls, run = call_function("import os\ndef f(x):\n    os.write(1, b'\\x80')\n    return x\n", "f", [[1]])
+    assert run.status == "ok" and calls == [CallResult(True, "1")]
+
+
+def test_results_survive_a_chatty_program():
+    """A correct function that prints more than `Limits.output_chars` still reports its results."""
+    program = "def f(x):\n    for i in range(5000):\n        print('debug line', i)\n    return 2 * x\n"
+    calls, run = call_function(program, "f", [[1], [2], [3]])
+    assert run.status == "ok" and [(c.ok, c.value) for c in calls] == [(True, "2"), (True, "4"), (True, "6")]
+    assert run.stdout.startswith("debug line 0\n")

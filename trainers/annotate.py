@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxlm.data.encoding import encode
 from jaxlm.data.files import TOKEN_FIELDS, TOPK_FIELDS, DataError, read_rows
-from jaxlm.fileio import atomic_write_text
+from jaxlm.fileio import atomic_write_text, jsonl_lines
 from jaxlm.models.masks import segment_mask
 
 ROLES_AS = ("behavior", "target", "teacher")
@@ -91,7 +91,7 @@ def annotate_file(model, data: str | Path, out: str | Path, *, as_: str = "behav
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
     if Path(data).suffix != ".jsonl":
         raise DataError(f"{data}: `jaxlm logprobs` reads and writes .jsonl files")
-    raw = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
+    raw = [json.loads(line) for _, line in jsonl_lines(data)]
     rows = read_rows(data)  # validated: the same rows, in order
     scores = token_logprobs(model, [{k: v for k, v in r.items() if k not in TOKEN_FIELDS + TOPK_FIELDS} for r in rows],
                             top_k=top_k, batch_size=batch_size)

@@ -19,7 +19,7 @@ import numpy as np
 from jaxlm.data.files import DataError
 from jaxlm.eval.conformal import scope_threshold, selective_report
 from jaxlm.eval.judge import JudgeTemplate, judge_pairs
-from jaxlm.fileio import atomic_write_text
+from jaxlm.fileio import atomic_write_text, jsonl_lines
 
 FIELDS = ("question", "a", "b")
 
@@ -31,9 +31,7 @@ def read_pairs(path: str | Path, *, labelled: bool = False) -> list[dict[str, An
     if path.suffix != ".jsonl":
         raise DataError(f"{path}: `jaxlm judge` reads .jsonl files (one {{\"question\", \"a\", \"b\"}} object per line)")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in jsonl_lines(path):
         where = f"{path}:{n}"
         try:
             row = json.loads(line)

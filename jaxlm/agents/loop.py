@@ -31,6 +31,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from jaxlm.agents.parsing import parse_reply
 from jaxlm.agents.tools import Toolbox
+from jaxlm.fileio import jsonl_lines
 from jaxlm.inference.sampler import default_stop_tokens, generate
 
 
@@ -86,9 +87,7 @@ def read_rows(path: str | Path, fields: dict[str, type | tuple[type, ...]]) -> l
     """The JSON objects of a jsonl file (blank lines skipped), each checked to hold ``fields``
     of the given types; errors name the file, the line and what is missing."""
     rows = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in jsonl_lines(path):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:

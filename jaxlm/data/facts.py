@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from jaxlm.data.tasks import TASKS, Arithmetic, Task
+from jaxlm.fileio import jsonl_lines
 
 RELATIONS: dict[str, dict[str, Any]] = {
     "city": {
@@ -200,9 +201,7 @@ def read_requests(path: str | Path) -> list[dict[str, Any]]:
     if not path.exists():
         raise FileNotFoundError(f"edit requests file {path} does not exist")
     out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, line in jsonl_lines(path):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:

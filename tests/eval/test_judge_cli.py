@@ -62,3 +62,14 @@ def test_calibration_rows_need_labels(judge_dir, tmp_path, capsys):
         main(["judge", str(judge_dir / "model"), "--pairs", str(judge_dir / "pairs.jsonl"), "--out",
               str(tmp_path / "o.jsonl"), "--calibration", str(cal)])
     assert e.value.code == 2 and "needs \"label\"" in capsys.readouterr().err
+
+
+def test_pairs_file_with_unicode_line_separators_inside_strings(tmp_path):
+    """JSON Lines ends a row at \\n only: U+2028, U+2029 and U+0085 written raw inside a string
+    (as `json.dumps(..., ensure_ascii=False)` does) stay in the row."""
+    from trainers.judge_file import read_pairs
+
+    rows = [{"question": "Which?", "a": "first\u2028second", "b": "p\u2029q"}, {"question": "q2", "a": "x\x85y", "b": "z"}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n\n", encoding="utf-8")
+    assert read_pairs(path) == rows

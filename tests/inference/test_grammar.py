@@ -607,3 +607,33 @@ def test_pack_bits_layout(V):
         for w in range(got.shape[1]):
             word = sum(1 << b for b in range(32) if 32 * w + b < V and allowed[r, 32 * w + b])
             assert int(got[r, w]) & 0xFFFFFFFF == word
+
+
+@pytest.mark.parametrize("pattern, text", [
+    ("a.b", '"a"b"'), ("a.b", '"a\nb"'), ("a.b", '"a\x01b"'), ("[^x]{1,3}", '"""'), ("[^x]{1,3}", '"\\"'),
+    ("a.b", '"a\u00e9b"'), ("[^x]{1,3}", '"ab"'),
+])
+def test_a_string_pattern_stays_inside_the_json_string(pattern, text):
+    """A pattern's `.` or negated class written between the quotes never admits a raw quote,
+    backslash or control character: the language is XGrammar's and every string parses."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from jaxlm.inference.grammar.automaton import to_dfa
+    from jaxlm.inference.grammar.json_schema import parse_json_schema
+
+    schema = {"type": "string", "pattern": pattern}
+    ours = to_dfa(parse_json_schema(schema)).matches(text.encode())
+    assert ours == _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema)), text)
+    if ours:
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_enum_beside_type_keeps_the_values_of_that_type():
+    from jaxlm.inference.grammar.automaton import to_dfa
+    from jaxlm.inference.grammar.json_schema import parse_json_schema
+
+    dfa = to_dfa(parse_json_schema({"type": "string", "enum": ["a", 1, None]}))
+    assert [dfa.matches(t.encode()) for t in ('"a"', "1", "null")] == [True, False, False]
+    assert to_dfa(parse_json_schema({"type": ["integer", "null"], "enum": [1.0, 2.5, None, "x"]})).matches(b"null")
+    with pytest.raises(GrammarError, match="no 'enum' value has type 'boolean'"):
+        parse_json_schema({"type": "boolean", "enum": ["a", 1]})

@@ -33,11 +33,13 @@ from jaxlm.inference.grammar.automaton import (
     EMPTY,
     NOTHING,
     Alt,
+    Chars,
     GrammarError,
     Repeat,
     Seq,
     alt,
     chars,
+    complement,
     literal,
     optional,
     seq,
@@ -72,6 +74,29 @@ STRING_CHAR = chars((0x20, 0x21), (0x23, 0x5B), (0x5D, 0x10FFFF))  # not control
 STRING = seq(literal('"'), star(alt(STRING_CHAR, ESCAPE)), literal('"'))
 BOOLEAN = alt(literal("true"), literal("false"))
 NULL = literal("null")
+
+
+def _has_type(value: Any, t: str) -> bool:
+    """Whether a JSON value is an instance of JSON-schema type ``t``."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return {"integer": number and float(value).is_integer(), "number": number, "string": isinstance(value, str),
+            "boolean": isinstance(value, bool), "null": value is None, "array": isinstance(value, list),
+            "object": isinstance(value, dict)}.get(t, False)
+
+
+def _within_string(expr):
+    """``expr`` with every character class cut to the characters a JSON string holds raw
+    (no control character, ``"`` or ``\\``): a pattern's ``.`` or ``[^x]`` written between the
+    quotes must not end the string or break it."""
+    if isinstance(expr, Chars):
+        return Chars(complement(complement(expr.ranges) + complement(STRING_CHAR.ranges)))
+    if isinstance(expr, Seq):
+        return Seq(tuple(_within_string(x) for x in expr.items))
+    if isinstance(expr, Alt):
+        return Alt(tuple(_within_string(x) for x in expr.items))
+    if isinstance(expr, Repeat):
+        return Repeat(_within_string(expr.item), expr.min, expr.max)
+    raise TypeError(f"unexpected grammar node {type(expr).__name__}")
 
 
 class _Builder:
@@ -113,6 +138,11 @@ class _Builder:
             values = s["enum"] if kw == "enum" else [s["const"]]
             if kw == "enum" and (not isinstance(values, list) or not values):
                 raise GrammarError(f"JSON schema {where}: 'enum' must be a non-empty list")
+            if "type" in s:  # a value must satisfy both keywords
+                types = s["type"] if isinstance(s["type"], list) else [s["type"]]
+                values = [v for v in values if any(_has_type(v, t) for t in types)]
+                if not values:
+                    raise GrammarError(f"JSON schema {where}: no {kw!r} value has type {s['type']!r}")
             return alt(*(literal(json.dumps(v, separators=(",", ":"), ensure_ascii=False)) for v in values))
         if "anyOf" in s:
             extra = keys - {"anyOf"}
@@ -162,7 +192,7 @@ class _Builder:
                 raise GrammarError(f"JSON schema {where}: 'pattern' with 'minLength'/'maxLength' is not supported")
             if not isinstance(s["pattern"], str):
                 raise GrammarError(f"JSON schema {where}: 'pattern' must be a string")
-            return seq(literal('"'), parse_regex(s["pattern"]), literal('"'))
+            return seq(literal('"'), _within_string(parse_regex(s["pattern"])), literal('"'))
         if "minLength" in s or "maxLength" in s:
             lo, hi = s.get("minLength", 0), s.get("maxLength")
             for name, v in (("minLength", lo), ("maxLength", hi)):
