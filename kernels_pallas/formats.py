@@ -123,20 +123,40 @@ def e8m0_exponent(amax: jax.Array, rule: str) -> jax.Array:
     - ``ceil``: ``ceil(log2(amax / 6))`` (NVIDIA / JAX ``scaled_matmul``): never clips.
     - ``alpha3``: ``floor(log2 amax)`` with elements multiplied by 3 before rounding and a
       global factor 1/3 on the output (FP-Quant / WUSH): scaled magnitudes in [3, 6).
-    Exponents are clamped to E8M0's [-127, 127]; an all-zero block gets -127.
+    Exponents are clamped to E8M0's [-127, 127]; an all-zero block gets -127. The exponents
+    are exact (from the float's own exponent, not a rounded ``log2``): an amax
+    just below a power of two gets the lower exponent, and ``ceil`` never clips.
     """
     amax = amax.astype(jnp.float32)
     safe = jnp.where(amax > 0, amax, 1.0)
+    f = jnp.where(jnp.isinf(safe), 127, floor_log2(safe))  # amax in [2^f, 2^(f+1))
     if rule == "ocp":
-        e = jnp.floor(jnp.log2(safe)) - 2
-    elif rule == "ceil":
-        e = jnp.ceil(jnp.log2(safe / E2M1_MAX))
+        e = f - 2
+    elif rule == "ceil":  # amax / 6 in (2^(f-3), 2^(f-1)): ceil(log2) is f - 2 or f - 1
+        e = jnp.where(safe <= 1.5 * pow2(f), f - 2, f - 1)
     elif rule == "alpha3":
-        e = jnp.floor(jnp.log2(safe))
+        e = f
     else:
         raise ValueError(f"MXFP4 scale rule {rule!r} is invalid: must be 'ocp', 'ceil' or 'alpha3'")
-    e = jnp.where(amax > 0, e, -127.0)
+    e = jnp.where(amax > 0, e, -127)
     return jnp.clip(e, -127, 127).astype(jnp.int32)
+
+
+def floor_log2(x: jax.Array) -> jax.Array:
+    """``floor(log2 x)`` of positive normal float32 ``x``, exactly (int32; ``frexp``'s exponent).
+    A subnormal ``x`` (flushed to zero on CPU) gives a value below -126, which every E8M0
+    exponent derived from it clamps to -127 as its exact value would."""
+    _, p = jnp.frexp(x.astype(jnp.float32))
+    return p.astype(jnp.int32) - 1
+
+
+def pow2(e: jax.Array) -> jax.Array:
+    """float32 ``2^e`` for int ``e`` in [-149, 127], exactly, from the bits (XLA:CPU's ``exp2``
+    is off by ulps for most exponents, which moves round-to-nearest-even ties)."""
+    e = jnp.asarray(e).astype(jnp.int32)
+    normal = jnp.clip(e + 127, 1, 254) << 23
+    subnormal = jnp.int32(1) << jnp.clip(e + 149, 0, 22)
+    return jax.lax.bitcast_convert_type(jnp.where(e >= -126, normal, subnormal), jnp.float32)
 
 
 def e8m0_encode(exponent: jax.Array) -> jax.Array:
@@ -145,8 +165,8 @@ def e8m0_encode(exponent: jax.Array) -> jax.Array:
 
 
 def e8m0_decode(byte: jax.Array) -> jax.Array:
-    """E8M0 byte -> float32 ``2^(byte - 127)`` (byte 255, E8M0's NaN, is never produced)."""
-    return jnp.exp2(byte.astype(jnp.float32) - 127.0)
+    """E8M0 byte -> float32 ``2^(byte - 127)``, exactly (byte 255, E8M0's NaN, is never produced)."""
+    return pow2(byte.astype(jnp.int32) - 127)
 
 
 def to_e4m3(x: jax.Array) -> jax.Array:

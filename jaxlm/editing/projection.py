@@ -59,7 +59,8 @@ def energy_mask(s_A: jax.Array, s_B: jax.Array, energy: float) -> jax.Array:
     s = jnp.sort(M.ravel())[::-1]
     frac = jnp.cumsum(s) / jnp.maximum(jnp.sum(s), 1e-30)
     r = jnp.minimum(jnp.searchsorted(frac, energy) + 1, s.size)
-    return M < s[r - 1]
+    # no curvature at all: no direction holds any energy, so none is blocked
+    return (M < s[r - 1]) | (jnp.sum(s) <= 0)
 
 
 def check_energy(energy: float) -> float:

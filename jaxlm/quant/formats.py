@@ -62,6 +62,9 @@ def nvfp4() -> QFormat:
     return QFormat("nvfp4", 16, "e2m1", "e4m3", two_level=True)
 
 
+#: the largest float16, int4's scale type: a group beyond 7x this saturates instead of NaN
+F16_MAX = float(jnp.finfo(jnp.float16).max)
+
 #: Gaussian-optimal clipping scale of the 4-bit RMS quantizer (WUSH ``optimal_gaussian_scales[4]``)
 INT4_RMS_C = 2.513930578568423
 
@@ -77,6 +80,8 @@ def int4(group: int = 128, scale: str = "absmax") -> QFormat:
 
 
 def e1m2(block: int = 16) -> QFormat:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block % 2:
+        raise ValueError(f"e1m2 block={block!r} is invalid: must be an even int >= 2")
     return QFormat("e1m2", block, "e1m2", "e4m3")
 
 
@@ -95,7 +100,8 @@ def get_format(name: str | QFormat, **options: Any) -> QFormat:
             key, eq, value = item.partition("=")
             if not eq or not key:
                 raise ValueError(f"format {spec!r}: option {item!r} is not key=value")
-            options.setdefault(key.strip(), int(value) if value.strip().isdigit() else value.strip())
+            value = value.strip()
+            options.setdefault(key.strip(), int(value) if value.lstrip("+-").isdigit() else value)
     if name not in FORMATS:
         raise ValueError(f"unknown quantization format {name!r}; available: {sorted(FORMATS)}")
     try:
@@ -169,7 +175,7 @@ def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2, global_scale=N
     gscale = jnp.ones((*x.shape[:-2], 1, 1), jnp.float32)  # per leading index (stacked layers scan)
     if fmt.element == "e2m1" and fmt.scale_kind == "e8m0":
         e = F.e8m0_exponent(amax, fmt.rule)
-        v = xb * jnp.exp2(-e.astype(jnp.float32))[..., None]
+        v = xb * F.pow2(-e)[..., None]
         if fmt.rule == "alpha3":
             v = v * 3.0
         codes = F.e2m1_encode(v)
@@ -188,14 +194,14 @@ def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2, global_scale=N
         codes = F.ENCODERS[fmt.element](v)
         scales = s
     elif fmt.element == "int4":
-        s = (amax / 7.0).astype(jnp.float16)
+        s = jnp.minimum(amax / 7.0, F16_MAX).astype(jnp.float16)  # saturate, never an inf scale
         s32 = s.astype(jnp.float32)
         v = jnp.where(s32[..., None] > 0, xb / jnp.where(s32 > 0, s32, 1.0)[..., None], 0.0)
         codes = F.int4_encode(v)
         scales = s
     elif fmt.element == "int4m":  # RMS-scaled midrise (WUSH): s = c_4 * 2/15 * rms(x_g)
         rms = jnp.sqrt(jnp.mean(jnp.square(xb), axis=-1))
-        s = (INT4_RMS_C * 2.0 / 15.0 * rms).astype(jnp.float16)
+        s = jnp.minimum(INT4_RMS_C * 2.0 / 15.0 * rms, F16_MAX).astype(jnp.float16)
         s32 = s.astype(jnp.float32)
         v = jnp.where(s32[..., None] > 0, xb / jnp.where(s32 > 0, s32, 1.0)[..., None], 0.0)
         codes = F.int4m_encode(v)

@@ -156,6 +156,8 @@ def test_projector_zeroes_the_top_energy_directions():
     curv = g @ np.kron(np.asarray(f.A[0], np.float64), np.asarray(f.B[0], np.float64)) @ g
     assert curv <= M.ravel()[order][r - 1] * (g @ g) + 1e-6
     assert np.all(np.asarray(energy_mask(jnp.asarray(s_A), jnp.asarray(s_B), 0.0)))
+    # no curvature at all: nothing holds energy, so nothing is blocked
+    assert np.all(np.asarray(energy_mask(jnp.zeros(4), jnp.asarray(s_B), 0.9)))
 
 
 def test_optax_transformation_projects_before_the_optimizer():

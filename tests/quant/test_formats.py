@@ -80,6 +80,47 @@ def test_mxfp4_ocp_rule_matches_microxcaling(scale):
     np.testing.assert_array_equal(np.asarray(q.scales).T.reshape(-1).astype(int) - 127, e.astype(int))
 
 
+def test_pow2_and_floor_log2_are_exact():
+    e = np.arange(-149, 128)
+    np.testing.assert_array_equal(np.asarray(F.pow2(jnp.asarray(e))), np.ldexp(np.float32(1), e).astype(np.float32))
+    x = np.concatenate([np.ldexp(np.float32(1), np.arange(-126, 128)).astype(np.float32),
+                        np.nextafter(np.ldexp(np.float32(1), np.arange(-125, 128)).astype(np.float32), np.float32(0)),
+                        np.random.RandomState(0).lognormal(0, 30, 2000).astype(np.float32)])
+    x = x[np.isfinite(x) & (x >= np.finfo(np.float32).tiny)]  # normal floats
+    np.testing.assert_array_equal(np.asarray(F.floor_log2(jnp.asarray(x))), np.frexp(x)[1] - 1)
+    assert int(F.floor_log2(jnp.float32(1e-42))) < -126  # a subnormal: below every normal exponent
+
+
+@pytest.mark.parametrize("k", [-110, -60, -20, 13, 40, 90, 115])
+def test_mxfp4_ties_round_to_even_at_every_exponent(k):
+    """Grid midpoints times 2^k round to even as in ml_dtypes, and an amax just below a power of
+    two takes the lower exponent (the OCP spec's exact floor(log2 amax) - 2)."""
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -2.5, -5.0], np.float64)
+    row = np.zeros(32)
+    row[0] = 6.0
+    row[1:11] = mids
+    below = np.zeros(32)
+    below[0] = np.nextafter(np.float32(2.0 ** 2), np.float32(0))  # amax just below 4
+    below[1] = 0.3
+    w = (np.stack([row, below]) * 2.0 ** k).astype(np.float32)
+    q = Q.quantize(jnp.asarray(w), Q.mxfp4("ocp"), axis=-1)
+    ref, e = _mx_reference(w)
+    np.testing.assert_array_equal(np.asarray(Q.dequantize(q)).reshape(-1), ref.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(q.scales).reshape(-1).astype(int) - 127, e.astype(int))
+    for rule in ("ceil", "alpha3"):  # the exact exponent: ceil never clips the block maximum
+        d = np.asarray(Q.dequantize(Q.quantize(jnp.asarray(w), Q.mxfp4(rule), axis=-1)))
+        assert np.all(np.abs(d).max(1) <= np.abs(w).max(1) * 1.5), rule
+
+
+def test_int4_scale_saturates_instead_of_nan_and_bad_blocks_are_named():
+    w = np.full((1, 32), 1e6, np.float32)  # amax / 7 is beyond float16
+    for fmt in (Q.int4(group=32), Q.int4(group=32, scale="rms")):
+        assert np.isfinite(np.asarray(Q.dequantize(Q.quantize(jnp.asarray(w), fmt, axis=-1)))).all()
+    for spec in ("e1m2:block=0", "e1m2:block=3", "e1m2:block=-16", "e1m2:block=abc"):
+        with pytest.raises(ValueError, match="e1m2 block=.* is invalid: must be an even int >= 2"):
+            Q.get_format(spec)
+
+
 def test_mxfp4_rules_never_clip_except_ocp():
     rng = np.random.RandomState(2)
     w = rng.randn(512, 32).astype(np.float32)
