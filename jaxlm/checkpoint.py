@@ -300,6 +300,14 @@ def load_model(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None
     )
 
 
+def _check_not_in_use(path: Path) -> None:
+    """`DirectoryLockedError` if a process (a training run) holds ``path``'s own lock: a
+    directory in use is not replaced under it."""
+    if path.is_dir() and not path.is_symlink():
+        with DirectoryLock(path, what="directory about to be replaced"):
+            pass
+
+
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: str = "orbax", overwrite: bool = False,
                        hint: str = "pass overwrite=True to replace it", **hf_kwargs) -> Path:
     """Read ``src`` (a jaxlm checkpoint or a HF directory) and write it to ``dst`` as a jaxlm
@@ -312,6 +320,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     with DirectoryLock(dst, beside=True, what="converted model being written"):
         if dst.exists() and not overwrite and (not dst.is_dir() or any(dst.iterdir())):
             raise FileExistsError(f"{dst} exists; {hint}")
+        _check_not_in_use(dst)
         model = load_model(src, **hf_kwargs)
         if to == "orbax":
             return save_checkpoint(model, dst, overwrite=True)
@@ -356,6 +365,7 @@ def transform_checkpoint(
     with DirectoryLock(out, beside=True, what=what):
         if out.exists() and not overwrite:
             raise FileExistsError(f"{out} exists; {overwrite_hint}")
+        _check_not_in_use(out)
         stages = ["load", desc] + (["accuracy before", "accuracy after"] if eval_n else []) + ["save"]
         with tqdm(total=len(stages), desc=desc, disable=not progress) as bar:
             def stage(name: str) -> None:

@@ -158,3 +158,27 @@ def test_verbs_that_write_a_directory_refuse_one_in_use(verb, checkpoint, tmp_pa
         holder.kill()
         holder.wait()
     assert not out.exists()
+
+
+@pytest.mark.parametrize("verb", ["convert", "quantize"])
+def test_overwrite_refuses_a_training_run_in_progress(verb, checkpoint, tmp_path, capsys):
+    """--overwrite onto the directory a training run holds is refused: it is not swapped out
+    from under the run."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    holder = _hold_lock(out, beside=False)
+    argv = {"convert": ["convert", checkpoint, out, "--overwrite"],
+            "quantize": ["quantize", checkpoint, "--out", out, "--overwrite", "--eval-n", "0",
+                         "--calibration-n", "4"]}[verb]
+    try:
+        _fails(argv, capsys, str(out), f"PID {holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (out / "config.json").read_text() == "{}"
+
+
+def test_dtype_for_a_jaxlm_checkpoint_is_a_usage_error(checkpoint, capsys):
+    _fails(["generate", "--model", checkpoint, "--prompt", "1+1=", "--dtype", "bfloat16"], capsys,
+           "--dtype applies to HF directories", "jaxlm checkpoint")

@@ -91,8 +91,8 @@ def annotate_file(model, data: str | Path, out: str | Path, *, as_: str = "behav
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
     if Path(data).suffix != ".jsonl":
         raise DataError(f"{data}: `jaxlm logprobs` reads and writes .jsonl files")
+    rows = read_rows(data)  # validated (a bad line is named): the same rows as `raw`, in order
     raw = [json.loads(line) for _, line in jsonl_lines(data)]
-    rows = read_rows(data)  # validated: the same rows, in order
     scores = token_logprobs(model, [{k: v for k, v in r.items() if k not in TOKEN_FIELDS + TOPK_FIELDS} for r in rows],
                             top_k=top_k, batch_size=batch_size)
     lines = []

@@ -355,6 +355,10 @@ _OVERWRITE_HINT = "pass --overwrite to replace it"
 def _load(path: Path, **kwargs):
     from jaxlm.checkpoint import load_model
 
+    if kwargs and (Path(path) / "config").is_dir() and (Path(path) / "params").is_dir():
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(kwargs))
+        raise UsageError(f"{flags} applies to HF directories; {path} is a jaxlm checkpoint, restored as its "
+                         "stored config says")
     return load_model(path, **kwargs)
 
 

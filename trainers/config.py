@@ -152,6 +152,9 @@ class TrainerConfig:
         for name in ("eval_every", "eval_generate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainerConfig.{name}={getattr(self, name)!r} must be >= 0")
+        if not isinstance(self.out_dir, str) or not self.out_dir.strip():
+            raise ValueError(f"TrainerConfig.out_dir={self.out_dir!r} is invalid: name the run's directory "
+                             "(an empty value would train into the current directory)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -184,6 +184,9 @@ def _resume(cfg: ExperimentConfig, out_dir: Path, ckpt: TrainCheckpointer, algo:
     latest = ckpt.latest_step()
     if latest is not None:
         check_resume_config(_stored_config(out_dir, ckpt, latest), config_dict, out_dir)
+    elif (out_dir / "config.json").exists():  # started, no checkpoint yet: its logs are this config's
+        check_resume_config(read_json(out_dir / "config.json", what="the run's config"), config_dict, out_dir)
+    if latest is not None:
         restored = ckpt.restore_verified(abstract_like(state))
         if restored is not None:
             start, state, data_state = restored

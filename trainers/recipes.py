@@ -131,7 +131,7 @@ def _unbox(text: str) -> str:
         return ""
     first, rest = lines[0], lines[1:]
     if first.startswith("Unrecognized options:"):
-        keys = [t.strip(",")[2:] for t in first.split()[2:] if t.startswith("--")]
+        keys = [t.strip(",")[2:].partition("=")[0] for t in first.split()[2:] if t.startswith("--")]
         first = "unknown key " + ", ".join(keys) if keys else first
     hint = ""
     if rest and rest[0].startswith("Perhaps you meant"):
@@ -148,19 +148,29 @@ def _unbox(text: str) -> str:
     return first + (f"\n{hint}" if hint else "")
 
 
-def _is_sequence_field(config: Any, parts: list[str]) -> bool:
-    """Field ``parts`` of ``config`` is declared a tuple or list: ``key=a,b`` or ``key='a b'``
-    gives its items (shell-quoted items keep their spaces: ``key="'a b' c"``)."""
+def _field_hint(config: Any, parts: list[str]) -> Any:
+    """The declared type of field ``parts`` of ``config`` (None if there is no such field)."""
     obj = config
     for i, name in enumerate(parts):
         if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
-            return False
+            return None
         if i == len(parts) - 1:
-            hint = typing.get_type_hints(type(obj)).get(name)
-            origins = {typing.get_origin(h) for h in (hint, *typing.get_args(hint))}
-            return bool(origins & {tuple, list})
+            return typing.get_type_hints(type(obj)).get(name)
         obj = getattr(obj, name)
-    return False
+    return None
+
+
+def _is_sequence_field(config: Any, parts: list[str]) -> bool:
+    """Field ``parts`` of ``config`` is declared a tuple or list: ``key=a,b`` or ``key='a b'``
+    gives its items (shell-quoted items keep their spaces: ``key="'a b' c"``)."""
+    hint = _field_hint(config, parts)
+    origins = {typing.get_origin(h) for h in (hint, *typing.get_args(hint))}
+    return bool(origins & {tuple, list})
+
+
+def _is_bool_field(config: Any, parts: list[str]) -> bool:
+    hint = _field_hint(config, parts)
+    return hint is bool or bool in typing.get_args(hint)
 
 
 def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:
@@ -177,7 +187,7 @@ def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> Exper
         raise ConfigError(str(e)) from None
     args: list[str] = []
     for key, value in items:
-        if value.lower() in ("true", "false"):
+        if value.lower() in ("true", "false") and _is_bool_field(config, key.split(".")):
             value = value.capitalize()
         if _is_sequence_field(config, key.split(".")):  # a tuple takes its items as separate arguments
             try:
@@ -188,7 +198,7 @@ def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> Exper
                 parts = parts[0].split(",")
             args += [f"--{key}", *parts]
         else:
-            args += [f"--{key}", value]
+            args.append(f"--{key}={value}")  # one argument: a value may start with '-'
     if not args:
         return config
     err = io.StringIO()

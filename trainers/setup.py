@@ -23,7 +23,7 @@ from trainers.config import ConfigError, ExperimentConfig
 log = logging.getLogger(__name__)
 
 #: fields that may differ when a run is resumed: they change how, not what, is computed
-RESUMABLE_FIELDS = frozenset({"trainer.stop_after", "trainer.progress"})
+RESUMABLE_FIELDS = frozenset({"trainer.stop_after", "trainer.progress", "trainer.out_dir"})
 
 
 def make_tokenizer(spec: str):

@@ -18,6 +18,7 @@ confidence, as GCM reads it).
 from __future__ import annotations
 
 import dataclasses
+import string
 from typing import Sequence
 
 import numpy as np
@@ -38,11 +39,20 @@ class JudgeTemplate:
     no: str = "N"
 
     def __post_init__(self):
-        for name, fields in (("pairwise", ("{question}", "{first}", "{second}")),
-                             ("pointwise", ("{question}", "{response}"))):
-            missing = [f for f in fields if f not in getattr(self, name)]
+        for name, fields in (("pairwise", ("question", "first", "second")),
+                             ("pointwise", ("question", "response"))):
+            text = getattr(self, name)
+            try:
+                used = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+            except ValueError as e:  # a lone brace
+                raise ValueError(f"JudgeTemplate.{name}: {e} (write a literal brace as {{{{ or }}}})") from None
+            missing = [f"{{{f}}}" for f in fields if f not in used]
             if missing:
                 raise ValueError(f"JudgeTemplate.{name} lacks the field(s) {missing}")
+            unknown = sorted({f for f in used if f not in fields})
+            if unknown:
+                raise ValueError(f"JudgeTemplate.{name} has field(s) {['{' + f + '}' for f in unknown]} other than "
+                                 f"{['{' + f + '}' for f in fields]} (write a literal brace as {{{{ or }}}})")
         if self.first == self.second or self.yes == self.no:
             raise ValueError("JudgeTemplate's two verdicts must differ (first/second, yes/no)")
 

@@ -86,3 +86,19 @@ def test_branched_scoring_equals_scoring_each_prompt(judge):
     np.testing.assert_allclose(got.reshape(-1, 3), flat, atol=3e-5)
     with pytest.raises(ValueError, match="same number"):
         branched_candidate_logprobs(judge, [("a", "b"), ("c",)], cand)
+
+
+@pytest.mark.parametrize("pairwise, match", [
+    ("{question} {first} {second} {bogus}", r"has field\(s\) \['\{bogus\}'\] other than"),
+    ("{question} {first} {second} {0}", r"has field\(s\) \['\{0\}'\]"),
+    ('{question} {first} {second} {"v": 1}', "other than"),
+    ("{question} {first} {second} {", "Single '{' encountered"),
+    ("{question} {first}", r"lacks the field\(s\) \['\{second\}'\]"),
+])
+def test_judge_template_fields_are_checked_when_built(pairwise, match):
+    """Every ``{field}`` of a template is one the judge fills; literal braces are doubled."""
+    from jaxlm.eval.judge import JudgeTemplate
+
+    with pytest.raises(ValueError, match=match):
+        JudgeTemplate(pairwise=pairwise)
+    assert JudgeTemplate(pairwise="{{json}} {question} {first} {second}").pairwise.startswith("{{")

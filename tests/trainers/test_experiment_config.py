@@ -39,6 +39,12 @@ def test_unknown_key_suggests_closest():
         load_config("quickstart", ["model.n_layer=4"])
 
 
+def test_override_values_keep_their_text_unless_the_field_is_a_bool():
+    """`true` is capitalised only for a bool field; a value may start with '-'."""
+    cfg = load_config("quickstart", ["trainer.out_dir=-runs/true", "trainer.progress=false", "tokenizer=false"])
+    assert (cfg.trainer.out_dir, cfg.trainer.progress, cfg.tokenizer) == ("-runs/true", False, "false")
+
+
 def test_badly_typed_value_names_the_field():
     with pytest.raises(ConfigError, match=r"^invalid value for trainer.steps: invalid literal for int.*\ntrainer.steps INT: Optimizer steps"):
         load_config("quickstart", ["trainer.steps=many"])

@@ -68,6 +68,23 @@ def test_resume_with_a_different_config_is_refused(tmp_path):
         train(apply_overrides(tiny_experiment(tmp_path, steps=6), ["optimizer.lr=0.5"]))
 
 
+def test_a_started_run_without_a_checkpoint_is_resumed_only_by_its_config(tmp_path):
+    """config.json written, no checkpoint yet: another config is refused (its logs would mix
+    with this run's), and the same directory spelled differently is the same run."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(tiny_experiment(tmp_path / "run", steps=6).to_dict()))
+    with pytest.raises(ConfigError, match="different config.*optimizer.lr"):
+        train(apply_overrides(tiny_experiment(tmp_path / "run", steps=6), ["optimizer.lr=0.5"]))
+    train(tiny_experiment(tmp_path / "run", stop_after=3, steps=6))
+    resumed = train(tiny_experiment(str(tmp_path / "run") + "/", steps=6))  # trailing slash: same run
+    assert resumed.step == 6
+
+
+def test_out_dir_must_name_a_directory():
+    with pytest.raises(ValueError, match="TrainerConfig.out_dir='' is invalid"):
+        TrainerConfig(out_dir="")
+
+
 class _PoisonAt:
     """Wraps the data iterator: batch number `k` gets a marker token that the test's
     token-weight function turns into NaN weights."""
