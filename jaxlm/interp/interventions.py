@@ -25,9 +25,26 @@ from jaxlm.quant.formats import get_format
 __all__ = ["Intervention", "ablate", "kv_fake_quant", "mask_heads", "perturb", "steer"]
 
 
-def _per_layer(vector, n_layers: int) -> jax.Array:
+#: sites whose values are per head, ``[B, T, heads, H]``: a direction is ``[H]`` or ``[heads, H]``
+HEAD_SITES = ("k", "k_rot", "q", "q_rot", "v")
+
+
+def _per_layer(vector, n_layers: int, *, site: str | None = None, per_layer: bool | None = None) -> jax.Array:
+    """``vector`` as ``[L, ...]``: already per layer (``per_layer=True``, or by default when its
+    first axis is ``n_layers`` and it has more axes than one layer's direction), else the same
+    direction for every layer. At a per-head site a 2-D ``[n_layers, H]`` could also be one
+    ``[heads, H]`` direction: ``per_layer`` must then say which."""
     vector = jnp.asarray(vector, jnp.float32)
-    return vector if vector.ndim >= 2 and vector.shape[0] == n_layers else jnp.broadcast_to(vector, (n_layers, *vector.shape))
+    if per_layer is None:
+        per_layer = vector.ndim >= 2 and vector.shape[0] == n_layers
+        if per_layer and site in HEAD_SITES and vector.ndim == 2:
+            raise ValueError(f"a direction of shape {tuple(vector.shape)} at site {site!r} is ambiguous: per layer "
+                             f"([L={n_layers}, H]) or per head ([heads, H]); pass per_layer=True or False")
+    if per_layer:
+        if vector.ndim < 2 or vector.shape[0] != n_layers:
+            raise ValueError(f"per_layer=True needs a direction [L={n_layers}, ...], got shape {tuple(vector.shape)}")
+        return vector
+    return jnp.broadcast_to(vector, (n_layers, *vector.shape))
 
 
 def _where(where) -> tuple[str, jax.Array | None]:
@@ -42,23 +59,25 @@ def _where(where) -> tuple[str, jax.Array | None]:
 
 
 def steer(site: str, direction, *, alpha: float, n_layers: int, layers: Sequence[int] | None = None,
-          where="all", rms_scale: bool = False) -> Intervention:
-    """Add ``alpha * direction`` (``[D]`` or per-layer ``[L, D]``) at ``site``."""
+          where="all", rms_scale: bool = False, per_layer: bool | None = None) -> Intervention:
+    """Add ``alpha * direction`` (``[D]`` or per-layer ``[L, D]``; at a per-head site ``[H]``,
+    ``[heads, H]`` or those per layer) at ``site``."""
     check_site(site)
     where, mask = _where(where)
     return Intervention(
-        vector=_per_layer(direction, n_layers), alpha=jnp.asarray(alpha, jnp.float32),
+        vector=_per_layer(direction, n_layers, site=site, per_layer=per_layer), alpha=jnp.asarray(alpha, jnp.float32),
         layers=layer_mask(layers, n_layers), mask=mask, site=site, kind="add", where=where,
         rms_scale=rms_scale,
     )
 
 
 def ablate(site: str, direction, *, n_layers: int, layers: Sequence[int] | None = None,
-           where="all", strength: float = 1.0) -> Intervention:
-    """Directional ablation ``h - strength * (h . u) u`` with ``u = direction / |direction|``."""
+           where="all", strength: float = 1.0, per_layer: bool | None = None) -> Intervention:
+    """Directional ablation ``h - strength * (h . u) u`` with ``u = direction / |direction|``
+    (shapes as for `steer`)."""
     check_site(site)
     where, mask = _where(where)
-    d = _per_layer(direction, n_layers)
+    d = _per_layer(direction, n_layers, site=site, per_layer=per_layer)
     d = d / jnp.maximum(jnp.linalg.norm(d, axis=-1, keepdims=True), 1e-12)
     return Intervention(
         vector=d, alpha=jnp.asarray(strength, jnp.float32), layers=layer_mask(layers, n_layers),

@@ -71,12 +71,16 @@ class Intervention:
         return jnp.where(sel, new, x).astype(value.dtype)
 
     def _positions(self, shape):
+        """``[B|1, T, 1, ...]``: the positions to rewrite, broadcast over the site's feature
+        axes (``[D]``, or ``[heads, H]`` at q / k / v)."""
         if self.where == "all":
             return None
         if self.where == "last":
             T = shape[1]
-            return (jnp.arange(T) == T - 1)[None, :, None]
-        return self.mask[..., None]
+            pos = (jnp.arange(T) == T - 1)[None, :]
+        else:
+            pos = self.mask
+        return pos.reshape(*pos.shape, *(1,) * (len(shape) - 2))
 
 
 #: tap sites an intervention may rewrite (probabilities and gate slopes are read-only)

@@ -57,6 +57,37 @@ def test_steering_a_mask_touches_only_those_positions(model, tokens):
     assert float(jnp.abs(got[:, 4:] - base[:, 4:]).min()) > 0
 
 
+@pytest.mark.parametrize("where", ["last", "mask"])
+def test_position_selection_at_a_per_head_site(model, tokens, where):
+    """At ``v`` ([B, T, heads, H]) the chosen positions move on every head, the others not
+    (the mask is broadcast over the head axes, never matched against them)."""
+    c = model.config
+    T = tokens.shape[1]
+    pos = np.zeros(tokens.shape, bool)
+    pos[:, T - 1 if where == "last" else 3] = True
+    iv = steer("v", jnp.ones(c.head_dim), alpha=2.0, n_layers=c.n_layers, layers=[0],
+               where="last" if where == "last" else pos)
+    base = model(tokens, collect=("v",)).collected["v"][0]
+    got = model(tokens, collect=("v",), interventions=(iv,)).collected["v"][0]
+    moved = np.asarray(jnp.abs(got - base).max(-1) > 0)  # [B, T, heads]
+    np.testing.assert_array_equal(moved, np.broadcast_to(pos[..., None], moved.shape))
+
+
+def test_a_direction_per_head_or_per_layer_is_never_guessed(model, tokens):
+    """A [2, H] direction at ``v`` with 2 layers and 2 KV heads could be either: it must be said."""
+    c = model.config
+    assert c.n_layers == c.n_kv_heads == 2
+    d = jnp.stack([jnp.ones(c.head_dim), -jnp.ones(c.head_dim)])
+    with pytest.raises(ValueError, match="ambiguous.*pass per_layer=True or False"):
+        steer("v", d, alpha=1.0, n_layers=c.n_layers)
+    iv = steer("v", d, alpha=1.0, n_layers=c.n_layers, layers=[0], per_layer=False)
+    base = model(tokens, collect=("v",)).collected["v"][0]
+    got = model(tokens, collect=("v",), interventions=(iv,)).collected["v"][0]
+    np.testing.assert_allclose(np.asarray((got - base)[..., 0]).mean((0, 1)), [1.0, -1.0], atol=1e-6)
+    per_layer = steer("v", d, alpha=1.0, n_layers=c.n_layers, per_layer=True)
+    assert per_layer.vector.shape == (2, c.head_dim)
+
+
 def test_ablation_removes_the_direction_at_the_chosen_layer(model, tokens):
     L, D = model.config.n_layers, model.config.d_model
     v = _direction(D)
