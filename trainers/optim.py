@@ -131,9 +131,12 @@ def decay_mask(params) -> Any:
     """Weight decay on matrices only (not norms, biases, nor the RoPE frequency buffers of
     compressed models or the Q-FIT key shift, whose gradient the forward stops unless
     ``k_shift_trainable``)."""
-    return jax.tree.map(
-        lambda p, name: p.ndim >= 2 and not name.endswith(("rope_inv_freq", "k_shift")), params, param_names(params)
-    )
+    def matrix(p, name: str) -> bool:
+        parts = name.split(".")
+        stacked = len(parts) > 1 and parts[0] == "layers" and not parts[1].isdigit()  # scan_layers: [L, ...]
+        return p.ndim - stacked >= 2 and not name.endswith(("rope_inv_freq", "k_shift"))
+
+    return jax.tree.map(matrix, params, param_names(params))
 
 
 def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -154,7 +154,9 @@ def apply_summed_gradients(state: TrainState, tx: optax.GradientTransformation, 
     """Divide the summed gradient and loss by the summed count once, apply the optimizer, and
     keep the old state if the loss or the gradient norm is not finite:
     ``(new_state, loss, grad_norm, finite)``."""
-    denom = jnp.maximum(count, 1.0)
+    # the count may be a sum of weights below 1 (PEAR's self-normalised weights): only an
+    # empty batch (count 0) is guarded
+    denom = jnp.where(count > 0, count, 1.0)
     inv = 1.0 / denom
     # a product with the reciprocal, not a quotient, and the norm of the sum scaled after the
     # reduction: XLA fuses the product into each reader of the gradient (the moments) instead

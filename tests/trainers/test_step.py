@@ -341,3 +341,34 @@ def test_token_nll_value_and_gradient_match_numpy():
     np.testing.assert_allclose(ours, grad, rtol=1e-5, atol=1e-6)
     bf16 = jax.grad(lambda x: jnp.sum(token_nll(x, t)))(x.astype(jnp.bfloat16))
     assert bf16.dtype == jnp.bfloat16
+
+
+def test_a_weight_sum_below_one_still_normalises_the_loss():
+    """Self-normalised weights (PEAR) make the count a sum of weights that may be below 1:
+    the loss and gradient are divided by it; only an empty batch (count 0) is guarded."""
+    from trainers.step import apply_summed_gradients
+
+    params = {"w": jnp.ones((3,))}
+    state = init_state(params, optax.sgd(1.0), seed=0)
+    g_sum, loss_sum = {"w": jnp.asarray([0.2, 0.0, -0.1])}, jnp.float32(0.3)
+    for count, want in ((0.25, 1.2), (4.0, 0.075), (0.0, 0.3)):
+        new, loss, grad_norm, finite = apply_summed_gradients(state, optax.sgd(1.0), g_sum, loss_sum, jnp.float32(count))
+        d = count if count > 0 else 1.0
+        np.testing.assert_allclose(float(loss), want, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(new.params["w"]), 1.0 - np.asarray(g_sum["w"]) / d, rtol=1e-6)
+
+
+def test_weight_decay_mask_is_the_same_with_stacked_layers():
+    """Decay on matrices only, whether the layers are separate or stacked along a leading
+    [L] axis (`scan_layers`): norm scales and biases are never decayed."""
+    from trainers.optim import decay_mask, param_names
+
+    def decayed(scan):
+        model = jaxlm.build_model(jaxlm.ModelConfig.tiny(scan_layers=scan, qkv_bias=True, qk_norm=True))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        names, mask = jax.tree.leaves(param_names(params)), jax.tree.leaves(decay_mask(params))
+        return {".".join(p for p in n.split(".") if not p.isdigit()) for n, m in zip(names, mask) if m}
+
+    stacked, separate = decayed(True), decayed(False)
+    assert stacked == separate
+    assert all(n.endswith(("kernel", "embed", "embedding")) for n in stacked), stacked

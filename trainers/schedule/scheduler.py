@@ -97,7 +97,7 @@ class UnitScheduler:
 
         def mean_loss(p, unit):
             total, count = loss_fn(p, unit)
-            return total / jnp.maximum(count, 1.0)
+            return total / jnp.where(count > 0, count, 1.0)
 
         self._unit_loss = jax.jit(jax.vmap(mean_loss, in_axes=(None, 0)))
         self._influence = jax.jit(lambda p, u, m, pc: influence_matrix(mean_loss, p, u, lr=cfg.lr, mask=m,
