@@ -62,6 +62,18 @@ EMPTY = Seq(())
 NOTHING = Alt(())  # matches no string
 
 
+def map_children(expr, f):
+    """``expr`` with ``f`` applied to each direct child (a `Seq`'s or `Alt`'s items, a
+    `Repeat`'s item); any other node is returned unchanged."""
+    if isinstance(expr, Seq):
+        return Seq(tuple(f(x) for x in expr.items))
+    if isinstance(expr, Alt):
+        return Alt(tuple(f(x) for x in expr.items))
+    if isinstance(expr, Repeat):
+        return Repeat(f(expr.item), expr.min, expr.max)
+    return expr
+
+
 def normalize_ranges(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     """Sorted, merged, clipped to ``[0, MAX_CODE_POINT]``."""
     out: list[list[int]] = []

@@ -15,7 +15,15 @@ from __future__ import annotations
 
 import re
 
-from jaxlm.inference.grammar.automaton import NOTHING, Alt, Chars, GrammarError, Repeat, Seq
+from jaxlm.inference.grammar.automaton import (
+    NOTHING,
+    Alt,
+    Chars,
+    GrammarError,
+    Repeat,
+    Seq,
+    map_children,
+)
 from jaxlm.inference.grammar.regex import MAX_REPEAT, _Parser
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-.]*")
@@ -175,13 +183,7 @@ def _expand(rules: dict, max_depth: int):
                 return walk(rules[name])
             finally:
                 entered[name] -= 1
-        if isinstance(e, Seq):
-            return Seq(tuple(walk(x) for x in e.items))
-        if isinstance(e, Alt):
-            return Alt(tuple(walk(x) for x in e.items))
-        if isinstance(e, Repeat):
-            return Repeat(walk(e.item), e.min, e.max)
-        return e
+        return map_children(e, walk)
 
     return walk(("ref", "root", 0))
 

@@ -41,6 +41,7 @@ from jaxlm.inference.grammar.automaton import (
     chars,
     complement,
     literal,
+    map_children,
     optional,
     seq,
     star,
@@ -90,13 +91,7 @@ def _within_string(expr):
     quotes must not end the string or break it."""
     if isinstance(expr, Chars):
         return Chars(complement(complement(expr.ranges) + complement(STRING_CHAR.ranges)))
-    if isinstance(expr, Seq):
-        return Seq(tuple(_within_string(x) for x in expr.items))
-    if isinstance(expr, Alt):
-        return Alt(tuple(_within_string(x) for x in expr.items))
-    if isinstance(expr, Repeat):
-        return Repeat(_within_string(expr.item), expr.min, expr.max)
-    raise TypeError(f"unexpected grammar node {type(expr).__name__}")
+    return map_children(expr, _within_string)
 
 
 class _Builder:
