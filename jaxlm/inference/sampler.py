@@ -263,6 +263,9 @@ def generate_tokens(
 
 
 def _token_id(value, where: str) -> int:
+    """An int, a numpy integer or a 0-d integer array (numpy or JAX) as an int."""
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer):
+        return int(value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{where} holds {value!r} ({type(value).__name__}): token ids must be ints")
     return int(value)

@@ -235,10 +235,13 @@ def test_ill_typed_generate_inputs(model, kwargs, error, match):
 def test_numpy_scalars_are_accepted(model):
     want = jaxlm.generate(model, [[1, 2]], max_new_tokens=3, temperature=0.5, rng=3)
     got = jaxlm.generate(model, np.array([[1, 2]], np.int32), max_new_tokens=3, temperature=np.float32(0.5),
-                         rng=np.int64(3), stop_tokens=np.array([7]))
+                         rng=np.int64(3), stop_tokens=jnp.array([7]))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(jaxlm.generate(
         model, [[1, 2]], max_new_tokens=3, temperature=0.5, rng=3, stop_tokens=(7,)).tokens))
     assert want.tokens.shape == got.tokens.shape
+    listed = jaxlm.generate(model, [jnp.array([1, 2]), np.array([1, 2])], max_new_tokens=3, temperature=0.5, rng=3,
+                            stop_tokens=np.array([7]))
+    np.testing.assert_array_equal(np.asarray(listed.tokens[0]), np.asarray(got.tokens[0]))
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
