@@ -91,6 +91,15 @@ def check_message(m: Any, where: str) -> dict[str, Any]:
     return out
 
 
+def _check_text(text: str, where: str) -> None:
+    """Text must be encodable: JSON's ``\\ud83d`` escape alone decodes to a lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where} holds a lone surrogate {text[e.start]!r} at character {e.start}, which is "
+                        "not text (a \\uD800-\\uDFFF escape without its pair)") from None
+
+
 def _check_row(row: Any, where: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected an object, got {type(row).__name__}")
@@ -99,6 +108,9 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
         if not isinstance(msgs, list) or not msgs:
             raise DataError(f"{where}: 'messages' must be a non-empty list")
         checked = [check_message(m, f"{where}: messages[{i}]") for i, m in enumerate(msgs)]
+        for i, m in enumerate(checked):
+            if isinstance(m.get("content"), str):
+                _check_text(m["content"], f"{where}: messages[{i}].content")
         if not any(m["role"] == "assistant" for m in checked):
             raise DataError(f"{where}: 'messages' has no assistant turn (nothing to train on)")
         return {"messages": checked, **_token_fields(row, where)}
@@ -110,6 +122,7 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
     for k in ("prompt", "completion"):
         if not isinstance(row[k], str):
             raise DataError(f"{where}: column {k!r} must be a string, got {type(row[k]).__name__}")
+        _check_text(row[k], f"{where}: column {k!r}")
     return {"prompt": row["prompt"], "completion": row["completion"], **_token_fields(row, where)}
 
 

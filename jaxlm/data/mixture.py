@@ -45,6 +45,10 @@ class Mixture(Task):
         for name, c in zip(self.names, self.components):
             if not isinstance(c, Task) or isinstance(c, Mixture):
                 raise ValueError(f"Mixture domain {name!r} is a {type(c).__name__}, not a synthetic task")
+            if hasattr(c, "encode_arrays"):  # its own arrays (graph masks, conditions) cannot be mixed
+                raise ValueError(f"Mixture domain {name!r} is a {type(c).__name__}, which encodes its own "
+                                 "arrays (encode_arrays) and cannot be mixed with text tasks; mix text tasks "
+                                 f"({', '.join(t.__name__ for t in Component.__args__)})")
         bad = [(nm, w) for nm, w in zip(self.names, self.weights)
                if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0]
         if bad:

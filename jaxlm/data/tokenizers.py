@@ -28,7 +28,8 @@ class ByteTokenizer:
     """UTF-8 bytes shifted past three specials: PAD=0, BOS=1, EOS=2, byte b -> b + 3.
 
     Vocabulary size 259 (`ModelConfig.tiny` uses it). Decoding drops the specials
-    and replaces invalid UTF-8 with U+FFFD, so ``decode(encode(s)) == s`` for every str.
+    and replaces invalid UTF-8 with U+FFFD, so ``decode(encode(s)) == s`` for every str that is
+    text (a lone surrogate has no UTF-8 encoding: `encode` raises ``UnicodeEncodeError``).
     """
 
     pad_id, bos_id, eos_id = 0, 1, 2
@@ -101,7 +102,7 @@ class HFTokenizer:
                  template_origin: str = "chat_template", extra_eos_ids: Sequence[int] = ()):
         self._tok = tokenizer
         self.bos_id, self.eos_id = bos_id, eos_id
-        self.extra_eos_ids = tuple(int(i) for i in extra_eos_ids if i != eos_id)
+        self.extra_eos_ids = tuple(dict.fromkeys(int(i) for i in extra_eos_ids if i != eos_id))
         if special_tokens is None:
             named = {"bos_token": bos_id, "eos_token": eos_id, "pad_token": pad_id}
             special_tokens = {k: tokenizer.id_to_token(i) for k, i in named.items() if i is not None}
@@ -145,19 +146,32 @@ class HFTokenizer:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "HFTokenizer":
-        """``path/tokenizer.json`` with specials from ``config.json`` / ``tokenizer_config.json``."""
+        """``path/tokenizer.json`` with specials from ``config.json`` / ``tokenizer_config.json``
+        (later wins for BOS, PAD and the primary EOS). Every end-of-sequence id any of
+        ``tokenizer_config.json``, ``config.json`` and ``generation_config.json`` names is a
+        stop id (Llama 3.1: ``eos_token: "<|eot_id|>"`` beside ``eos_token_id: [128001, 128008,
+        128009]``)."""
         path = Path(path)
         specials: dict[str, object] = {}
+        eos_lists: dict[str, list] = {}
         strings = None
-        for name in ("config.json", "tokenizer_config.json"):  # later files win
+        for name in ("config.json", "generation_config.json", _CONFIG):
             if (path / name).exists():
                 data = json.loads((path / name).read_text())
+                if not isinstance(data, dict):
+                    raise ValueError(f"{path / name} holds a JSON {type(data).__name__}, not an object")
                 for key in ("bos", "eos", "pad"):
+                    if name == "generation_config.json" and key != "eos":
+                        continue  # generation settings do not name the tokenizer's BOS / PAD
                     for field in (f"{key}_token_id", f"{key}_token"):
                         if data.get(field) is not None:
                             specials[key] = data[field]
+                eos_lists[name] = [data[f] for f in ("eos_token", "eos_token_id") if data.get(f) is not None]
                 if name == _CONFIG:  # a template sees the special tokens tokenizer_config.json names
                     strings = {k: _token_string(data.get(k)) for k in SPECIAL_TOKEN_NAMES}
+        if "eos" in specials:  # the primary EOS (the last file's) first, then every other id listed
+            listed = [e for name in (_CONFIG, "generation_config.json", "config.json") for e in eos_lists.get(name, [])]
+            specials["eos"] = [specials["eos"], *listed]
         tok = cls.from_file(path / "tokenizer.json", **specials)
         if strings is not None:
             tok.special_tokens = {k: v for k, v in strings.items() if v is not None}
@@ -243,6 +257,8 @@ def save_tokenizer(tokenizer, path: str | os.PathLike) -> None:
         for key in ("bos", "eos", "pad"):
             token_id = getattr(tokenizer, f"{key}_id")
             config[f"{key}_token_id"] = token_id
+            if key == "eos" and tokenizer.extra_eos_ids:  # every stop id, the primary first
+                config["eos_token_id"] = list(tokenizer.stop_ids)
             if f"{key}_token" in config and token_id is not None:  # a string names the id in use
                 string = tokenizer._tok.id_to_token(token_id)
                 if string is not None:

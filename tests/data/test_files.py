@@ -29,6 +29,9 @@ def _jsonl(path, rows):
         ({"messages": [{"role": "bot", "content": "hi"}]}, r"data.jsonl:2: messages\[0\] must be"),
         ({"messages": [{"role": "user", "content": "hi"}]}, r"data.jsonl:2: 'messages' has no assistant turn"),
         ([1, 2], r"data.jsonl:2: expected an object, got list"),
+        ('{"prompt": "x\\ud83d", "completion": "y"}', r"data.jsonl:2: column 'prompt' holds a lone surrogate"),
+        ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "\\udc00b"}]}',
+         r"data.jsonl:2: messages\[1\].content holds a lone surrogate '\\udc00' at character 0"),
     ],
 )
 def test_malformed_jsonl_rows_name_file_and_line(tmp_path, bad, match):

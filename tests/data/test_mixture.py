@@ -5,7 +5,9 @@ naming the domains."""
 import numpy as np
 import pytest
 
+from jaxlm.data.conditioned import ConditionedDigits
 from jaxlm.data.files import Files
+from jaxlm.data.graphs import GraphLabels
 from jaxlm.data.mixture import Mixture, mixture_of
 from jaxlm.data.tasks import Arithmetic, MarkovText, Sorting
 
@@ -40,6 +42,8 @@ def test_examples_are_their_domains_own_and_splits_are_kept():
     (dict(names=("a", "a")), "repeats a name"),
     (dict(weights=(1.5, -0.5)), r"\[\('markov', -0\.5\)\] must be finite numbers >= 0"),
     (dict(components=(Arithmetic(), Files()), names=("a", "f")), "domain 'f' is a Files, not a synthetic task"),
+    (dict(components=(Arithmetic(), GraphLabels())), "domain 'markov' is a GraphLabels, which encodes its own arrays"),
+    (dict(components=(ConditionedDigits(), Arithmetic())), "domain 'arithmetic' is a ConditionedDigits, which encodes"),
 ])
 def test_bad_mixtures_name_the_problem(kwargs, match):
     with pytest.raises(ValueError, match=match):

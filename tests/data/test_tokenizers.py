@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import jaxlm
 from jaxlm.data import ByteTokenizer, HFTokenizer
+from jaxlm.data.tokenizers import save_tokenizer
 
 
 @settings(max_examples=200, deadline=None)
@@ -131,3 +132,23 @@ def test_a_list_of_eos_ids_loads_and_every_one_stops_generation(tmp_path):
     assert out.completions()[0] == free[:want]
     with pytest.raises(TypeError, match="neither a token id nor a token string"):
         HFTokenizer.from_file(tmp_path / "tokenizer.json", eos=2.5)
+
+
+def test_stop_ids_are_the_union_of_every_file_and_survive_a_save(tmp_path):
+    """Llama 3.1's layout: ``tokenizer_config.json`` names one EOS string, ``config.json`` and
+    ``generation_config.json`` list several ids. The named one is EOS; every listed id stops."""
+    _train_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [2, 7], "bos_token_id": 1}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 8]}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<unk>"}))
+    tok = HFTokenizer.from_dir(tmp_path)
+    assert (tok.bos_id, tok.eos_id, tok.stop_ids) == (1, 0, (0, 2, 8, 7))
+    (tmp_path / "again").mkdir()
+    save_tokenizer(tok, tmp_path / "again")
+    again = HFTokenizer.from_dir(tmp_path / "again")
+    assert (again.eos_id, again.stop_ids) == (0, (0, 2, 8, 7))
+    # transformers reads the same file: the named EOS string stays its eos_token
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tmp_path / "again")
+    assert hf.eos_token_id == 0

@@ -24,7 +24,7 @@ from trainers.schedule.d3 import (
     influence_matrix,
     strongly_connected_components,
 )
-from trainers.schedule.scheduler import UnitScheduler
+from trainers.schedule.scheduler import UnitScheduler, adam_preconditioner
 
 
 def test_prerequisite_chain_comes_first_and_the_cycle_breaks_at_its_lightest_edge():
@@ -139,3 +139,25 @@ def test_bad_schedule_config_names_the_field():
         ScheduleConfig(name="topo")
     with pytest.raises(ValueError, match="algorithm.schedule.units=0"):
         ScheduleConfig(units=0)
+
+
+@pytest.mark.parametrize("trainable", ["", r"\.mlp\."])
+def test_the_preconditioner_is_adams_and_frozen_parameters_get_zero(trainable):
+    """After one step, nu_hat = g^2 (g the clipped gradient), so P = 1 / (|g| + eps); parameters
+    outside ``optimizer.trainable`` do not move in the lookahead (P = 0)."""
+    from trainers.optim import make_optimizer
+
+    rng = np.random.default_rng(1)
+    params = {"layers": {"0": {"mlp": {"w": jnp.ones((3, 2))}, "attn": {"w": jnp.ones((2, 2))}}}}
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.uniform(0.1, 0.3, x.shape), jnp.float32), params)
+    cfg = OptimizerConfig(trainable=trainable, clip_norm=None)
+    tx, _ = make_optimizer(cfg, 10)
+    state = tx.init(params)
+    assert adam_preconditioner(state, params, cfg.b2, cfg.eps) is None  # no step yet: identity
+    _, state = tx.update(grads, state, params)
+    got = adam_preconditioner(state, params, cfg.b2, cfg.eps)
+    for path in (("mlp",), ("attn",)):
+        g = np.asarray(grads["layers"]["0"][path[0]]["w"])
+        frozen = bool(trainable) and path[0] == "attn"
+        want = np.zeros_like(g) if frozen else 1.0 / (np.abs(g) + cfg.eps)
+        np.testing.assert_allclose(np.asarray(got["layers"]["0"][path[0]]["w"]), want, rtol=1e-5)

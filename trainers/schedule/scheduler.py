@@ -61,16 +61,21 @@ def loss_order(ctx: OrderContext) -> list[int]:
 
 def adam_preconditioner(opt_state, params, b2: float, eps: float):
     """``1 / (sqrt(nu / (1 - b2^count)) + eps)`` from the optimizer state's Adam second moment,
-    or None (no Adam state laid out like ``params``, or no step taken yet)."""
+    or None before the first step. Parameters the optimizer freezes (``optimizer.trainable``:
+    masked leaves of the Adam state) get 0, so the lookahead does not move them either."""
     nodes = [n for n in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
              if isinstance(n, optax.ScaleByAdamState)]
-    if len(nodes) != 1 or jax.tree.structure(nodes[0].nu) != jax.tree.structure(params):
-        return None
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    if len(nodes) != 1 or jax.tree.structure(nodes[0].nu, is_leaf=masked) != jax.tree.structure(params):
+        raise ValueError("algorithm.schedule.precondition=True needs one Adam state laid out like the "
+                         f"parameters; the optimizer state holds {len(nodes)} Adam state(s)"
+                         + (" of another layout" if len(nodes) == 1 else "") + ": set precondition=False")
     count = int(nodes[0].count)
     if count == 0:
         return None
     corr = 1.0 - b2**count
-    return jax.tree.map(lambda v: 1.0 / (jnp.sqrt(v / corr) + eps), nodes[0].nu)
+    return jax.tree.map(lambda v, p: jnp.zeros_like(p) if masked(v) else 1.0 / (jnp.sqrt(v / corr) + eps),
+                        nodes[0].nu, params, is_leaf=masked)
 
 
 @SCHEDULERS.register("d3")
