@@ -30,15 +30,20 @@ from jaxlm import sandbox
 from jaxlm.sandbox import Limits, RunResult
 
 FLAG = re.compile(r"flag\{[^{}\s]{1,200}\}")
-_LETTER_PATTERNS = (re.compile(r"answer\s*(?:is)?\s*[:=]?\s*\(?([A-Z])\)?(?![A-Za-z])", re.I),
-                    re.compile(r"^\s*\(?([A-Z])\)?[.)]?\s*$"), re.compile(r"\(([A-Z])\)"))
+_LETTER_PATTERNS = (
+    # "answer (is) (:)" then (X), a capital X, or a lower-case x that ends the clause ("answer: b.",
+    # not the article in "the answer is a prime")
+    re.compile(r"(?i:answer)\s*(?:(?i:is)\s*)?[:=]?\s*(?:\(([A-Za-z])\)|([A-Z])(?![A-Za-z])|([a-z])(?=\s*(?:$|[.,;!?)])))"),
+    re.compile(r"^\s*\(?([A-Z])\)?[.)]?\s*$"), re.compile(r"\(([A-Z])\)"))
 
 
 def parse_choice(text: str, n_options: int) -> int | None:
-    """The option index (0 = A) a reply chooses, or None; letters past ``n_options`` do not count."""
+    """The option index (0 = A) a reply chooses, or None; letters past ``n_options`` do not count.
+    Tried in order: after "answer (is)", the whole reply, the first ``(X)``."""
     for pattern in _LETTER_PATTERNS:
         for m in pattern.finditer(text):
-            k = ord(m.group(1).upper()) - ord("A")
+            letter = next(g for g in m.groups() if g)
+            k = ord(letter.upper()) - ord("A")
             if 0 <= k < n_options:
                 return k
     return None

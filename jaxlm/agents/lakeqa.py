@@ -36,7 +36,7 @@ from jaxlm.agents.loop import Episode, question_episode, read_rows
 from jaxlm.agents.tools import Tool, Toolbox, tool
 
 LAKE_SUFFIXES = (".csv", ".jsonl", ".json", ".txt", ".md", ".tsv")
-_WORD = re.compile(r"[a-z0-9]+")
+_WORD = re.compile(r"[^\W_]+")  # letters and digits of any script
 
 PEOPLE = ("Ada", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kit", "Lu", "Max", "Ned", "Oz",
           "Pia", "Quinn", "Roy", "Sue", "Ty", "Una", "Vic", "Wes", "Xia", "Yul", "Zed")
@@ -81,13 +81,13 @@ class Lake:
         return root
 
     def search(self, query: str, limit: int = 5) -> list[str]:
-        words = _WORD.findall(query.lower())
+        words = _WORD.findall(query.casefold())
         if not words:
             raise ValueError("search needs at least one word")
         hits = []
         for path, text in sorted(self.files.items()):
             for i, line in enumerate(text.splitlines(), 1):
-                if set(words) <= set(_WORD.findall(line.lower())):
+                if set(words) <= set(_WORD.findall(line.casefold())):
                     hits.append(f"{path}:{i}: {line}")
         return hits[:limit]
 

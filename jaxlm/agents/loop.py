@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from jaxlm.agents.parsing import parse_reply
-from jaxlm.agents.tools import Toolbox
+from jaxlm.agents.tools import Toolbox, check_timeout
 from jaxlm.fileio import jsonl_lines
 from jaxlm.inference.sampler import default_stop_tokens, generate
 
@@ -57,8 +57,7 @@ class AgentConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"AgentConfig.{name}={v!r} must be an int > 0")
-        if not self.tool_timeout_s > 0:
-            raise ValueError(f"AgentConfig.tool_timeout_s={self.tool_timeout_s!r} must be > 0")
+        check_timeout(self.tool_timeout_s, "AgentConfig.tool_timeout_s")
         if self.max_new_tokens >= self.max_episode_tokens:
             raise ValueError(f"AgentConfig.max_new_tokens={self.max_new_tokens} must be below "
                              f"max_episode_tokens={self.max_episode_tokens}")
@@ -85,18 +84,25 @@ def question_episode(system: str, question: str, toolbox: Toolbox, score: Callab
 
 def read_rows(path: str | Path, fields: dict[str, type | tuple[type, ...]]) -> list[dict[str, Any]]:
     """The JSON objects of a jsonl file (blank lines skipped), each checked to hold ``fields``
-    of the given types; errors name the file, the line and what is missing."""
+    of the given types (a field that may be a str or a list, like a gold ``answer``, must be a
+    string or a non-empty list of strings); errors name the file, the line and what is wrong."""
     rows = []
     for n, line in jsonl_lines(path):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, deep nesting
+            raise ValueError(f"{path}:{n}: not JSON that can be read ({type(e).__name__})") from None
         bad = [k for k, kind in fields.items() if not isinstance(row, dict) or not isinstance(row.get(k), kind)]
         if bad:
             need = ", ".join(f"{k!r} ({'/'.join(t.__name__ for t in (kind if isinstance(kind, tuple) else (kind,)))})"
                              for k, kind in fields.items())
             raise ValueError(f"{path}:{n}: a row needs {need}; {bad} missing or of the wrong type")
+        for k, kind in fields.items():
+            value = row[k]
+            if isinstance(value, list) and kind == (str, list) and (not value or not all(isinstance(v, str) for v in value)):
+                raise ValueError(f"{path}:{n}: {k!r} must be a string or a non-empty list of strings, got {value!r:.80}")
         rows.append(row)
     return rows
 

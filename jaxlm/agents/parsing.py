@@ -50,6 +50,8 @@ def _one(body: str, k: int) -> ToolCall | str:
         call = json.loads(body)
     except json.JSONDecodeError as e:
         return f"tool call {k} is not JSON ({e.msg} at character {e.pos})"
+    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, deep nesting
+        return f"tool call {k} is not JSON that can be read ({type(e).__name__}: {str(e)[:80]})"
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return f'tool call {k} must be {{"name": "<tool>", "arguments": {{...}}}}, got {body.strip()[:80]!r}'
     extra = sorted(set(call) - {"name", "arguments"})
@@ -59,7 +61,7 @@ def _one(body: str, k: int) -> ToolCall | str:
     if isinstance(arguments, str):  # some formats write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON: reported below as not an object
             pass
     if not isinstance(arguments, dict):
         return f"tool call {k}: arguments must be a JSON object, got {type(arguments).__name__}"

@@ -79,7 +79,11 @@ def _check(value: Any, schema: dict[str, Any], where: str) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
     if kind == "number" and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # a JSON integer of hundreds of digits
+            raise ValueError(f"{where} must be a number within float range, got an integer of "
+                             f"{len(str(abs(value)))} digits") from None
     if kind == "array" and isinstance(value, list):
         items = schema.get("items")
         return [_check(v, items, f"{where}[{i}]") for i, v in enumerate(value)] if items else value
@@ -100,6 +104,10 @@ class Tool:
     description: str
     parameters: dict[str, Any]
     timeout_s: float | None = None
+
+    def __post_init__(self):
+        if self.timeout_s is not None:
+            check_timeout(self.timeout_s, f"tool {self.name}: timeout_s")
 
     def spec(self) -> dict[str, Any]:
         """The OpenAI-style function spec chat templates take as ``tools``."""
@@ -140,8 +148,6 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, descr
             if p.default is inspect.Parameter.empty:
                 required.append(p.name)
         doc = (description if description is not None else (inspect.getdoc(f) or "").split("\n\n")[0]).strip()
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"tool {f.__name__}: timeout_s={timeout_s} must be > 0")
         return Tool(name or f.__name__, f, " ".join(doc.split()),
                     {"type": "object", "properties": props, "required": required}, timeout_s)
     return make(fn) if fn is not None else make
@@ -165,6 +171,16 @@ class ToolTimeout(Exception):
     """A tool ran past its timeout."""
 
 
+MAX_TIMEOUT_S = 1e6
+"""The longest tool timeout, in seconds (about 11.6 days; the interval timer's range)."""
+
+
+def check_timeout(value: Any, where: str) -> None:
+    """A timeout must be a finite number of seconds in ``(0, MAX_TIMEOUT_S]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{where}={value!r} is invalid: must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]")
+
+
 def _raise_timeout(signum, frame):
     raise ToolTimeout()
 
@@ -173,9 +189,10 @@ def _with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
     """``fn()``, interrupted after ``timeout_s`` (see the module docstring)."""
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
         previous_handler = signal.signal(signal.SIGALRM, _raise_timeout)
-        previous_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        previous_timer = (0.0, 0.0)
         start = time.monotonic()
         try:
+            previous_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
             return fn()
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
@@ -215,8 +232,9 @@ class Toolbox:
     and ``max_chars`` of observation kept (longer ones are cut, saying so)."""
 
     def __init__(self, tools: Sequence[Tool | Callable[..., Any]], *, timeout_s: float = 2.0, max_chars: int = 2000):
-        if not timeout_s > 0 or max_chars <= 0:
-            raise ValueError(f"Toolbox timeout_s={timeout_s} and max_chars={max_chars} must be > 0")
+        check_timeout(timeout_s, "Toolbox timeout_s")
+        if isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars <= 0:
+            raise ValueError(f"Toolbox max_chars={max_chars!r} must be an int > 0")
         made = [t if isinstance(t, Tool) else tool(t) for t in tools]
         names = [t.name for t in made]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -259,6 +277,8 @@ class Toolbox:
             kwargs = t.arguments(arguments)
         except ValueError as e:
             return failed(str(e))
+        except RecursionError:
+            return failed(f"{t.name}: the arguments are nested too deeply")
         timeout = t.timeout_s or self.timeout_s
         try:
             value = _with_timeout(lambda: t.fn(**kwargs), timeout)

@@ -63,6 +63,7 @@ def test_good_call_converts_integral_floats_and_ints_to_floats():
     ("lookup", {"key": "k", "tags": ["a", 2]}, "lookup.tags\\[1\\] must be a string"),
     ("lookup", {"key": "k", "mode": "c"}, "lookup.mode must be one of \\['a', 'b'\\]"),
     ("lookup", ["k"], "must be a JSON object"),
+    ("lookup", {"key": "k", "scale": 10 ** 400}, "lookup.scale must be a number within float range, got an integer of 401"),
 ])
 def test_bad_calls_are_errors_not_exceptions(name, args, expected):
     r = Toolbox([lookup]).call(name, args)
@@ -127,6 +128,15 @@ def test_duplicate_names_and_bad_limits_fail():
         Toolbox([lookup, lookup])
     with pytest.raises(ValueError, match="timeout_s"):
         Toolbox([lookup], timeout_s=0)
+    for bad in (float("inf"), float("nan"), 1e12):
+        with pytest.raises(ValueError, match=r"Toolbox timeout_s=.* must be a number of seconds in \(0, 1e\+06\]"):
+            Toolbox([lookup], timeout_s=bad)
+        with pytest.raises(ValueError, match=r"tool lookup: timeout_s="):
+            tool(lambda: None, name="lookup", description="", timeout_s=bad)
+    from jaxlm.agents.loop import AgentConfig
+
+    with pytest.raises(ValueError, match=r"AgentConfig.tool_timeout_s=inf is invalid"):
+        AgentConfig(tool_timeout_s=float("inf"))
 
 
 def test_describe_lists_arguments_and_optionality():

@@ -66,6 +66,11 @@ def test_search_is_whole_word_and_read_is_bounded():
     assert box.call("read", {"path": "a.csv", "start": 2, "lines": 9}).content == "2: Bo,Acme\n3: Bob,Iris"
     assert "no file '../etc/passwd'" in box.call("read", {"path": "../etc/passwd"}).error
     assert box.call("list_files", {}).content == "a.csv\nb.txt"
+    # words of any script, case-folded: "Zoë" is not the word "zo", and "東京" is a word
+    box = Toolbox(lake_tools(Lake({"p.csv": "Zo,Lima\nZoë,Oslo\nJOSÉ,Rome\n", "c.txt": "東京 is in Japan\n"})))
+    assert box.call("search", {"query": "zoë"}).content == "p.csv:2: Zoë,Oslo"
+    assert box.call("search", {"query": "José"}).content == "p.csv:3: JOSÉ,Rome"
+    assert box.call("search", {"query": "東京"}).content == "c.txt:1: 東京 is in Japan"
 
 
 def test_exact_match_normalisation():
@@ -89,6 +94,10 @@ def test_lakeqa_from_benchmark_files(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1: a row needs .*answer"):
         LakeQATask.from_files(tmp_path / "bad.jsonl", tmp_path / "lake")
+    for answer in ([1815, "1815 AD"], []):
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "x", "answer": answer}) + "\n")
+        with pytest.raises(ValueError, match="bad.jsonl:1: 'answer' must be a string or a non-empty list of strings"):
+            LakeQATask.from_files(tmp_path / "bad.jsonl", tmp_path / "lake")
     with pytest.raises(ValueError, match="does not exist"):
         Lake.from_dir(tmp_path / "nowhere")
 
@@ -192,6 +201,9 @@ def test_multiple_choice_parsing():
     assert parse_choice("D", 4) == 3
     assert parse_choice("(E)", 4) is None  # past the options
     assert parse_choice("I think so", 4) is None
+    assert parse_choice("The answer is a prime number, so (C).", 4) == 2  # the article is not option A
+    assert parse_choice("The answer is a: (B)", 4) == 1
+    assert parse_choice("answer: b.", 4) == 1 and parse_choice("ANSWER IS D", 4) == 3
     ep = multiple_choice_episode("Which is prime?", ["4", "6", "7"], 2)
     assert "(C) 7" in ep.messages[1]["content"] and ep.score("Answer: C") == 1.0 and ep.score("A") == 0.0
     with pytest.raises(ValueError, match="answer=3"):

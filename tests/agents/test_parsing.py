@@ -35,6 +35,8 @@ def test_malformed_calls_are_errors():
         '<tool_call>{"name": "s", "args": {}}</tool_call>': "unexpected key",
         '<tool_call>{"name": "s", "arguments": {"q": "a"': "is not closed",
         'done</tool_call>': "has no <tool_call>",
+        '<tool_call>{"name": "s", "arguments": {"x": ' + "9" * 5000 + '}}</tool_call>': "not JSON that can be read",
+        '<tool_call>' + "[" * 100_000 + "]" * 100_000 + '</tool_call>': "not JSON that can be read",
     }
     for text, expected in cases.items():
         r = parse_reply(text)

@@ -541,10 +541,15 @@ def test_chat_rows_in_the_builtin_format():
     assert stream[0] == tok.bos_id
     text = tok.decode(stream)
     assert text == ("<|system|>\n" + SYSTEM_CHAT[0]["content"] + "\n<|user|>\n" + SYSTEM_CHAT[1]["content"]
-                    + "\n<|assistant|>\n" + SYSTEM_CHAT[2]["content"] + "<|user|>\n" + SYSTEM_CHAT[3]["content"]
+                    + "\n<|assistant|>\n" + SYSTEM_CHAT[2]["content"] + "\n<|user|>\n" + SYSTEM_CHAT[3]["content"]
                     + "\n<|assistant|>\nTschüss, café!")
     policy = [t for t, p in zip(stream, rows.policy[0]) if p]
     assert policy == tok.encode(SYSTEM_CHAT[2]["content"]) + [tok.eos_id] + tok.encode("Tschüss, café!") + [tok.eos_id]
+    # a reply that did not end with the format's "\n" (stopped by EOS, or truncated) gets it as context
+    rows.add_messages(1, [{"role": "user", "content": "Go on."}], 2)
+    assert tok.decode(rows.tokens[1]).endswith("<|assistant|>\n42 and\n<|user|>\nGo on.\n<|assistant|>\n")
+    closing = len(rows.tokens[1]) - len(tok.encode("\n<|user|>\nGo on.\n<|assistant|>\n"))
+    assert rows.tokens[1][closing] == tok.encode("\n")[0] and not any(rows.policy[1][closing:])
     assert rows.tokens[0][: len(tok.apply_chat_template(SYSTEM_CHAT[:2], add_generation_prompt=True))] == \
         tok.apply_chat_template(SYSTEM_CHAT[:2], add_generation_prompt=True)
 

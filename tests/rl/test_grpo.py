@@ -163,6 +163,9 @@ def test_shared_prompts_refuses_rows_that_do_not_share_their_prompt(experience):
         ({"rewards": ("verifier", "nope"), "reward_weights": (1.0, 1.0)}, "'nope'"),
         ({"reward_weights": (1.0, 2.0)}, "equal length"),
         ({"dual_clip": 0.5}, "dual_clip"),
+        ({"qpas_alpha": -1.0}, r"qpas_alpha=-1.0 must be a finite number >= 0"),
+        ({"qpas_alpha": float("inf")}, r"qpas_alpha=inf must be a finite number >= 0"),
+        ({"qpas_beta": 1.5}, r"qpas_beta=1.5 must be in \[0, 1\]"),
     ],
 )
 def test_bad_grpo_config_names_the_field(override, match):

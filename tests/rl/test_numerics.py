@@ -196,7 +196,8 @@ def test_aggregators_match_numpy():
     rows = [loss[i][mask[i]].mean() for i in range(4) if mask[i].any()]
     assert float(s / c) == pytest.approx(np.mean(rows), rel=1e-5)
     s, c = AGGREGATORS["seq_mean_token_sum_norm"](loss, mask, norm=7.0)
-    assert float(s / c) == pytest.approx((loss * mask).sum() / (3 * 7.0), rel=1e-5)
+    # Dr. GRPO's constant normaliser B * L_max: the empty row counts (TRL divides by the batch size)
+    assert float(s / c) == pytest.approx((loss * mask).sum() / (4 * 7.0), rel=1e-5)
 
 
 def test_token_mean_is_exact_under_two_way_accumulation():
@@ -240,3 +241,25 @@ def test_qpas_sampling_frequencies_chi_square():
 def test_uniform_sampler_is_a_permutation():
     idx, w = BUFFER_SAMPLERS["uniform"](np.ones(10), np.random.default_rng(0))
     assert sorted(idx) == list(range(10)) and np.all(w == 1)
+
+
+def test_zero_variance_groups_are_the_groups_without_a_policy_gradient():
+    """A group is filtered when its (per-turn) rewards are all equal across its rollouts, as
+    the advantage sees them: per turn index for turn-level rewards, after the discount."""
+    from trainers.rl.loop import zero_variance_groups
+
+    r2 = np.array([[0.7] * 4, [0.7, 0.7, 0.7, 1.3], [1.373] * 4], np.float32)
+    adv = np.asarray(ADVANTAGES["grpo"](r2, None))
+    assert zero_variance_groups(adv, None).tolist() == [True, False, True]
+    # per-turn rewards: group 0 has the same sequence in every rollout (pooled, its rewards differ)
+    r3 = np.array([[[1.0, 0.0, -1.0]] * 3, [[1.0, 0.0, -1.0], [1.0, 0.0, -1.0], [1.0, 0.0, 0.5]]], np.float32)
+    valid = np.ones(r3.shape, bool)
+    adv = np.asarray(ADVANTAGES["turn_level"](r3, valid))
+    assert zero_variance_groups(adv, valid).tolist() == [True, False]
+    # the same per-turn rewards but rollouts of different lengths: discounted returns differ
+    valid[0, 0, 2] = False
+    adv = np.asarray(ADVANTAGES["turn_level"](r3, valid, gamma=0.9))
+    returns = [[sum(0.9 ** (j - k) * r3[0, g, j] for j in range(k, 3) if valid[0, g, j]) for k in range(3)]
+               for g in range(3)]
+    flat_reference = all(len({returns[g][k] for g in range(3) if valid[0, g, k]}) <= 1 for k in range(3))
+    assert zero_variance_groups(adv, valid).tolist() == [flat_reference, False] == [False, False]

@@ -5,7 +5,9 @@ divides once, so every mode is exact under gradient accumulation and data parall
 - ``token_mean`` (DAPO, Yu et al. 2025): ``(sum_it m L, sum_it m)``;
 - ``seq_mean_token_mean`` (GRPO, Shao et al. 2024): ``(sum_i mean_t L_i, #non-empty rows)``;
 - ``seq_mean_token_sum_norm`` (Dr. GRPO, Liu et al. 2025): ``(sum_it m L / norm, #rows)``
-  with a constant ``norm`` (the maximum completion length).
+  with a constant ``norm`` (the maximum completion length) and every row counted, empty or
+  filtered ones too: the loss is ``sum_it m L / (B * L_max)``, a constant normaliser (TRL's
+  ``loss_type="dr_grpo"``).
 """
 
 from __future__ import annotations
@@ -36,5 +38,4 @@ def seq_mean_token_sum_norm(loss, mask, *, norm=None):
     if norm is None:
         raise ValueError("seq_mean_token_sum_norm needs norm= (the maximum completion length)")
     m = mask.astype(jnp.float32)
-    rows = jnp.sum(m.sum(-1) > 0, dtype=jnp.float32)
-    return jnp.sum(loss * m) / norm, rows
+    return jnp.sum(loss * m) / norm, jnp.asarray(mask.shape[0], jnp.float32)

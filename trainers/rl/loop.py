@@ -71,13 +71,14 @@ def token_advantages(exp: Experience, advantages: np.ndarray) -> np.ndarray:
     return np.take_along_axis(per_turn, turn, axis=1).astype(np.float32)
 
 
-def zero_variance_groups(rewards: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
-    """``[B]`` True where every counted rollout of the group has the same reward."""
-    r = rewards.reshape(rewards.shape[0], rewards.shape[1], -1)
-    v = np.ones(r.shape, bool) if valid is None else valid.reshape(r.shape)
-    hi = np.where(v, r, -np.inf).max(axis=(1, 2))
-    lo = np.where(v, r, np.inf).min(axis=(1, 2))
-    return ~(hi > lo)
+def zero_variance_groups(advantages: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
+    """``[B]`` True where every counted rollout (every counted turn, for per-turn rewards) of
+    the group has advantage 0: its rewards are equal (per turn index, for turn-level
+    advantages), so its tokens carry no policy gradient. ``advantages``: ``[B, G]`` or
+    ``[B, G, K]``; a constant group's advantages are exactly 0 for every estimator."""
+    a = np.asarray(advantages).reshape(advantages.shape[0], advantages.shape[1], -1)
+    v = np.ones(a.shape, bool) if valid is None else np.asarray(valid, bool).reshape(a.shape)
+    return ~np.any(v & (a != 0), axis=(1, 2))
 
 
 @dataclasses.dataclass
@@ -167,7 +168,7 @@ class GRPOTrainer:
         metrics: dict[str, float] = {}
         loss_mask = rows["loss_mask"].copy()
         if a.filter_zero_variance:
-            flat = zero_variance_groups(exp.rewards, exp.valid)
+            flat = zero_variance_groups(adv, exp.valid)
             G = exp.rewards.shape[1]
             loss_mask &= ~np.repeat(flat, G)[:, None]
             metrics["groups_kept"] = float((~flat).mean())

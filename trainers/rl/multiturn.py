@@ -148,8 +148,9 @@ class ChatRows(TurnRows):
         rendered = self._render(self.messages[i], False)
         self._check_prefix(i, rendered, "the reply is added (the generation prompt does not open it)")
         end_token = None if self._template is None else self._template.end_of_turn(rendered, len(self._held[i]))
-        if end_token is None:
-            resume = len(rendered)
+        if end_token is None:  # the built-in format closes a message with "\n": held only if sampled
+            closed = stopped and self.tokenizer.decode([ids[-1]]) == "\n"
+            resume = len(rendered) - 1 if rendered.endswith("\n") and not closed else len(rendered)
         else:
             resume = end_token[1] if stopped else end_token[0]
         self._held[i] = rendered[:resume]

@@ -78,6 +78,10 @@ def check_grpo_config(c) -> None:
         raise ValueError(f"GRPOConfig.turn_gamma={c.turn_gamma!r} must be in [0, 1]")
     if not 0 <= c.qpas_quantile < 1:
         raise ValueError(f"GRPOConfig.qpas_quantile={c.qpas_quantile!r} must be in [0, 1)")
+    if not 0 <= c.qpas_alpha < float("inf"):  # alpha < 0 would prefer the smallest |A|
+        raise ValueError(f"GRPOConfig.qpas_alpha={c.qpas_alpha!r} must be a finite number >= 0")
+    if not 0 <= c.qpas_beta <= 1:
+        raise ValueError(f"GRPOConfig.qpas_beta={c.qpas_beta!r} must be in [0, 1] (0: no importance correction)")
     if getattr(c, "prefix", None) is not None and c.collector != "single_turn":
         raise ValueError(f"GRPOConfig.prefix (PrefixRL) needs collector='single_turn', got {c.collector!r}")
     camel = getattr(c, "camel", None)
