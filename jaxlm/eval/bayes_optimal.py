@@ -174,13 +174,16 @@ def mbr(latents: Sequence[Any], d="zero_one", *, weights=None, log_weights=None)
 
 
 # ---------------------------------------------------------------- response -> latent maps
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# an optional sign; digits with or without thousands separators ("1,234"), or none before a
+# decimal point (".75"); an optional fraction
+_NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
 
 
 def number_latent(text: str) -> float | None:
-    """The last number in the response (None when there is none)."""
+    """The last number in the response (None when there is none): ``"-.5"`` is -0.5,
+    ``"$2,500"`` is 2500 (a comma between digit groups of three is a thousands separator)."""
     found = _NUMBER.findall(text)
-    return float(found[-1]) if found else None
+    return float(found[-1].replace(",", "")) if found else None
 
 
 def set_latent(text: str, sep: str = ",") -> frozenset:

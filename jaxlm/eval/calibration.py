@@ -34,10 +34,16 @@ def _check_bins(n_bins: int) -> int:
     return int(n_bins)
 
 
+def _width_bin_index(confidence: np.ndarray, n_bins: int) -> np.ndarray:
+    """The bin ``b`` of ``(b/n, (b+1)/n]`` (0 in the first) holding each confidence, compared
+    with the float edges ``k / n`` (``ceil(c * n)`` rounds ``0.07 * 100`` up past 7)."""
+    return np.searchsorted(np.arange(1, n_bins) / n_bins, confidence, side="left")
+
+
 def _width_bins(confidence: np.ndarray, correct: np.ndarray, n_bins: int):
     """Per equal-width bin ``(b/n, (b+1)/n]`` (0 in the first): count, confidence sum, hits."""
     n_bins = _check_bins(n_bins)
-    bins = np.clip(np.ceil(confidence * n_bins).astype(int) - 1, 0, n_bins - 1)
+    bins = _width_bin_index(confidence, n_bins)
     return (np.bincount(bins, minlength=n_bins), np.bincount(bins, weights=confidence, minlength=n_bins),
             np.bincount(bins, weights=correct, minlength=n_bins))
 
@@ -117,7 +123,7 @@ def full_calibration_error(probs: np.ndarray, labels: np.ndarray, *, n_bins: int
     n, V = probs.shape
     if n == 0:
         return 0.0
-    bins = np.clip(np.ceil(probs * n_bins).astype(int) - 1, 0, n_bins - 1)  # [N, V]
+    bins = _width_bin_index(probs, n_bins)  # [N, V]
     hit = labels[:, None] == np.arange(V)[None]
     flat = (bins + n_bins * np.arange(V)[None]).ravel()
     conf_sum = np.bincount(flat, weights=probs.ravel(), minlength=n_bins * V)

@@ -34,8 +34,9 @@ def membership_scores(x, k: int, *, weighting: Weighting = "paper", fit=None) ->
     ref = x if fit is None else np.asarray(fit, np.float64)
     if x.ndim != 2 or ref.ndim != 2 or ref.shape[1] != x.shape[1]:
         raise ValueError(f"x and fit must be [N, D] with the same D, got {x.shape} and {ref.shape}")
-    if not isinstance(k, int) or not 1 <= k <= min(ref.shape):
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or not 1 <= k <= min(ref.shape):
         raise ValueError(f"k={k!r} must be an int in [1, {min(ref.shape)}] (min of the fit set's N and D)")
+    k = int(k)
     if weighting not in ("paper", "whitened"):
         raise ValueError(f"weighting={weighting!r} must be 'paper' or 'whitened'")
     mean = ref.mean(axis=0)
@@ -46,11 +47,17 @@ def membership_scores(x, k: int, *, weighting: Weighting = "paper", fit=None) ->
     return (proj**2 / np.maximum(sigma[:k], 1e-12) ** 2).sum(axis=1)
 
 
-def select_membership(x, labelled: np.ndarray, correct: np.ndarray, *, ks: Sequence[int] = tuple(range(1, 11)),
+def select_membership(x, labelled: np.ndarray, correct: np.ndarray, *, ks: Sequence[int] | None = None,
                       weighting: Weighting = "paper") -> tuple[int, float, float]:
     """``(k, sign, auroc)``: the ``k`` and orientation whose score ``sign * zeta`` best ranks
     the labelled rows ``x[labelled]`` by ``correct`` (AUROC; a higher score means "right").
-    The scores are computed on all of ``x`` (the unlabeled set)."""
+    The scores are computed on all of ``x`` (the unlabeled set). ``ks``: the candidates
+    (default 1..10, those up to ``min(N, D)``)."""
+    if ks is None:
+        shape = np.shape(x)
+        ks = tuple(range(1, min(10, *shape) + 1)) if len(shape) == 2 else (1,)
+    if not len(ks):
+        raise ValueError("ks is empty: give at least one subspace dimension k")
     labelled = np.asarray(labelled)
     correct = np.asarray(correct, bool)
     if correct.shape != labelled.shape:

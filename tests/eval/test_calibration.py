@@ -29,6 +29,13 @@ def test_ece_matches_the_definition():
     for n_bins in (1, 10, 15):
         np.testing.assert_allclose(expected_calibration_error(conf, correct, n_bins=n_bins),
                                    loop_ece(conf, correct, n_bins), rtol=1e-12, atol=1e-12)
+    # decimals on the edges: 0.07 is the edge 7/100, though 0.07 * 100 rounds to 7.000000000000001
+    conf = np.array([float(f"0.{k:03d}") for k in range(1000)] + [1.0])
+    correct = rng.uniform(0, 1, conf.size) < 0.5
+    for n_bins in (25, 50, 100, 1000):
+        np.testing.assert_allclose(expected_calibration_error(conf, correct, n_bins=n_bins),
+                                   loop_ece(conf, correct, n_bins), rtol=1e-12, atol=1e-12)
+    assert expected_calibration_error([0.07, 0.075], [1, 0], n_bins=100) == pytest.approx((0.93 + 0.075) / 2)
 
 
 def test_ece_hand_example_and_degenerate_inputs():

@@ -51,6 +51,11 @@ def test_selection_finds_the_separating_direction_and_its_orientation():
     assert sign == -1.0 and a > 0.9  # a high score means "wrong": flipped to rank "right" first
     zeta = membership_scores(x, k)
     assert auroc(sign * zeta[100:], ~wrong[100:]) > 0.9
+    # the default candidates stop at min(N, D) = 6 here (D < 10), and numpy ints are ints
+    assert select_membership(x[:, :6], np.arange(100), ~wrong[:100]) == max(
+        ((k, s, auroc(s * membership_scores(x[:, :6], k)[:100], ~wrong[:100])) for k in range(1, 7) for s in (1.0, -1.0)),
+        key=lambda t: t[2])
+    np.testing.assert_array_equal(membership_scores(x, np.int64(2)), membership_scores(x, 2))
 
 
 def test_bad_inputs_name_the_argument():

@@ -230,6 +230,11 @@ def test_dllm_cache_flops_follow_the_refresh_schedule(model, baseline):
     np.testing.assert_allclose(out.flops, expected, rtol=1e-6)
     assert out.flops < baseline.flops and not (out.tokens == MASK).any()
     assert int(DLLMCache(3, 2, 0.25).mode(3)) == 2  # prompt refresh only
+    # with guidance a step is one model call over [cond; uncond] rows: the same schedule, twice the rows
+    guided = diffusion_generate(model, PROMPTS, gen_length=16, steps=16, block_length=4, cache=schedule, cfg_scale=1.0)
+    expected = sum(fw.dllm_cache_flops(c, 2 * B, P + G, P, m, 0.25) for m in modes)
+    np.testing.assert_allclose(guided.flops, expected, rtol=1e-6)
+    assert guided.forwards == 32
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])

@@ -37,9 +37,10 @@ class DLLMCache:
     """dLLM-Cache's schedule (the LLaDA-8B-Instruct GSM8K script: K_p 50, K_r 7, rho 0.25)."""
 
     prompt_interval: int = 50
-    """K_p: the prompt is recomputed at forwards 0, K_p, 2 K_p, ..."""
+    """K_p: the prompt is recomputed at steps 0, K_p, 2 K_p, ... (one cached model call per step;
+    guidance batches its two rows into it, a Slow-Fast probe runs uncached)."""
     gen_interval: int = 7
-    """K_r: the response is recomputed at forwards 0, K_r, 2 K_r, ..."""
+    """K_r: the response is recomputed at steps 0, K_r, 2 K_r, ..."""
     transfer_ratio: float = 0.25
     """rho: fraction of response tokens the adaptive partial update recomputes in between."""
 
@@ -54,7 +55,7 @@ class DLLMCache:
 
     def mode(self, forward_index) -> jax.Array:
         """0 = both refresh (full), 1 = response only, 2 = prompt only, 3 = neither (partial
-        update only), for the 0-based forward ``forward_index``."""
+        update only), for the 0-based step ``forward_index``."""
         p = forward_index % self.prompt_interval == 0
         g = forward_index % self.gen_interval == 0
         return jnp.where(p & g, 0, jnp.where(g, 1, jnp.where(p, 2, 3))).astype(jnp.int32)

@@ -126,8 +126,10 @@ class DiffusionResult:
     mask_completions: list[list[int]] | None = None  # with edit rounds: the completions before them
 
 
-def _logits(model, plan: _Plan, x, valid, caches, step_in_block, block, forward_index):
-    """The current block's logits ``[B, L, V]`` (and the caches, FLOPs) for one step."""
+def _logits(model, plan: _Plan, x, valid, caches, step_in_block, block, step):
+    """The current block's logits ``[B, L, V]`` (and the caches, FLOPs) for one step; ``step``
+    (0-based, over all blocks) drives dLLM-Cache's refresh schedule: one cached model call per
+    step, a guided step's conditional and unconditional rows batched in it."""
     P, L, c = plan.prompt_len, plan.block_length, model.config
     B, T = x.shape
     if plan.cfg_scale:
@@ -145,7 +147,7 @@ def _logits(model, plan: _Plan, x, valid, caches, step_in_block, block, forward_
         out, flops = block_of(logits), fw.full_flops(c, rows, T, T - P)
     elif isinstance(plan.cache, DLLMCache):
         d = plan.cache
-        mode = d.mode(forward_index)
+        mode = d.mode(step)
 
         def full(caches):
             logits, new = fw.full_forward(model, x, valid, start=P, collect=True)
@@ -231,7 +233,7 @@ def diffusion_tokens(graphdef, params, prompt_tokens, prompt_mask, rng, *, plan:
         start = P + b * L
         blk = jax.lax.dynamic_slice_in_dim(x, start, L, axis=1)
         masked = blk == plan.mask_id
-        logits, caches, flops = block_logits(x, carry["caches"], j, b, carry["forwards"])
+        logits, caches, flops = block_logits(x, carry["caches"], j, b, carry["steps"])
         key = jax.random.fold_in(rng, carry["steps"])
         proposal, conf = predict(logits, key, temperature=plan.temperature, remasking=plan.remasking)
         forwards = carry["forwards"] + (2 if plan.cfg_scale else 1)
