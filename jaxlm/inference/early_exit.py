@@ -54,8 +54,8 @@ class ExitWindow:
                 raise ValueError(f"ExitWindow.{name}={v!r} is invalid: must be an int >= 1")
         if self.end < self.start:
             raise ValueError(f"ExitWindow.end={self.end} is invalid: must be >= start={self.start}")
-        if not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool) or self.threshold < 0:
-            raise ValueError(f"ExitWindow.threshold={self.threshold!r} is invalid: must be a number >= 0")
+        if not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool) or not self.threshold >= 0:
+            raise ValueError(f"ExitWindow.threshold={self.threshold!r} is invalid: must be a number >= 0 (not NaN)")
 
     def check(self, config) -> None:
         """The window must lie inside the model's layers and the proxy inside its vocabulary."""

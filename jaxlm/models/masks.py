@@ -24,8 +24,11 @@ def build_attention_mask(
     kv_valid: ``[B, S]`` which key slots hold real tokens.
     q_start: slot of the first query (the cache's write index; 0 without a cache), or ``[B]``
       with one per row (a cache with per-row write slots).
-    Sliding window (Mistral; Beltagy et al. 2020): query slot ``i`` sees key slot
-    ``j`` only if ``i - j < sliding_window``.
+    Sliding window (Mistral; Beltagy et al. 2020): a query sees the last ``sliding_window``
+    real tokens, itself included: key ``j`` only if ``n_i - n_j < sliding_window``, with
+    ``n`` a slot's count of real tokens before it. Padding slots take no room in the window,
+    also where they sit between real ones (a padded chunk appended to a cache); without such
+    gaps this is HF's slot rule ``i - j < sliding_window``.
     """
     B, S = kv_valid.shape
     allowed = kv_valid[:, None, None, :]
@@ -35,7 +38,10 @@ def build_attention_mask(
         kv_idx = jnp.arange(S)[None, None, :]
         rel = kv_idx <= q_idx
         if sliding_window is not None:
-            rel = rel & (q_idx - kv_idx < sliding_window)
+            n = jnp.cumsum(kv_valid.astype(jnp.int32), axis=1)  # [B, S] real tokens up to each slot
+            q_slots = jnp.clip(jnp.broadcast_to(q_idx[..., 0], (B, num_queries)), 0, S - 1)
+            n_q = jnp.take_along_axis(n, q_slots, axis=1)  # [B, T]
+            rel = rel & (n_q[:, :, None] - n[:, None, :] < sliding_window)
         return allowed & rel[:, None]
     if full_mask.ndim == 3:
         full_mask = full_mask[:, None]

@@ -192,6 +192,15 @@ class AudioVisual:
     frame_ticks: int = 2
     audio_ticks: int = 1
 
+    def __post_init__(self):
+        for name in ("frames_per_chunk", "frame_ticks", "audio_ticks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"AudioVisual.{name}={v!r} is invalid: must be an int >= 1")
+        if not len(self.video):  # the audio is placed inside the video's chunks: there would be none
+            raise ValueError("AudioVisual.video has no frames, so its audio would have no chunk to go in; "
+                             "give audio alone as Audio(frames)")
+
 
 @dataclasses.dataclass(frozen=True)
 class OmniSequence:

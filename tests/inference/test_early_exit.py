@@ -149,6 +149,8 @@ def test_bad_windows_fail_naming_the_field(model):
         ExitWindow(2, 1, 0.9)
     with pytest.raises(ValueError, match="ExitWindow.threshold"):
         ExitWindow(1, 2, -0.5)
+    with pytest.raises(ValueError, match="ExitWindow.threshold=nan"):  # would never exit
+        ExitWindow(1, 2, float("nan"))
     with pytest.raises(ValueError, match="ExitWindow.proxy_vocab=41 exceeds vocab_size=40"):
         jaxlm.generate(model, PROMPTS, max_new_tokens=2, early_exit=ExitWindow(1, 2, 0.9, proxy_vocab=41))
     scanned = jaxlm.build_model(dataclasses.replace(CFG, scan_layers=True), seed=0)

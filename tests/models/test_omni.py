@@ -185,6 +185,10 @@ def test_bad_pieces_and_config():
         build_sequence([Video(np.zeros((1, 2, 2, 5)))], TOK, cfg)
     with pytest.raises(TypeError, match="a piece must be"):
         build_sequence([3.5], TOK, cfg)
+    with pytest.raises(ValueError, match="AudioVisual.video has no frames"):  # its audio would be dropped
+        AudioVisual(np.zeros((0, 2, 2, 12)), np.zeros((5, 6)))
+    with pytest.raises(ValueError, match="AudioVisual.frames_per_chunk=0 is invalid"):
+        AudioVisual(np.zeros((2, 2, 2, 12)), np.zeros((5, 6)), frames_per_chunk=0)
     with pytest.raises(ValueError, match="audio_token_id"):
         OmniConfig(lm=cfg.lm, patch_dim=4, audio_dim=4, video_token_id=VID, audio_token_id=999)
 

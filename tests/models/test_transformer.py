@@ -94,6 +94,19 @@ def test_cache_prefill_then_decode_equals_full_forward(model):
     np.testing.assert_array_equal(cache.valid[:, :12], mask)
 
 
+def test_padding_between_cached_and_new_tokens_takes_no_room_in_the_window(model):
+    """A padded chunk appended to a cache (``[pad, pad, x, y, z]``): the sliding window (6)
+    counts real tokens, so the result equals the real tokens run alone in one forward."""
+    tokens, mask = _batch(T=12)
+    cache = model(tokens[:, :7], mask=mask[:, :7], cache=model.init_cache(3, 16)).cache
+    chunk_mask = jnp.asarray(np.array([[False, False, True, True, True]] * 3))
+    out = model(tokens[:, 7:], mask=chunk_mask, cache=cache).logits
+    for b in range(3):
+        real = np.concatenate([np.asarray(tokens[b, :7])[np.asarray(mask[b, :7])], np.asarray(tokens[b, 9:])])
+        alone = model(jnp.asarray(real)[None]).logits[0, -3:]
+        np.testing.assert_allclose(np.asarray(out[b, 2:]), np.asarray(alone), atol=1e-5)
+
+
 def test_explicit_full_mask_is_used_as_given(model):
     """A bidirectional mask lets the first token see the last one; a causal one does not."""
     tokens, _ = _batch(B=1, T=8)
