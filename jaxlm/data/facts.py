@@ -194,8 +194,36 @@ def write_requests(requests: list[dict[str, Any]], path: str | Path) -> Path:
 REQUIRED_FIELDS = ("prompt", "target_new")
 
 
+def _nonempty_str(x) -> bool:
+    return isinstance(x, str) and bool(x)
+
+
+def check_request(row: Any, where: str) -> dict[str, Any]:
+    """One edit request checked, with its optional fields filled in (``paraphrase_prompts``:
+    a list of non-empty strings; ``neighborhood``: a list of ``{"prompt", "target"}`` objects
+    of non-empty strings; ``target_true``: a non-empty string or absent). ValueError names
+    ``where`` and the field."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: an edit request is a JSON object, got {type(row).__name__}")
+    missing = [k for k in REQUIRED_FIELDS if not _nonempty_str(row.get(k))]
+    if missing:
+        raise ValueError(f"{where}: edit request needs non-empty string field(s) {missing}")
+    row = {**row, "paraphrase_prompts": row.get("paraphrase_prompts", []), "neighborhood": row.get("neighborhood", [])}
+    para = row["paraphrase_prompts"]
+    if not isinstance(para, list) or not all(_nonempty_str(q) for q in para):
+        raise ValueError(f"{where}: paraphrase_prompts must be a list of non-empty strings, got {para!r:.80}")
+    nb = row["neighborhood"]
+    if not isinstance(nb, list) or not all(isinstance(n, dict) and _nonempty_str(n.get("prompt"))
+                                           and _nonempty_str(n.get("target")) for n in nb):
+        raise ValueError(f"{where}: neighborhood must be a list of {{\"prompt\": ..., \"target\": ...}} objects "
+                         f"of non-empty strings, got {nb!r:.80}")
+    if row.get("target_true") is not None and not _nonempty_str(row["target_true"]):
+        raise ValueError(f"{where}: target_true must be a non-empty string, got {row['target_true']!r:.80}")
+    return row
+
+
 def read_requests(path: str | Path) -> list[dict[str, Any]]:
-    """Edit requests from a jsonl file; a row missing ``prompt``/``target_new`` or a
+    """Edit requests from a jsonl file, each checked by `check_request`; a bad row or a
     malformed line -> ValueError naming the file and line."""
     path = Path(path)
     if not path.exists():
@@ -206,12 +234,7 @@ def read_requests(path: str | Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        missing = [k for k in REQUIRED_FIELDS if not isinstance(row.get(k), str) or not row.get(k)]
-        if missing:
-            raise ValueError(f"{path}:{lineno}: edit request needs non-empty string field(s) {missing}")
-        row.setdefault("paraphrase_prompts", [])
-        row.setdefault("neighborhood", [])
-        out.append(row)
+        out.append(check_request(row, f"{path}:{lineno}"))
     if not out:
         raise ValueError(f"{path}: no edit requests")
     return out

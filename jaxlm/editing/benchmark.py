@@ -19,7 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxlm.checkpoint import load_model, save_checkpoint
-from jaxlm.data.facts import FactWorld, read_requests
+from jaxlm.data.facts import FactWorld, check_request, read_requests
 from jaxlm.data.tasks import Arithmetic
 from jaxlm.editing.crispedit import GradientEditConfig, sequential_edit
 from jaxlm.editing.kfac import kfac_factors, token_batches
@@ -145,6 +145,10 @@ def edit_checkpoint(
             raise ValueError(f"{name}={value!r} is invalid: must be a positive int")
     if isinstance(requests, (str, os.PathLike)):
         requests = read_requests(requests)
+    else:
+        requests = [check_request(r, f"requests[{i}]") for i, r in enumerate(requests)]
+        if not requests:
+            raise ValueError("requests is empty: give at least one edit request")
     corpus = FactWorld() if corpus is None else corpus
     capability = Arithmetic() if capability is None else capability
     lock = DirectoryLock(out, beside=True, what="edited model being written") if out is not None else None

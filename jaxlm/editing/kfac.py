@@ -110,7 +110,15 @@ def _factor_sums(graphdef, state, tokens, valid, key, *, module, layers, mode, s
     delta = jnp.zeros((c.n_layers, *tokens.shape, d_out), jnp.float32)
     logits, pullback, acts = jax.vjp(logits_of, delta, has_aux=True)
     m = valid.astype(jnp.float32)[None, ..., None]
-    a = acts[idx].astype(jnp.float32) * m
+    if isinstance(acts, (tuple, list)):  # per-layer widths (layer_ffn_dims): one array per layer
+        widths = {int(acts[i].shape[-1]) for i in layers}
+        if len(widths) > 1:
+            raise ValueError(f"K-FAC of {module} over layers {list(layers)}: their input widths differ "
+                             f"({sorted(widths)}, ModelConfig.layer_ffn_dims); estimate the layers separately")
+        a = jnp.stack([acts[i] for i in layers])
+    else:
+        a = acts[idx]
+    a = a.astype(jnp.float32) * m
     A = jnp.einsum("nbti,nbtj->nij", a, a)
 
     def one(key):

@@ -94,6 +94,10 @@ class LocateEditConfig:
         for name in ("lam_memit", "lam_alphaedit", "nullspace_tau", "v_lr", "clamp_norm_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be > 0")
+        layers = tuple(self.layers)
+        if list(layers) != sorted(set(layers)):  # the residual is spread from the first layer on
+            raise ValueError(f"layers={layers!r} is invalid: MEMIT/AlphaEdit edit the layers in ascending order "
+                             f"without repeats (e.g. {tuple(sorted(set(layers)))})")
 
 
 def _gather(x, pos):  # x [B, T, D], pos [B] -> [B, D]

@@ -72,8 +72,8 @@ def _flatten(requests, field):
     prompts, targets_new, targets_true, owner = [], [], [], []
     for k, r in enumerate(requests):
         items = (
-            [(p, r["target_new"], r.get("target_true")) for p in r["paraphrase_prompts"]] if field == "paraphrase"
-            else [(n["prompt"], r["target_new"], n["target"]) for n in r["neighborhood"]]
+            [(p, r["target_new"], r.get("target_true")) for p in r.get("paraphrase_prompts", ())]
+            if field == "paraphrase" else [(n["prompt"], r["target_new"], n["target"]) for n in r.get("neighborhood", ())]
         )
         for p, new, true in items:
             prompts.append(p)
@@ -154,5 +154,6 @@ class EditEvaluator:
         if self.capability is not None:
             acc = float(score(model, self.capability)["exact"].mean())
             out["capability"] = acc
-            out["capability_retention"] = acc / max(float(self.base_capability), 1e-12)
+            base = float(self.base_capability)  # retention of nothing is undefined: NaN
+            out["capability_retention"] = acc / base if base > 0 else float("nan")
         return out

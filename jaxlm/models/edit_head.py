@@ -17,8 +17,11 @@ from jaxlm.models.transformer import Transformer, build_model
 
 def add_edit_head(model: Transformer) -> Transformer:
     """A new model: vocabulary ``V + 1`` with ``delete_token_id = V`` (its embedding row the
-    mean of the others, its current-token logit column zero) and ``next_token_head`` copied from
-    the LM head (or the tied embedding). Every other parameter is shared by value."""
+    mean of the others, its current-token logit column zero) and ``next_token_head`` a copy of
+    the new current-token head, so both heads give the same logits at first. With tied
+    embeddings the current-token head is the embedding, so ``<|del|>``'s column there is the
+    mean embedding (not zero), and the copy has it too. Every other parameter is shared by
+    value."""
     c = model.config
     if c.mode != "diffusion":
         raise ValueError(f"add_edit_head needs a masked diffusion LM (mode='diffusion'), got mode={c.mode!r}")
@@ -29,9 +32,11 @@ def add_edit_head(model: Transformer) -> Transformer:
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     embed = params["embed"]
     params["embed"] = jnp.concatenate([embed, embed.mean(0, keepdims=True)], 0)
-    head = embed.T if c.tie_embeddings else params["lm_head"]["kernel"]
-    head = jnp.concatenate([head, jnp.zeros((head.shape[0], 1), head.dtype)], 1)
-    if not c.tie_embeddings:
+    if c.tie_embeddings:  # the current-token head is the new embedding, its <|del|> row included
+        head = params["embed"].T
+    else:
+        head = params["lm_head"]["kernel"]
+        head = jnp.concatenate([head, jnp.zeros((head.shape[0], 1), head.dtype)], 1)
         params["lm_head"]["kernel"] = head
     params["next_head"] = {"kernel": head}
     new = build_model(new_config, seed=0, tokenizer=model.tokenizer)

@@ -136,6 +136,8 @@ def fuse_norms(model):
         E = pure["embed"]
         pure["lm_head"] = {"kernel": jnp.asarray(_f32(E).T, E.dtype)}
     pure["lm_head"]["kernel"] = _scale_rows(pure["lm_head"]["kernel"], w_final)
+    if pure.get("next_head") is not None:  # an edit model's next-token head reads the same output
+        pure["next_head"]["kernel"] = _scale_rows(pure["next_head"]["kernel"], w_final)
     pure["final_norm"]["scale"] = jnp.ones_like(w_final)
     return _merge(model, graphdef, pure, config)
 
@@ -205,6 +207,8 @@ def rotate_residual(model, Q=None, *, seed: int = 0):
                 mod["bias"] = _write(mod["bias"], Q)
     if not c.tie_embeddings:
         pure["lm_head"]["kernel"] = _read(Q, pure["lm_head"]["kernel"])
+    if pure.get("next_head") is not None:
+        pure["next_head"]["kernel"] = _read(Q, pure["next_head"]["kernel"])
     return _merge(model, graphdef, pure)
 
 

@@ -243,13 +243,16 @@ def map_projections(model, modules: Sequence[str], build: Callable[[str, int, ja
     c = model.config
     graphdef, state = nnx.split(model)
     pure = nnx.to_pure_dict(state)
-    pattern = re.compile(r"^layers\.(?:(\d+)\.)?(" + "|".join(re.escape(m) for m in modules) + r")\.kernel$")
+    pattern = re.compile(r"^layers\.(?:(\d+)\.)?(" + "|".join(re.escape(m) for m in modules) + r")\.kernel(\.|$)")
 
     def one(path, leaf):
         name = ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
         m = pattern.match(name)
         if m is None:
             return leaf
+        if m.group(3):  # a leaf inside a structured weight (QArray codes, a transform...)
+            raise ValueError(f"parameter {name[:m.end() - 1]} is already quantized/transformed (its leaf "
+                             f"{name[m.end():].lstrip('.')}); quantize the float model")
         module = m.group(2)
         if m.group(1) is not None:
             return build(module, int(m.group(1)), leaf)

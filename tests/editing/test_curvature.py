@@ -115,6 +115,25 @@ def test_input_factor_and_token_weighted_merge(model, batch):
         kfac_factors(model, [(tokens, valid)], layers=[0], mode="hessian")
 
 
+def test_factors_of_a_model_with_per_layer_ffn_widths(batch):
+    """``layer_ffn_dims``: the collected MLP inputs are one array per layer. Layers of one
+    width stack (A and B as for each layer alone); layers of different widths are refused."""
+    tokens, valid = batch
+    cfg = ModelConfig.tiny(d_model=16, n_heads=2, n_kv_heads=1, ffn_dim=24, init_std=0.3, n_layers=3,
+                           layer_ffn_dims=(24, 20, 24))
+    model = jaxlm.build_model(cfg, seed=0)
+    f = kfac_factors(model, [(tokens, valid)], layers=[0, 2])
+    acts = model(jnp.asarray(tokens), mask=jnp.asarray(valid), collect=("mlp_act",)).collected["mlp_act"]
+    for n, layer in enumerate((0, 2)):
+        a = np.asarray(acts[layer], np.float64)[valid]
+        want = a.T @ a / valid.sum()  # float64; float32 sums of 10 products differ by ~1e-5 of the largest
+        np.testing.assert_allclose(np.asarray(f.A[n]), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        alone = kfac_factors(model, [(tokens, valid)], layers=[layer])
+        np.testing.assert_allclose(np.asarray(f.B[n]), np.asarray(alone.B[0]), rtol=1e-5, atol=1e-9)
+    with pytest.raises(ValueError, match=r"input widths differ \(\[20, 24\]"):
+        kfac_factors(model, [(tokens, valid)], layers=[0, 1])
+
+
 def _random_factors(d_in, d_out, seed=0):
     rng = np.random.default_rng(seed)
     a = rng.normal(size=(50, d_in)) * np.linspace(3, 0.1, d_in)

@@ -89,6 +89,17 @@ def test_requests_file_round_trip_and_errors(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"prompt": "x", "target_new": " y"}\n{oops\n')
     with pytest.raises(ValueError, match=r"broken.jsonl:2: not valid JSON"):
         read_requests(tmp_path / "broken.jsonl")
+    bad_rows = {
+        '"paraphrase_prompts": "a string"': r"paraphrase_prompts must be a list of non-empty strings",
+        '"neighborhood": [{"prompt": "p"}]': r"neighborhood must be a list of .* objects",
+        '"target_true": 3': r"target_true must be a non-empty string",
+    }
+    for extra, match in bad_rows.items():
+        (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "target_new": " y", ' + extra + '}\n')
+        with pytest.raises(ValueError, match=r"bad.jsonl:1: " + match):
+            read_requests(tmp_path / "bad.jsonl")
+    with pytest.raises(ValueError, match=r"layers=\(2, 1\) is invalid: MEMIT/AlphaEdit edit the layers in ascending"):
+        LocateEditConfig(layers=(2, 1))
     with pytest.raises(ValueError, match="energy=1.5"):
         GradientEditConfig(energy=1.5)
     with pytest.raises(ValueError, match="n=500"):

@@ -172,3 +172,16 @@ def test_per_request_means_with_non_dyadic_probabilities():
                            for n in r["neighborhood"]]) for r in reqs])
     assert (m["ES"], m["PS"], m["NS"]) == pytest.approx((es, ps, ns), abs=1e-12)
     assert 0 < es < 1 or 0 < ps < 1 or 0 < ns < 1  # the case is not all-or-nothing
+
+
+def test_requests_without_optional_fields_and_retention_of_a_zero_capability():
+    """A plain list of requests needs only prompt and target_new; retention relative to an
+    unedited capability of 0 is undefined (NaN), not a huge ratio."""
+    table = bigram_table(BASE_ROWS)
+    held = [{"prompt": "c", "completion": "q"}]  # the base model never says "q" after "c"
+    ev = EditEvaluator(Bigram(table), [{"prompt": "c", "target_new": "x"}], TOK, held)
+    edited = bigram_table({"c": {"q": 0.9}})
+    edited[TOK.encode("q")[0], TOK.eos_id] = 5.0  # "q" then EOS: the held-out completion, exactly
+    out = ev(Bigram(edited))
+    assert ev.base_capability == 0.0 and out["capability"] == 1.0 and np.isnan(out["capability_retention"])
+    assert "generalization" not in out and "locality" not in out

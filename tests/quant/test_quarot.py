@@ -199,3 +199,15 @@ def test_refused_variants_raise_clear_errors(outlier_model):
     already = transform_quantize_model(unit, "rtn", "nvfp4", None)
     with pytest.raises(ValueError, match="already quantized"):
         fuse_norms(already)
+
+
+def test_an_edit_models_next_token_head_is_transformed_too():
+    """ME-DLM edit models read the final norm's output with a second head (``next_logits``):
+    fusion scales it and the rotation rotates it, like ``lm_head``."""
+    cfg = jaxlm.ModelConfig.tiny(mode="diffusion", mask_token_id=1, next_token_head=True, **D64)
+    _, model = _perturb(jaxlm.build_model(cfg, seed=0), seed=2)
+    base = model(TOKENS)
+    for transformed in (fuse_norms(model), quarot_transform(model, seed=3)):
+        out = transformed(TOKENS)
+        assert _rel(out.logits, base.logits) < 1e-5
+        assert _rel(out.next_logits, base.next_logits) < 1e-5

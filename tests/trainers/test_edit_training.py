@@ -273,6 +273,12 @@ def test_add_edit_head_keeps_the_model_and_copies_its_head():
     np.testing.assert_allclose(np.asarray(after.logits[..., :260]), np.asarray(before.logits), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(after.logits[..., 260]), 0.0)
     np.testing.assert_array_equal(np.asarray(after.next_logits), np.asarray(after.logits))
+    # tied embeddings: the current-token head is the embedding (<|del|>'s row the mean one); the copy matches it
+    tied = build_model(ModelConfig.tiny(vocab_size=260, mode="diffusion", mask_token_id=MASK, init_std=0.3,
+                                        tie_embeddings=True), seed=4)
+    out = add_edit_head(tied)(x)
+    np.testing.assert_allclose(np.asarray(out.logits[..., :260]), np.asarray(tied(x).logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.next_logits), np.asarray(out.logits), atol=1e-5)
     with pytest.raises(ValueError, match="already has a next-token head"):
         add_edit_head(edit_model)
     with pytest.raises(ValueError, match="masked diffusion LM"):
