@@ -36,7 +36,8 @@ def svd_rank(shape: tuple[int, int], kept_params: int) -> int:
 def svd_baseline(params: Mapping[str, object], config, compressed_config, components) -> tuple[dict, dict]:
     """Flat params with every projection of ``components`` replaced by its truncated SVD at
     the parameter count of the same projection in ``compressed_config`` (A^3's shapes).
-    Returns the new flat params (original shapes) and ``{projection: rank}``."""
+    Returns the new flat params (original shapes) and ``{parameter name: rank}`` (one per
+    layer and projection: with per-layer widths the ranks differ by layer)."""
     def widths(c):
         return {"attn.q_proj": c.q_dim, "attn.k_proj": c.k_dim, "attn.v_proj": c.v_dim, "attn.o_proj": c.o_dim,
                 "mlp.gate_proj": c.ffn_dim, "mlp.up_proj": c.ffn_dim, "mlp.down_proj": c.ffn_dim}
@@ -52,6 +53,6 @@ def svd_baseline(params: Mapping[str, object], config, compressed_config, compon
                 w = np.asarray(params[name], np.float64)
                 kept = w.size // old_out[proj] * new_out[proj]
                 rank = svd_rank(w.shape, kept)
-                ranks[proj] = rank
+                ranks[name] = rank
                 out[name] = truncated_svd(w, rank).astype(np.float32)
     return out, ranks

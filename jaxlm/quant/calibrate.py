@@ -99,10 +99,11 @@ def input_samples(
     n: int = 512, seed: int = 0,
 ) -> dict[str, np.ndarray]:
     """``{module: X [L, n', C]}``: up to ``n`` input rows (valid tokens, the same rows for
-    every layer and module) drawn uniformly without replacement with a seeded generator;
-    what objectives that need input samples, not only second moments, calibrate on
-    (TwinQuant). Each batch keeps at most ``n`` rows before the final draw, so memory stays
-    bounded by ``n`` per batch."""
+    every layer and module, in the order of the calibration set) drawn uniformly without
+    replacement over the whole set with a seeded generator; what objectives that need input
+    samples, not only second moments, calibrate on (TwinQuant). Every valid row gets a
+    uniform key and the ``n`` smallest keys are kept as the batches stream by (a bottom-n
+    reservoir), so memory stays bounded by ``2 n`` rows."""
     bad = [m for m in modules if m not in INPUT_TAPS]
     if bad:
         raise ValueError(f"modules {bad} are invalid: calibratable modules are {sorted(INPUT_TAPS)}")
@@ -111,21 +112,32 @@ def input_samples(
     rng = np.random.default_rng(seed)
     sites = tuple(sorted({INPUT_TAPS[m] for m in modules}))
     graphdef, state = nnx.split(model)
-    kept: dict[str, list[np.ndarray]] = {s: [] for s in sites}
+    keys = np.empty(0)  # the kept rows' keys, their place in the whole set, and their inputs
+    order = np.empty(0, np.int64)
+    kept: dict[str, np.ndarray | None] = {s: None for s in sites}
+    offset = 0
     for tokens, valid in batches:
         valid = np.asarray(valid, bool)
-        got = jax.device_get(_taps(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid), sites=sites))
         rows = np.flatnonzero(valid.reshape(-1))
-        if len(rows) > n:
-            rows = np.sort(rng.choice(rows, n, replace=False))
-        for s in sites:
-            x = got[s].reshape(got[s].shape[0], -1, got[s].shape[-1])  # [L, B*T, C]
-            kept[s].append(x[:, rows])
-    total = sum(x.shape[1] for x in kept[sites[0]])
-    if total == 0:
+        new_keys = rng.random(len(rows))
+        if len(rows) > n:  # only this batch's n smallest keys can be among the set's
+            best = np.sort(np.argpartition(new_keys, n - 1)[:n])
+            rows, new_keys = rows[best], new_keys[best]
+        if len(rows):
+            got = jax.device_get(_taps(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid),
+                                       sites=sites))
+            keys = np.concatenate([keys, new_keys])
+            order = np.concatenate([order, offset + rows])
+            for s in sites:
+                x = got[s].reshape(got[s].shape[0], -1, got[s].shape[-1])[:, rows]  # [L, rows, C]
+                kept[s] = x if kept[s] is None else np.concatenate([kept[s], x], axis=1)
+            if len(keys) > n:
+                best = np.argpartition(keys, n - 1)[:n]
+                keys, order = keys[best], order[best]
+                kept = {s: x[:, best] for s, x in kept.items()}
+        offset += valid.size
+    if not len(keys):
         raise ValueError("input_samples: the calibration set has no valid tokens")
-    out = {s: np.concatenate(v, axis=1) for s, v in kept.items()}
-    if total > n:
-        pick = np.sort(rng.choice(total, n, replace=False))
-        out = {s: x[:, pick] for s, x in out.items()}
+    ordered = np.argsort(order, kind="stable")
+    out = {s: x[:, ordered] for s, x in kept.items()}
     return {m: out[INPUT_TAPS[m]] for m in modules}

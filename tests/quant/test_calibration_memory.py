@@ -31,3 +31,35 @@ def test_sliced_calibration_equals_one_forward(monkeypatch):
     for name in whole:
         np.testing.assert_allclose(np.asarray(sliced[name]), np.asarray(whole[name]),
                                    atol=1e-6 * float(jnp.abs(whole[name]).max()))
+
+
+def test_input_samples_are_uniform_over_the_whole_calibration_set():
+    """TwinQuant's input rows: a uniform draw without replacement over every valid token of
+    every batch, so a small batch is not over-represented (each row kept with probability
+    n / N), in the set's order, each row the model's actual input at that token."""
+    from jaxlm.quant.calibrate import input_samples
+
+    cfg = jaxlm.ModelConfig.tiny(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
+    rng = np.random.default_rng(1)
+    model = model_from_flat(cfg, {k: 0.2 * rng.standard_normal(v.shape).astype(np.float32)
+                                  for k, v in param_shapes(cfg).items()})
+    big = (rng.integers(0, cfg.vocab_size, (20, 100)).astype(np.int32), np.ones((20, 100), bool))
+    small_valid = np.zeros((2, 100), bool)
+    small_valid[0] = True  # 100 valid rows, 100 padding rows
+    small = (rng.integers(0, cfg.vocab_size, (2, 100)).astype(np.int32), small_valid)
+    big[0][:, 0], small[0][:, 0] = np.arange(20), np.arange(20, 22)  # distinct first tokens: distinct rows
+    every = input_samples(model, [big, small], ("mlp.down_proj",), n=10**6)["mlp.down_proj"][0]  # [2100, C]
+    assert every.shape[0] == 2100
+    index = {row.tobytes(): i for i, row in enumerate(every)}
+    n, seeds = 50, 200
+    from_small = 0
+    for seed in range(seeds):
+        got = input_samples(model, [big, small], ("mlp.down_proj",), n=n, seed=seed)["mlp.down_proj"][0]
+        picked = [index[row.tobytes()] for row in got]
+        assert len(picked) == n == len(set(picked)) and picked == sorted(picked)
+        from_small += sum(i >= 2000 for i in picked)
+    # hypergeometric: mean n K / N per draw, within 4 standard deviations over the seeds
+    N, K = 2100, 100
+    mean = seeds * n * K / N
+    sd = np.sqrt(seeds * n * (K / N) * (1 - K / N) * (N - n) / (N - 1))
+    assert abs(from_small - mean) < 4 * sd, (from_small, mean, sd)
