@@ -21,6 +21,8 @@ GRPO reward: ``rewards=("reward_model",)`` with ``GRPOConfig.reward_model=<dir>`
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import functools
 import json
@@ -94,11 +96,11 @@ class RewardModelConfig:
             max(self.steps, self.warmup_steps + 1), end_value=self.min_lr_ratio * self.learning_rate)
 
     def __post_init__(self):
-        if self.calibration_weight < 0:
-            raise ValueError(f"RewardModelConfig.calibration_weight={self.calibration_weight} must be >= 0")
+        if not self.calibration_weight >= 0 or not math.isfinite(self.calibration_weight):
+            raise ValueError(f"RewardModelConfig.calibration_weight={self.calibration_weight} must be a finite number >= 0")
         for name in ("learning_rate", "steps", "batch_pairs", "batch_points"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"RewardModelConfig.{name}={getattr(self, name)} must be > 0")
+            if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
+                raise ValueError(f"RewardModelConfig.{name}={getattr(self, name)} must be a finite number > 0")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"RewardModelConfig.warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxlm.data.tasks import TASKS, Task
+from jaxlm.data.tasks import TASKS, Task, _split_of
 from jaxlm.eval.camel import CamelTemplate, final_verdict
 from jaxlm.eval.judge import pairwise_prompts
 
@@ -156,6 +156,11 @@ class SumJudging(Task):
         return {"prompt": text, "completion": completion, "answer": answer, "question": question,
                 "first": first, "second": second, "operands": [a, b], "judge_prompt": prompt,
                 "revision": revise}
+
+    def split_of(self, ex):
+        """By the judging prompt alone: a revision demonstration of a problem (its prompt
+        extended by a wrong verdict) is in the split of the problem itself."""
+        return _split_of(ex["judge_prompt"], self.eval_fraction)
 
     def verify(self, example, completion):
         """1 if the text's last final verdict names the right answer (0 without one)."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxlm.data.tasks import SPLITS, TASKS, Task, _split_of
 
-_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?", re.ASCII)  # ASCII digits: not "٣٧"
 _BIN_LETTERS = "abcdefghij"
 _UNIT_LETTERS = "klmnopqrstuvwxyz"
 _NOISE_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"

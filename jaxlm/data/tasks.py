@@ -21,6 +21,7 @@ import itertools
 import json
 import math
 import operator
+import re
 from collections import Counter
 from typing import Any, Literal
 
@@ -155,12 +156,17 @@ def safe_arithmetic(expr: str) -> int | None:
     return None if out is None else out[0]
 
 
+_ARITHMETIC_CHARS = re.compile(r"[0-9+\-*() ]+", re.ASCII)
+
+
 def _safe_eval(expr: str) -> tuple[int, list[int]] | None:
     """Value and literals of an expression of integers, + - * and parentheses; else None.
     Parsed with `ast` and evaluated by hand: never `eval`."""
+    if not _ARITHMETIC_CHARS.fullmatch(expr):  # decimal digits only: no 0x19, 2_5, 1e3
+        return None
     try:
         tree = ast.parse(expr, mode="eval")
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # a degenerate (deeply nested) output
         return None
     ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
     literals: list[int] = []
@@ -211,6 +217,11 @@ class Countdown(Task):
         target, _ = _safe_eval(expr)
         prompt = "nums " + " ".join(map(str, nums)) + f" target {target}:"
         return {"prompt": prompt, "completion": expr, "numbers": nums, "target": target}
+
+    def split_of(self, ex):
+        """By the prompt alone (the numbers and the target): any expression reaching the
+        target verifies, so a held-out problem must not be trained under another expression."""
+        return _split_of(ex["prompt"], self.eval_fraction)
 
     def verify(self, example, completion):
         result = _safe_eval(completion.strip())
@@ -292,8 +303,15 @@ class Sorting(Task):
         return list(self._answers([int(x) for x in items]).values())
 
     def chance_accuracy(self):
-        # orderings of (distinct) values; "either" accepts two of them
-        return (2.0 if self.order == "either" else 1.0) / math.factorial(self.length)
+        """Guessing uniformly among the orderings of the given values: a list with value counts
+        ``c`` has ``n! / prod c!`` of them, drawn with probability ``n! / prod c! / m^n``
+        (``m = max_value + 1``), so every multiset contributes ``k / m^n`` (``k`` accepted
+        orderings): ``C(m + n - 1, n) / m^n``; with ``order="either"`` two are accepted unless
+        every value is equal (``m`` multisets)."""
+        m, n = self.max_value + 1, self.length
+        multisets = math.comb(m + n - 1, n)
+        accepted = 2 * multisets - m if self.order == "either" else multisets
+        return accepted / m**n
 
 
 @TASKS.register("prefix_sums")
@@ -526,9 +544,12 @@ class Extraction(Task):
 
     def verify(self, example, completion):
         try:
-            return float(json.loads(completion) == example["answer"])
-        except ValueError:
+            got = json.loads(completion)
+        except (ValueError, RecursionError):
             return 0.0
+        want = example["answer"]  # exact JSON types: 1.0 and true are not the integer 1
+        return float(isinstance(got, dict) and got.keys() == want.keys()
+                     and all(type(got[k]) is type(want[k]) and got[k] == want[k] for k in want))
 
     def chance_accuracy(self):
         return 1.0 / (len(_NAMES) * len(_CITIES) * 99)

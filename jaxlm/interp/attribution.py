@@ -25,6 +25,7 @@ from flax import nnx
 from jaxlm.interp.directions import capture, last_token_index
 from jaxlm.interp.interventions import mask_heads
 from jaxlm.models.layers.linear import linear
+from jaxlm.quant.formats import fake_quant, fake_quant_tokens
 
 #: Sites `head_importance` can read: residual-width [D] values a head of the layer can change.
 READ_SITES = ("attn_out", "resid_mid", "mlp_in", "mlp_out", "hidden")
@@ -49,14 +50,25 @@ def _direction_at(direction, layer: int, config) -> jax.Array:
 
 
 def _kernel(model, layer: int, path: tuple[str, ...]):
-    """The weight of ``model.layers[layer].<path>`` (stacked layers sliced)."""
+    """``(W, act_format)`` of ``model.layers[layer].<path>`` (stacked layers sliced): the weight
+    the projection multiplies by and the format its input is fake-quantized in per token (None
+    for a float forward). A quantization-aware (``qat_format``) projection multiplies
+    ``fake_quant_tokens(x) @ fake_quant(W)``; an exported one (`ActQuantWeight`) the same
+    with its stored weight."""
     module = model.layers if model.config.scan_layers else model.layers[layer]
     for name in path:
         module = getattr(module, name)
     if getattr(module, "bias", None) is not None:
         raise ValueError(f"{'.'.join(path)} has a bias: the contributions below assume a bias-free projection")
     w = module.kernel.get_value()
-    return jax.tree.map(lambda x: x[layer], w) if model.config.scan_layers else w
+    w = jax.tree.map(lambda x: x[layer], w) if model.config.scan_layers else w
+    fmt = getattr(module, "fake_quant", None)
+    if fmt is not None and isinstance(w, jax.Array):  # QAT: the forward's quantized weight
+        return fake_quant(w, fmt, axis=-2), fmt
+    act_format = getattr(w, "act_format", None)  # an exported QAT weight (ActQuantWeight)
+    if act_format is not None:
+        return w.weight, act_format
+    return w, None
 
 
 def _read_back(w, v: jax.Array, in_features: int) -> jax.Array:
@@ -64,6 +76,11 @@ def _read_back(w, v: jax.Array, in_features: int) -> jax.Array:
     (works for any weight type `linear` dispatches on)."""
     _, pullback = jax.vjp(lambda x: linear(x, w), jnp.zeros((in_features,), jnp.float32))
     return pullback(v)[0]
+
+
+def _as_multiplied(x: jax.Array, act_format) -> jax.Array:
+    """The projection's input as its forward multiplies it (fake-quantized per token under QAT)."""
+    return x if act_format is None else fake_quant_tokens(x, act_format)
 
 
 def neuron_contributions(model, tokens, mask, direction, layer: int) -> jax.Array:
@@ -75,7 +92,8 @@ def neuron_contributions(model, tokens, mask, direction, layer: int) -> jax.Arra
     v = _direction_at(direction, layer, c)
     act = capture(model, tokens, mask, sites=("mlp_act",))["mlp_act"][layer]  # [B, F]
     F = c.layer_config(layer).ffn_dim  # this layer's width (per-layer widths after A^3 mixed ranks)
-    out = act * _read_back(_kernel(model, layer, ("mlp", "down_proj")), v, F)[None]
+    w, act_format = _kernel(model, layer, ("mlp", "down_proj"))
+    out = _as_multiplied(act, act_format) * _read_back(w, v, F)[None]
     chex.assert_shape(out, (act.shape[0], F))
     return out
 
@@ -89,8 +107,9 @@ def head_contributions(model, tokens, mask, direction, layer: int) -> jax.Array:
     v = _direction_at(direction, layer, c)
     ctx = capture(model, tokens, mask, sites=("attn_ctx",))["attn_ctx"][layer]  # [B, N*H]
     lc = c.layer_config(layer)  # this layer's widths (per-layer widths after A^3 mixed ranks)
-    g = _read_back(_kernel(model, layer, ("attn", "o_proj")), v, lc.o_dim)
-    out = (ctx * g[None]).reshape(ctx.shape[0], c.n_heads, lc.v_head_dim).sum(-1)
+    w, act_format = _kernel(model, layer, ("attn", "o_proj"))
+    g = _read_back(w, v, lc.o_dim)
+    out = (_as_multiplied(ctx, act_format) * g[None]).reshape(ctx.shape[0], c.n_heads, lc.v_head_dim).sum(-1)
     chex.assert_shape(out, (ctx.shape[0], c.n_heads))
     return out
 

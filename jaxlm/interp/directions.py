@@ -114,11 +114,14 @@ def _class_cells(acts, labels, groups, n_classes):
     labels = np.asarray(labels)
     if labels.shape != (N,) or not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"labels must be [N] = ({N},) ints (class ids), got {labels.dtype} {labels.shape}")
+    if N == 0:
+        raise ValueError("acts holds no examples (N = 0): directions need examples of at least 2 classes")
     E = int(labels.max()) + 1 if n_classes is None else n_classes
-    if isinstance(E, bool) or not isinstance(E, int) or E < 2:
+    if isinstance(E, (bool, np.bool_)) or not isinstance(E, (int, np.integer)) or E < 2:
         raise ValueError(f"n_classes={n_classes!r} is invalid: need at least 2 classes")
     if labels.min() < 0 or labels.max() >= E:
         raise ValueError(f"labels must be in [0, {E}), got values in [{labels.min()}, {labels.max()}]")
+    E = int(E)
     if groups is None:
         group_ids, G = np.zeros(N, np.int64), 1
     else:

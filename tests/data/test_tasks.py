@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxlm.data.tasks import TASKS, Arithmetic, Countdown, MarkovText, Sorting, SumTrace, make_task
+from jaxlm.data.tasks import TASKS, Arithmetic, Countdown, Extraction, MarkovText, Sorting, SumTrace, make_task
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -42,6 +42,13 @@ def test_countdown_verifier_is_strict_and_safe():
     assert task.verify(e, "__import__('os').system('true')") == 0.0
     assert task.verify(e, "25+3*7; 1") == 0.0
     assert task.verify(e, "2**5") == 0.0
+    assert task.verify({"numbers": [3, 7, 25], "target": 46}, "0x19+3*7") == 0.0  # decimal literals only
+    assert task.verify({"numbers": [3, 7, 25], "target": 46}, "2_5+3*7") == 0.0
+    assert task.verify(e, "1+" * 200_000 + "1") == 0.0  # too deep for the parser: wrong, not a crash
+    assert task.verify(e, "-" * 5000 + "1") == 0.0
+    # the split is the problem's (its prompt), not the reference expression's
+    held = {task.example(i, "eval")["prompt"] for i in range(1000)}
+    assert not held & {task.example(i, "train")["prompt"] for i in range(3000)}
 
 
 def test_sorting_and_bad_options():
@@ -198,7 +205,14 @@ def test_sorting_orders_against_python_sorted(separator):
     assert seen == {True, False}  # both orders drawn
     held_out = {either.example(i, "eval")["prompt"] for i in range(300)}
     assert not held_out & {either.example(i, "train")["prompt"] for i in range(3000)}
-    assert either.chance_accuracy() == 2 * fixed.chance_accuracy()
+    # chance: guessing uniformly among the orderings of the given list, exact over every list
+    for length, max_value in ((3, 3), (4, 2), (2, 5)):
+        m = max_value + 1
+        lists = list(itertools.product(range(m), repeat=length))
+        for order, accepted in (("ascending", lambda xs: 1), ("either", lambda xs: len({xs, xs[::-1]}))):
+            want = np.mean([accepted(tuple(sorted(xs))) / len(set(itertools.permutations(xs))) for xs in lists])
+            got = Sorting(length=length, max_value=max_value, order=order).chance_accuracy()
+            assert got == pytest.approx(want, rel=1e-12), (length, max_value, order)
     with pytest.raises(ValueError, match=r"sorting.order='up' must be one of \('ascending', 'descending', 'either'\)"):
         Sorting(order="up")
 
@@ -260,3 +274,12 @@ def test_sum_trace_adds_in_any_order_and_verifies_the_final_number():
         SumTrace(count=1)
     with pytest.raises(ValueError, match="sum_trace.digits"):
         SumTrace(digits=0)
+
+
+def test_extraction_verifies_json_values_of_the_schemas_types():
+    task = Extraction()
+    e = {"answer": {"name": "Ada", "age": 1, "city": "Oslo"}}
+    assert task.verify(e, '{"city": "Oslo", "name": "Ada", "age": 1}') == 1.0  # key order is free
+    for wrong in ('{"name": "Ada", "age": true, "city": "Oslo"}', '{"name": "Ada", "age": 1.0, "city": "Oslo"}',
+                  '{"name": "Ada", "age": 1, "city": "Oslo", "x": 0}', '[1]', "[" * 100_000, "not json"):
+        assert task.verify(e, wrong) == 0.0, wrong

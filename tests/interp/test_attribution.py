@@ -93,6 +93,23 @@ def test_head_importance_is_baseline_minus_masked_projection(model, batch, read_
     assert float(jnp.abs(imp).max()) > 1e-3
 
 
+def test_contributions_of_a_quantization_aware_model_sum_to_its_outputs(batch):
+    """Under QAT (and once exported) a projection multiplies fake-quantized inputs by its
+    quantized weight: the contributions are of those, so they still sum to the outputs."""
+    from jaxlm.quant.qat_export import export_qat
+
+    tokens, mask = batch
+    qat = jaxlm.build_model(ModelConfig.tiny(init_std=0.1, qat_format="nvfp4"), seed=0)
+    v = _unit(qat.config.d_model)
+    for model in (qat, export_qat(qat)):
+        out = model(tokens, mask=mask, collect=("mlp_out", "attn_out")).collected
+        for layer in (0, 1):
+            np.testing.assert_allclose(np.asarray(neuron_contributions(model, tokens, mask, v, layer).sum(-1)),
+                                       np.asarray(_at_last(out["mlp_out"][layer], mask) @ v), atol=2e-5)
+            np.testing.assert_allclose(np.asarray(head_contributions(model, tokens, mask, v, layer).sum(-1)),
+                                       np.asarray(_at_last(out["attn_out"][layer], mask) @ v), atol=2e-5)
+
+
 def test_bad_inputs_are_named(model, batch):
     tokens, mask = batch
     v = _unit(64)

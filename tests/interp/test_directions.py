@@ -137,6 +137,10 @@ def test_bad_inputs_are_named():
         mean_difference_directions(acts, labels, groups[:-1])
     with pytest.raises(ValueError, match="n_classes=1"):
         mean_difference_directions(acts, np.zeros_like(labels), n_classes=1)
+    with pytest.raises(ValueError, match=r"no examples \(N = 0\)"):
+        mean_difference_directions(acts[:, :0], labels[:0], groups[:0])
+    np.testing.assert_array_equal(np.asarray(mean_difference_directions(acts, labels, groups, n_classes=np.int64(2))),
+                                  np.asarray(mean_difference_directions(acts, labels, groups, n_classes=2)))
 
 
 # ----------------------------------------------------------------- capture

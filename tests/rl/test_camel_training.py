@@ -56,6 +56,10 @@ def test_sum_judging_examples_are_camel_judgments_of_a_sum():
         assert revising.verify(e, e["completion"]) == 1.0
         kinds.append(e["revision"])
     assert 0.35 < np.mean(kinds) < 0.65
+    # a held-out problem is not trained in its revision form either (the split is the judging prompt's)
+    small = SumJudging(digits=1, revise_fraction=0.5)
+    held = {small.example(i, "eval")["judge_prompt"] for i in range(300)}
+    assert not held & {small.example(i, "train")["judge_prompt"] for i in range(3000)}
     for bad, match in ((dict(digits=0), "digits"), (dict(wrong_offsets=()), "wrong_offsets"),
                        (dict(wrong_offsets=(0,)), "wrong_offsets"), (dict(revise_fraction=2), "revise_fraction"),
                        (dict(reflection="steps"), "reflection")):

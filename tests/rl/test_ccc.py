@@ -85,6 +85,20 @@ def test_swap_in_rewards_edge_cases():
     assert r.shape == (8, 4) and np.all(np.abs(r) <= 1)
     with pytest.raises(ValueError, match=r"pred \[B, G\]"):
         swap_in_ccc_rewards(pred, np.ones_like(pred, bool), y[:3])
+    # a non-finite value is no perfect agreement: NaN from ccc, an error naming it from the rewards
+    assert np.isnan(ccc([np.nan, 2.0, 3.0], [1.0, 2.0, 3.0])) and np.isnan(ccc([1.0, 2.0, 3.0], [1.0, 2.0, np.inf]))
+    assert ccc([2.0, 2.0], [2.0, 2.0]) == 1.0
+    bad_y = y.copy()
+    bad_y[2] = np.nan
+    with pytest.raises(ValueError, match=r"target of group 2 is nan; targets must be finite"):
+        swap_in_ccc_rewards(pred, np.ones_like(pred, bool), bad_y)
+    bad_pred = pred.copy()
+    bad_pred[1, 3] = np.inf
+    with pytest.raises(ValueError, match=r"valid prediction \(1, 3\) is inf"):
+        swap_in_ccc_rewards(bad_pred, np.ones_like(pred, bool), y)
+    valid = np.ones_like(pred, bool)
+    valid[1, 3] = False  # marked invalid: anything may stand there
+    assert swap_in_ccc_rewards(bad_pred, valid, y)[1, 3] == -1.0
 
 
 def _columns(task, examples_per_group, G, order=None):
@@ -181,6 +195,11 @@ def test_grpo_config_names_the_ccc_fields():
     assert c.ccc_invalid_reward == -2.0
     with pytest.raises(ValueError, match="GRPOConfig.rewards"):
         GRPOConfig(rewards=("cc",), reward_weights=(1.0,))
+    for field in ("ccc_invalid_reward", "cf_quality"):
+        with pytest.raises(ValueError, match=f"GRPOConfig.{field}=nan is invalid: must be a finite number"):
+            GRPOConfig(**{field: float("nan")})
+    with pytest.raises(ValueError, match=r"GRPOConfig.reward_weights=\(nan,\) must be finite numbers"):
+        GRPOConfig(reward_weights=(float("nan"),))
 
 
 # -- the task --------------------------------------------------------------------------

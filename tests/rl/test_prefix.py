@@ -36,6 +36,7 @@ from trainers.rl.prefix import (
     PrefixRLCollector,
     choose_cut,
     choose_prefixes,
+    clean_cut,
     cut_points,
     pass_rates,
     sampling_of,
@@ -158,6 +159,15 @@ def test_cut_points_and_band_choice_by_hand(monkeypatch):
     c = chosen[0]
     assert c["prompt"] == "sort 3 1 2:1 2" and c["prefix"] == "1 2" and c["prefix_ids"] == TOK.encode("1 2")
     assert c["problem_prompt"] == "sort 3 1 2:" and c["pass_rate"] == 0.45 and c["prefix_fraction"] == 3 / 5
+    # a cut inside a multi-byte character is no candidate: "café" is 5 bytes, the cut at 4 splits "é"
+    trace = TOK.encode("café")
+    assert [h for h in range(1, 5) if clean_cut(TOK, trace, h)] == [1, 2, 3]
+    seen = []
+    monkeypatch.setattr(prefix_mod, "pass_rates",
+                        lambda policy, task, probs, prefixes, *a: seen.extend(prefixes) or np.full(len(prefixes), 0.5))
+    chosen, _ = choose_prefixes(None, None, [{"prompt": "q:", "completion": "café"}], {0: [trace]},
+                                fractions=(0.6, 0.8), band_lo=0.2, band_hi=0.8, n=8, spec=spec, rng=None)
+    assert seen == [trace[:3]] and chosen[0]["prefix"] == "caf"  # round(0.8 * 5) = 4 splits "é": dropped
 
 
 def test_config_errors_name_the_field():

@@ -50,6 +50,9 @@ def test_training_lowers_the_joint_loss(rm):
     assert log[-1]["loss"] < log[0]["loss"], log
     with pytest.raises(ValueError, match="calibration_weight"):
         RewardModelConfig(calibration_weight=-1.0)
+    for field in ("calibration_weight", "learning_rate"):  # NaN trained a model of NaN scores
+        with pytest.raises(ValueError, match=f"RewardModelConfig.{field}=nan must be a finite number"):
+            RewardModelConfig(**{field: float("nan")})
     with pytest.raises(ValueError, match="at least one point"):
         train_reward_model(rm, [], pairs)
 

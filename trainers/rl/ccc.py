@@ -56,7 +56,9 @@ def ccc(p, y) -> float:
     mp, my = p.mean(), y.mean()
     cov = np.mean((p - mp) * (y - my))
     den = np.mean((p - mp) ** 2) + np.mean((y - my) ** 2) + (mp - my) ** 2
-    return float(2.0 * cov / den) if den > 0 else 1.0
+    if den > 0:
+        return float(2.0 * cov / den)
+    return 1.0 if den == 0 else float("nan")  # every value equal: 1; a non-finite value: NaN
 
 
 def _check_groups(name: str, pred, valid, target) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -67,6 +69,13 @@ def _check_groups(name: str, pred, valid, target) -> tuple[np.ndarray, np.ndarra
         raise ValueError(
             f"{name} needs pred [B, G], valid [B, G], target [B]; got {pred.shape}, {valid.shape}, {target.shape}"
         )
+    bad = np.flatnonzero(~np.isfinite(target))
+    if bad.size:
+        raise ValueError(f"{name}: target of group {int(bad[0])} is {float(target[bad[0]])}; targets must be finite numbers")
+    bad = np.argwhere(valid & ~np.isfinite(pred))
+    if bad.size:
+        raise ValueError(f"{name}: valid prediction {tuple(int(i) for i in bad[0])} is {float(pred[tuple(bad[0])])}; "
+                         "a non-finite prediction must be marked invalid")
     return pred, valid, target
 
 
@@ -98,7 +107,7 @@ def swap_in_ccc_rewards(pred, valid, target, *, invalid_reward: float = -1.0) ->
     cov = sxy / n - mu_p * mu_y
     den = var_p + var_y + (mu_p - mu_y) ** 2
     safe = np.where(den > 0, den, 1.0)
-    value = np.where(den > 0, 2.0 * cov / safe, 1.0)
+    value = np.where(den > 0, 2.0 * cov / safe, np.where(den == 0, 1.0, np.nan))
     return np.where(valid & active[:, None], value, out)
 
 

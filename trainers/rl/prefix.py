@@ -131,6 +131,13 @@ def cut_points(length: int, fractions: Sequence[float]) -> list[int]:
     return sorted({h for h in (round(f * length) for f in fractions) if 0 < h < length})
 
 
+def clean_cut(tokenizer, trace: Sequence[int], h: int) -> bool:
+    """Whether the text of ``trace[:h]`` followed by that of ``trace[h:]`` is the trace's text:
+    a cut inside a multi-byte character (byte-level tokens) would leave U+FFFD on both sides,
+    and the prefix text the rewards score with a completion would not be the trace's."""
+    return tokenizer.decode(trace[:h]) + tokenizer.decode(trace[h:]) == tokenizer.decode(trace)
+
+
 def choose_cut(cuts: Sequence[int], rates: Sequence[float], band_lo: float, band_hi: float) -> int | None:
     """The cut whose pass rate lies in ``[band_lo, band_hi]`` and is closest to the band's
     centre (ties: the shorter prefix); None if no rate is in the band. [INFERRED, card B.1]"""
@@ -147,12 +154,13 @@ def choose_prefixes(policy, task, problems: Sequence[dict], pool: dict[int, list
                     fractions: Sequence[float], band_lo: float, band_hi: float, n: int, spec: Sampling,
                     rng) -> tuple[list[dict], dict[str, float]]:
     """Prefixed training problems, one per problem with a cut in the band, from its first
-    trace. Each is the problem's example with ``prompt`` = problem prompt + prefix text,
+    trace (cuts only between characters, `clean_cut`). Each is the problem's example with ``prompt`` = problem prompt + prefix text,
     ``prefix`` (text, scored with the completion), ``prefix_ids``, ``problem_prompt``,
     ``prefix_fraction`` and ``pass_rate``. Returns them and summary statistics. All the
     candidate (problem, cut) pass rates are estimated in one batched pass."""
     tok = spec.tokenizer
-    cands = [(i, h) for i in sorted(pool) for h in cut_points(len(pool[i][0]), fractions)]
+    cands = [(i, h) for i in sorted(pool) for h in cut_points(len(pool[i][0]), fractions)
+             if clean_cut(tok, pool[i][0], h)]
     prefixes = [pool[i][0][:h] for i, h in cands]
     rates = pass_rates(policy, task, [problems[i] for i, _ in cands], prefixes, n, spec, rng)
     chosen: list[dict] = []

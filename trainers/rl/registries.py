@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import trainers.rl.agent  # noqa: F401  (registers the agent collector)
 import trainers.rl.camel  # noqa: F401  (registers the camel collector)
 import trainers.rl.ccc  # noqa: F401  (registers the CCC-GRPO rewards)
@@ -56,6 +58,14 @@ def check_grpo_config(c) -> None:
             f"GRPOConfig.rewards={c.rewards!r} and reward_weights={c.reward_weights!r} must be "
             f"non-empty and of equal length"
         )
+    bad_weights = [w for w in c.reward_weights if isinstance(w, bool) or not isinstance(w, (int, float))
+                   or not math.isfinite(w)]
+    if bad_weights:
+        raise ValueError(f"GRPOConfig.reward_weights={c.reward_weights!r} must be finite numbers")
+    for name in ("cf_quality", "ccc_invalid_reward"):  # NaN would pass every comparison's negation
+        v = getattr(c, name, 0.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"GRPOConfig.{name}={v!r} is invalid: must be a finite number")
     for name in ("num_generations", "max_new_tokens", "mu", "minibatches", "logprob_chunk"):
         v = getattr(c, name)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
