@@ -16,20 +16,30 @@ import jax.numpy as jnp
 
 LogitsProcessor = Callable[[jax.Array, object], jax.Array]
 NEG_INF = -jnp.inf
+MIN_TEMPERATURE = 1e-30
+"""The smallest sampling temperature (float32 division stays exact above it; use 0 for greedy)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Temperature:
-    """``logits / t`` (t > 0)."""
+    """``(logits - max) / t`` (t > 0, finite): the distribution ``softmax(logits / t)``, with
+    each row shifted so its largest logit is exactly 0 first. Unshifted, ``logits / t`` for a
+    tiny ``t`` (1e-8) loses the largest entry to rounding (XLA fuses the division and the
+    sampler's ``- max`` into one multiply-add) or overflows, and sampling fails."""
 
     t: float
 
     def __post_init__(self):
-        if not self.t > 0:
-            raise ValueError(f"temperature={self.t!r} is invalid: must be > 0 (use greedy for 0)")
+        if isinstance(self.t, bool) or not isinstance(self.t, (int, float)) or not 0 < self.t < float("inf"):
+            raise ValueError(f"temperature={self.t!r} is invalid: must be a finite number > 0 (use greedy for 0)")
+        if self.t < MIN_TEMPERATURE:  # float32 flushes smaller divisors towards 0 (0 / 0 at the argmax)
+            raise ValueError(f"temperature={self.t!r} is invalid: below {MIN_TEMPERATURE:g} sampling is greedy "
+                             "decoding; use temperature=0")
 
     def __call__(self, logits, state=None):
-        return logits / jnp.asarray(self.t, logits.dtype)
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        top = jnp.where(jnp.isfinite(top), top, jnp.zeros_like(top))  # a fully masked row stays masked
+        return (logits - top) / jnp.asarray(self.t, logits.dtype)
 
 
 def _ordered_bits(x: jax.Array) -> jax.Array:
@@ -91,8 +101,12 @@ class TopP:
 
     def __call__(self, logits, state=None):
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        # the mass left out is at most 1 - p (as HF's warper tests it): summing what is dropped
+        # keeps the float32 error at the tail's size, where the kept mass near p = 1 is within
+        # rounding of p and loses the last tokens of the nucleus
+        drop = 1.0 - float(self.p)
         keep = keep_top(
-            probs, lambda kept: jnp.sum(jnp.where(kept, probs, 0.0), -1, keepdims=True) >= self.p
+            probs, lambda kept: jnp.sum(jnp.where(kept, 0.0, probs), -1, keepdims=True) <= drop
         )
         return jnp.where(keep, logits, NEG_INF)
 

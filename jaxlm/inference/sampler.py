@@ -497,6 +497,14 @@ def generate(
             raise ValueError(f"num_beams={num_beams} is deterministic beam search: temperature={temperature!r}, "
                              f"top_k={top_k!r} and top_p={top_p!r} would be ignored (leave temperature 0 or 1 "
                              "and top_k / top_p unset)")
+    if draft is not None and logits_processors:
+        # a round drafts and verifies several positions from one state: a processor reading the
+        # tokens so far or the step (a repetition penalty, a ban for the first steps) would see
+        # the round's start at every position, and the output would not be distributed as without
+        # the draft; temperature, top_k and top_p read no state and combine
+        raise ValueError("logits_processors= do not combine with draft= yet (a processor may read the sampler's "
+                         "state, which a speculative round does not advance per drafted token); use temperature, "
+                         "top_k and top_p, or decode without the draft")
     grammar_kw = {}
     if grammar is not None:
         if draft is not None or early_exit is not None:

@@ -71,7 +71,8 @@ def categorical_and_logsumexp(key: jax.Array, logits: jax.Array, block: int = 12
     B, V = logits.shape
     logits = logits.astype(jnp.float32)
     top = jnp.max(logits, axis=-1, keepdims=True)
-    mass = jnp.exp(logits - top)
+    # the largest entry has mass exactly 1 (exp of a fused, rounded logits - top could be 0)
+    mass = jnp.where((logits == top) & jnp.isfinite(top), 1.0, jnp.exp(logits - top))
     mass = jnp.pad(mass, ((0, 0), (0, (-V) % block))).reshape(B, -1, block)
     k_block, k_token = jax.random.split(key)
     block_mass = mass.sum(-1)  # [B, V / block]

@@ -165,9 +165,33 @@ def test_processors_against_numpy():
         order = np.argsort(-p)
         n = int(np.searchsorted(np.cumsum(p[order]), 0.8) + 1)
         assert set(np.flatnonzero(k)) == set(order[:n])
-    np.testing.assert_allclose(Temperature(2.0)(jnp.asarray(logits)), logits / 2)
+    # temperature: softmax(logits / t), each row shifted so its largest logit is 0
+    np.testing.assert_allclose(Temperature(2.0)(jnp.asarray(logits)), (logits - logits.max(-1, keepdims=True)) / 2)
     both = compose([TopK(10), TopP(0.5)])(jnp.asarray(logits))
     assert np.isfinite(np.asarray(both)).sum(-1).max() <= 10
+    # top-p near 1 against HF's definition in float64: the dropped tail's mass is at most 1 - p
+    wide = rng.randn(200, 1000).astype(np.float32) * 2
+    for p in (0.9999, 0.999999):
+        kept = np.isfinite(np.asarray(TopP(p)(jnp.asarray(wide))))
+        probs = np.exp(wide.astype(np.float64) - wide.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        for row, k in zip(probs, kept):
+            order = np.argsort(row, kind="stable")  # ascending: the tail first
+            dropped = np.cumsum(row[order]) <= 1 - p
+            assert set(np.flatnonzero(k)) == set(order[~dropped]), p
+
+
+def test_tiny_temperatures_sample_the_argmax(model):
+    """t = 1e-8 is a point mass on the argmax: the same tokens as greedy decoding (unshifted,
+    logits / t lost the largest entry to rounding and sampled token 0)."""
+    prompts = [[1, 40 + i, 50 + i] for i in range(16)]
+    greedy = jaxlm.generate(model, prompts, max_new_tokens=4, temperature=0.0)
+    for t in (1e-8, 1e-20):
+        near = jaxlm.generate(model, prompts, max_new_tokens=4, temperature=t, rng=3)
+        np.testing.assert_array_equal(np.asarray(near.tokens), np.asarray(greedy.tokens))
+        assert np.isfinite(np.asarray(near.sampling_logprobs)).all()
+    with pytest.raises(ValueError, match="temperature=1e-35 is invalid: below 1e-30"):
+        Temperature(1e-35)
 
 
 def test_user_processor_composes(model):

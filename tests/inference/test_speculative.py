@@ -327,6 +327,10 @@ def test_bad_drafts_fail_with_errors_naming_the_argument(target, drafts):
         jaxlm.generate(target, PROMPTS, max_new_tokens=4, draft="small-model")
     with pytest.raises(ValueError, match="condition"):
         jaxlm.generate(target, PROMPTS, max_new_tokens=4, draft=drafts["random"], condition=jnp.ones((4, 2), int))
+    # a processor may read the state (tokens so far), which a round does not advance per drafted token
+    with pytest.raises(ValueError, match="logits_processors= do not combine with draft="):
+        jaxlm.generate(target, PROMPTS, max_new_tokens=4, draft=drafts["random"],
+                       logits_processors=[lambda logits, state: logits])
 
 
 # --- a trained target and draft ---------------------------------------------------------------
