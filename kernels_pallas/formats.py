@@ -123,7 +123,8 @@ def e8m0_exponent(amax: jax.Array, rule: str) -> jax.Array:
     - ``ceil``: ``ceil(log2(amax / 6))`` (NVIDIA / JAX ``scaled_matmul``): never clips.
     - ``alpha3``: ``floor(log2 amax)`` with elements multiplied by 3 before rounding and a
       global factor 1/3 on the output (FP-Quant / WUSH): scaled magnitudes in [3, 6).
-    Exponents are clamped to E8M0's [-127, 127]; an all-zero block gets -127. The exponents
+    Exponents are clamped to E8M0's [-127, 127]; an all-zero block gets -127, a block with a
+    NaN or inf 128 (E8M0's NaN byte). The exponents
     are exact (from the float's own exponent, not a rounded ``log2``): an amax
     just below a power of two gets the lower exponent, and ``ceil`` never clips.
     """
@@ -138,8 +139,10 @@ def e8m0_exponent(amax: jax.Array, rule: str) -> jax.Array:
         e = f
     else:
         raise ValueError(f"MXFP4 scale rule {rule!r} is invalid: must be 'ocp', 'ceil' or 'alpha3'")
-    e = jnp.where(amax > 0, e, -127)
-    return jnp.clip(e, -127, 127).astype(jnp.int32)
+    e = jnp.clip(jnp.where(amax > 0, e, -127), -127, 127)
+    # a block holding NaN or inf gets E8M0's NaN (exponent 128, byte 255): it decodes to NaN, as
+    # the MX spec and NVFP4's float scales propagate it, instead of a finite block
+    return jnp.where(jnp.isfinite(amax), e, 128).astype(jnp.int32)
 
 
 def floor_log2(x: jax.Array) -> jax.Array:
@@ -160,13 +163,14 @@ def pow2(e: jax.Array) -> jax.Array:
 
 
 def e8m0_encode(exponent: jax.Array) -> jax.Array:
-    """Exponent in [-127, 127] -> E8M0 byte (bias 127)."""
+    """Exponent in [-127, 127] -> E8M0 byte (bias 127); 128 (a non-finite block) -> 255, NaN."""
     return (exponent + 127).astype(jnp.uint8)
 
 
 def e8m0_decode(byte: jax.Array) -> jax.Array:
-    """E8M0 byte -> float32 ``2^(byte - 127)``, exactly (byte 255, E8M0's NaN, is never produced)."""
-    return pow2(byte.astype(jnp.int32) - 127)
+    """E8M0 byte -> float32 ``2^(byte - 127)``, exactly; byte 255 is E8M0's NaN."""
+    byte = byte.astype(jnp.int32)
+    return jnp.where(byte == 255, jnp.float32(jnp.nan), pow2(jnp.minimum(byte, 254) - 127))
 
 
 def to_e4m3(x: jax.Array) -> jax.Array:

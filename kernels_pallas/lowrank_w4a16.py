@@ -69,6 +69,7 @@ def lowrank_w4a16_matmul(
 ):
     """``x [M, K]``, residual ``codes [K/2, N]`` / ``scales [K/block, N]``, ``P [K, r]``, ``Lt [r, N]``."""
     M, K = x.shape
+    w4a16.check_operands(x, codes, scales, block=block, bk=bk)
     r = P.shape[1]
     if P.shape[0] != K or Lt.shape != (r, codes.shape[1]):
         raise ValueError(f"P {P.shape} / Lt {Lt.shape} do not match x {x.shape} and N={codes.shape[1]}")

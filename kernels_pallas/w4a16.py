@@ -99,6 +99,17 @@ def pad_operands(x, codes, scales, *, block, bm, bn, bk):
     return x, codes, scales, (M, N)
 
 
+def check_operands(x, codes, scales, *, block: int, bk: int) -> None:
+    """The packed weight must match ``x [M, K]`` and the K tile must hold whole blocks."""
+    K = x.shape[1]
+    if K % block:
+        raise ValueError(f"K={K} is not divisible by the quantization block {block}")
+    if codes.shape[0] * 2 != K or scales.shape[0] * block != K or scales.shape[1] != codes.shape[1]:
+        raise ValueError(f"codes {codes.shape} / scales {scales.shape} do not match x {x.shape}")
+    if bk % block or bk % 2:
+        raise ValueError(f"bk={bk} must be a multiple of the block {block}")
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("element", "block", "scale_kind", "alpha", "bm", "bn", "bk", "interpret", "out_dtype"),
@@ -109,12 +120,7 @@ def w4a16_matmul(
 ):
     """``x [M, K] @ dequant(codes [K/2, N], scales [K/block, N]) * global_scale * alpha``."""
     M, K = x.shape
-    if K % block:
-        raise ValueError(f"K={K} is not divisible by the quantization block {block}")
-    if codes.shape[0] * 2 != K or scales.shape[0] * block != K:
-        raise ValueError(f"codes {codes.shape} / scales {scales.shape} do not match x {x.shape}")
-    if bk % block or bk % 2:
-        raise ValueError(f"bk={bk} must be a multiple of the block {block}")
+    check_operands(x, codes, scales, block=block, bk=bk)
     bm = bm or default_bm(M)
     xp, cp, sp, (M, N) = pad_operands(x, codes, scales, block=block, bm=bm, bn=bn, bk=bk)
     xe, xo = split_even_odd(xp)

@@ -7,6 +7,8 @@ entropy minimisation (SEM) plug in here.
 
 from __future__ import annotations
 
+import fractions
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,8 +86,12 @@ def sem_weights(entropy: jax.Array, valid: jax.Array, threshold: float) -> jax.A
     smallest entropy among the trained tokens, ``k = floor(N * threshold)`` (at least 1), so
     the most confident tokens get the largest weight and tokens above ``tau`` none."""
     h = jnp.where(valid, entropy, jnp.inf).ravel()
-    n = valid.sum()
-    k = jnp.maximum(jnp.floor(n * threshold).astype(jnp.int32), 1)
+    n = valid.sum(dtype=jnp.int32)
+    # floor(N * threshold) in integers, threshold as the fraction it is written as (0.65 = 13/20):
+    # float32's 0.65 is 0.6499999762, and floor(180 * it) would be 116, not 117
+    frac = fractions.Fraction(str(float(threshold))).limit_denominator(1000)
+    num, den = frac.numerator, frac.denominator
+    k = jnp.maximum((n // den) * num + (n % den) * num // den, 1)
     ordered = jnp.sort(h)
     h_min, tau = ordered[0], ordered[k - 1]
     w = jnp.maximum(0.0, 1.0 - (entropy - h_min) / (tau - h_min + 1e-12))

@@ -28,6 +28,7 @@ from jaxlm.data.pipeline import DataConfig, eval_batches
 from jaxlm.data.tasks import Task
 from jaxlm.eval import heldout_accuracy
 from jaxlm.fileio import atomic_write_text
+from jaxlm.models.omni import is_omni_checkpoint, load_omni
 from trainers.config import ExperimentConfig
 from trainers.loop import train
 from trainers.step import make_eval_loss
@@ -41,8 +42,8 @@ class Stage:
     config: ExperimentConfig
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
-            raise ValueError(f"Stage.name={self.name!r} must be a non-empty file name ([A-Za-z0-9_.-])")
+        if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name) or self.name in (".", ".."):
+            raise ValueError(f"Stage.name={self.name!r} must be a non-empty file name ([A-Za-z0-9_.-], not '.' or '..')")
         if not isinstance(self.config, ExperimentConfig):
             raise ValueError(f"Stage {self.name!r}: config must be an ExperimentConfig, got {type(self.config).__name__}")
 
@@ -78,7 +79,11 @@ def run_stages(stages: Sequence[Stage], out_dir: str | Path, *, domains: Mapping
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise ValueError(f"stage names {names} repeat: each stage needs its own directory")
-    out_dir = Path(out_dir)
+    omni = [s.config.algorithm.name == "omni" for s in stages]
+    if any(a and b for a, b in zip(omni, omni[1:])):
+        raise ValueError(f"stages {names}: an omni stage follows an omni stage; a stage starts from the previous "
+                         "stage's language model (init_from), so the encoders would start over")
+    out_dir = Path(out_dir).resolve()  # one spelling: init_from paths must match on a re-run
     report: list[dict[str, Any]] = []
     previous: Path | None = None
     for stage in stages:
@@ -87,9 +92,15 @@ def run_stages(stages: Sequence[Stage], out_dir: str | Path, *, domains: Mapping
             cfg, trainer=dataclasses.replace(cfg.trainer, out_dir=str(out_dir / stage.name)),
             init_from=str(previous) if previous is not None else cfg.init_from)
         result = train(cfg)
-        previous = out_dir / stage.name / "model"
-        scores = retention(load_model(previous), domains, n=eval_n, seq_len=eval_seq_len,
-                           max_new_tokens=max_new_tokens)
+        if result.stopped_early:
+            raise RuntimeError(f"stage {stage.name!r} stopped at step {result.step} before its "
+                               f"{cfg.trainer.steps} steps (trainer.stop_after); run again to resume it")
+        saved = out_dir / stage.name / "model"
+        if is_omni_checkpoint(saved):  # retention and the next stage read its language model
+            model, previous = load_omni(saved).lm, saved / "lm"
+        else:
+            model, previous = load_model(saved), saved
+        scores = retention(model, domains, n=eval_n, seq_len=eval_seq_len, max_new_tokens=max_new_tokens)
         report.append({"stage": stage.name, "algorithm": cfg.algorithm.name, "steps": result.step, "domains": scores})
     atomic_write_text(out_dir / "retention.json", json.dumps(report, indent=1))
     return report

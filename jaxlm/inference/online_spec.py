@@ -343,7 +343,8 @@ class ChunkReport:
     generated_tokens: int
     verify_rounds: int
     tokens_per_round: float
-    """Generated tokens per target verify round: mean accepted drafts + 1."""
+    """Tokens the verify rounds produced per round: mean accepted drafts + 1 (each row's
+    first token comes from the prefill, not from a round, and is not counted)."""
     accept_rate: float
     """Accepted drafts / proposed drafts over the chunk's rounds."""
     serve_seconds: float
@@ -367,7 +368,8 @@ class StreamReport:
         weighted by the chunks' rounds and seconds, i.e. pooled)."""
         cs = self.chunks[chunks] if isinstance(chunks, slice) else [self.chunks[i] for i in chunks]
         if field == "tokens_per_round":
-            return sum(c.generated_tokens for c in cs) / max(sum(c.verify_rounds for c in cs), 1)
+            from_rounds = sum(c.generated_tokens - c.prompts for c in cs)  # less each row's prefill token
+            return from_rounds / max(sum(c.verify_rounds for c in cs), 1)
         if field == "tokens_per_second":
             return sum(c.generated_tokens for c in cs) / max(sum(c.serve_seconds for c in cs), 1e-12)
         return float(np.mean([getattr(c, field) for c in cs]))
@@ -444,7 +446,7 @@ def serve_stream(target, draft, chunks: Iterable[Sequence[Any]], config: OnlineS
         accepted = sum(int(np.sum(np.maximum(np.asarray(r.accepted_lengths), 0))) for r in results)
         report = ChunkReport(
             index=t, prompts=len(token_lists), generated_tokens=generated, verify_rounds=rounds,
-            tokens_per_round=generated / max(rounds, 1), accept_rate=accepted / max(rounds * config.num_draft_tokens, 1),
+            tokens_per_round=(generated - len(token_lists)) / max(rounds, 1), accept_rate=accepted / max(rounds * config.num_draft_tokens, 1),
             serve_seconds=seconds, tokens_per_second=generated / max(seconds, 1e-12),
             completions=[c for r in results for c in r.completions()] if keep_completions else None,
         )

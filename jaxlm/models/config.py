@@ -30,6 +30,8 @@ _REMAT = ("none", "full", "dots")
 #: ``ModelConfig.mode``: a left-to-right decoder, or a masked diffusion LM (LLaDA)
 MODES = ("causal", "diffusion")
 #: per-layer field -> the scalar field it overrides
+#: the block (group) size of each ``qat_format`` / ``kv_quant`` format (`jaxlm.quant.formats`)
+QUANT_BLOCKS = {"mxfp4": 32, "nvfp4": 16, "int4": 128, "e1m2": 16}
 _LAYER_FIELDS = {"layer_qk_head_dims": "qk_head_dim", "layer_v_head_dims": "v_head_dim", "layer_ffn_dims": "ffn_dim"}
 
 
@@ -279,9 +281,19 @@ class ModelConfig:
         for name in ("qat_format", "kv_quant"):
             if getattr(self, name) is not None and getattr(self, name) not in quant_formats:
                 raise _err(name, getattr(self, name), f"must be None or one of {quant_formats}")
-        if self.kv_quant is not None and (self.qk_head_dim % 16 or self.v_head_dim % 16):
-            raise _err("kv_quant", self.kv_quant, "needs qk_head_dim and v_head_dim divisible by 16, got "
-                       f"{self.qk_head_dim} and {self.v_head_dim}")
+        if self.kv_quant is not None:  # keys and values are quantized in blocks along the head
+            block = QUANT_BLOCKS[self.kv_quant]
+            if self.qk_head_dim % block or self.v_head_dim % block:
+                raise _err("kv_quant", self.kv_quant, f"needs qk_head_dim and v_head_dim divisible by its block "
+                           f"{block}, got {self.qk_head_dim} and {self.v_head_dim}")
+        if self.qat_format is not None:  # every projection's input is quantized in blocks
+            block = QUANT_BLOCKS[self.qat_format]
+            inputs = {"d_model": self.d_model, "o_proj input n_heads * v_head_dim": self.o_dim,
+                      "ffn_dim": self.ffn_dim}
+            bad = {k: v for k, v in inputs.items() if v % block}
+            if bad:
+                raise _err("qat_format", self.qat_format, f"needs projection input widths divisible by its block "
+                           f"{block}, got {bad}")
         if self.remat not in _REMAT:
             raise _err("remat", self.remat, f"must be one of {_REMAT}")
         for name in ("qkv_bias", "qk_norm", "tie_embeddings", "scan_layers", "k_shift", "k_shift_trainable"):

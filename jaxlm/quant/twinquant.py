@@ -89,6 +89,8 @@ def forward(x, d: LowRankPlusResidual, fmt: QFormat, act_format: QFormat | None)
 def svd_split(W, rank: int, block: int) -> LowRankPlusResidual:
     """SVDQuant-style split (no smoothing): top-``rank`` left singular vectors, RTN residual."""
     W = np.asarray(W, np.float64)
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 < rank <= min(W.shape):
+        raise ValueError(f"rank={rank!r} is invalid for a {list(W.shape)} weight: must be in [1, {min(W.shape)}]")
     U, _, _ = np.linalg.svd(W, full_matrices=False)
     return decompose(W, jnp.asarray(U[:, :rank], jnp.float32), identity_transform(W.shape[0], block))
 
@@ -154,9 +156,11 @@ def twinquant(W, X_calib, fmt: str | QFormat, cfg: TwinQuantConfig = TwinQuantCo
     act = fmt if act_format == "same" else (None if act_format is None else get_format(act_format))
     W = jnp.asarray(W, jnp.float32)
     X = jnp.asarray(X_calib, jnp.float32)
-    C = W.shape[0]
-    if not 0 < cfg.rank < C:
-        raise ValueError(f"rank={cfg.rank} is invalid: must be in [1, {C - 1}]")
+    C, R = W.shape
+    top = min(C - 1, R)  # P [C, r] spans directions of W's column space, which has at most R
+    if not 0 < cfg.rank <= top:
+        raise ValueError(f"rank={cfg.rank} is invalid for a [{C}, {R}] weight: must be in [1, {top}] "
+                         "(below the input width and at most the output width)")
     init = svd_split(W, cfg.rank, fmt.block)
     T0 = hadamard_transform(C, fmt.block) if cfg.init_transform == "hadamard" else identity_transform(C, fmt.block)
     P, T = init.P, T0
@@ -250,11 +254,13 @@ def _fused_lowrank_forward(x: jax.Array, w: LowRankTransformedWeight, mode: str)
 _fused_lowrank = kernel_with_jnp_gradient(_fused_lowrank_forward, jnp_lowrank_linear)
 
 
-def _resolve_rank(rank: int | float, C: int) -> int:
+def _resolve_rank(rank: int | float, C: int, R: int | None = None) -> int:
+    """An int rank as given; a fraction of the input width ``C``, rounded and kept in
+    ``[1, min(C - 1, R)]`` (a GQA key/value projection is narrower than its input)."""
     if isinstance(rank, float):
         if not 0 < rank < 1:
             raise ValueError(f"rank={rank!r} is invalid: a fraction of the input width must be in (0, 1)")
-        return max(1, int(round(rank * C)))
+        return max(1, min(int(round(rank * C)), C - 1, C if R is None else R))
     return rank
 
 
@@ -292,7 +298,7 @@ def twinquant_quantize_model(
     act = "same" if quantize_activations else None
 
     def build(module, layer, W):
-        layer_cfg = dataclasses.replace(cfg, rank=_resolve_rank(rank, W.shape[0]))
+        layer_cfg = dataclasses.replace(cfg, rank=_resolve_rank(rank, W.shape[0], W.shape[1]))
         d, _ = twinquant(W, X[module][layer], fmt, layer_cfg, act_format=act)
         res = quantize(d.residual, fmt, axis=-2) if quantize_weights else d.residual.astype(W.dtype)
         return LowRankTransformedWeight(

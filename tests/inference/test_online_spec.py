@@ -194,7 +194,8 @@ def test_served_stream_is_the_targets_greedy_output_while_the_draft_adapts(model
     assert [c for ch in rep.chunks for c in ch.completions] == plain
     for ch in rep.chunks:
         assert ch.generated_tokens == 8 * ch.prompts
-        assert ch.tokens_per_round == pytest.approx(ch.generated_tokens / ch.verify_rounds)
+        # each row's first token is the prefill's; the rounds produced the rest
+        assert ch.tokens_per_round == pytest.approx((ch.generated_tokens - ch.prompts) / ch.verify_rounds)
         # bookkeeping bounds, not the behaviour under test (the outputs are compared above): a
         # verify round emits at least one token and at most k drafts + the bonus
         assert 1.0 <= ch.tokens_per_round <= cfg.num_draft_tokens + 1
@@ -282,3 +283,14 @@ def test_adapted_draft_beats_the_static_draft_after_a_shift_in_the_task_mix():
     assert tps["opt_hydra"] > 1.2 * tps["static"]
     singles = [v for k, v in tpr.items() if k.startswith("ensemble of one")]
     assert tpr["ensemble"] >= max(singles) and tpr["ensemble"] > tpr["static"]
+
+
+def test_tokens_per_round_is_mean_accepted_plus_one_with_a_perfect_draft():
+    """The target as its own draft accepts every draft: k + 1 tokens per round exactly, not
+    more (the prefill's first token is no round's)."""
+    target = jaxlm.build_model(jaxlm.ModelConfig.tiny(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=1),
+                               seed=0)
+    cfg = OnlineSpecConfig(method="static", num_draft_tokens=3, max_new_tokens=9, temperature=0.0, chunk_size=2)
+    rep = serve_stream(target, target, chunked([[1, 5, 6], [1, 7]], 2), cfg, stop_tokens=())
+    (ch,) = rep.chunks
+    assert ch.accept_rate == 1.0 and ch.tokens_per_round == 4.0 and rep.mean("tokens_per_round") == 4.0

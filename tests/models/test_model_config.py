@@ -40,6 +40,13 @@ from jaxlm.models.config import PRESETS, ModelConfig, RopeScaling, preset
         (dict(remat="some"), r"remat='some' is invalid"),
         (dict(qk_norm="yes"), r"qk_norm='yes' is invalid: must be a bool"),
         (dict(max_seq_len=0), r"max_seq_len=0 is invalid"),
+        # the tiny preset's head_dim is 16, d_model 64, ffn_dim 128: the format's block must divide them
+        (dict(kv_quant="mxfp4"), r"kv_quant='mxfp4' is invalid: needs qk_head_dim and v_head_dim divisible by its "
+                                 r"block 32, got 16 and 16"),
+        (dict(kv_quant="int4"), r"kv_quant='int4' is invalid: .* block 128"),
+        (dict(qat_format="int4"), r"qat_format='int4' is invalid: needs projection input widths divisible by its "
+                                  r"block 128, got \{'d_model': 64, 'o_proj input n_heads \* v_head_dim': 64\}"),
+        (dict(qat_format="nvfp4", ffn_dim=120), r"qat_format='nvfp4' is invalid: .*\{'ffn_dim': 120\}"),
     ],
 )
 def test_bad_values_name_the_field(changes, match):
@@ -146,3 +153,10 @@ def test_preset_lookup():
     assert set(PRESETS) >= {"tiny", "llama2_7b", "llama3_8b", "llama3_1_8b", "qwen2_5_7b", "qwen3_0_6b", "qwen3_8b", "mistral_7b"}
     with pytest.raises(ValueError, match="unknown preset 'llama9'"):
         preset("llama9")
+
+
+def test_quant_blocks_are_the_formats_own():
+    from jaxlm.models.config import QUANT_BLOCKS
+    from jaxlm.quant.formats import get_format
+
+    assert QUANT_BLOCKS == {name: get_format(name).block for name in QUANT_BLOCKS}

@@ -195,3 +195,18 @@ def test_fake_quant_is_straight_through():
     np.testing.assert_array_equal(y, Q.dequantize(Q.quantize(x, "nvfp4", axis=-1)))
     (g,) = vjp(jnp.ones_like(y) * 3.0)
     np.testing.assert_array_equal(g, 3.0)
+
+
+@pytest.mark.parametrize("rule", ["ocp", "ceil", "alpha3"])
+def test_mxfp4_block_with_nan_or_inf_decodes_to_nan(rule):
+    """A non-finite block gets E8M0's NaN scale (byte 255, OCP MX v1.0): it dequantizes to NaN,
+    as NVFP4 does, and the neighbouring blocks are untouched."""
+    w = np.ones((2, 64), np.float32)
+    w[0, 3], w[1, 40] = np.nan, np.inf
+    q = Q.quantize(jnp.asarray(w), Q.mxfp4(rule), axis=-1)
+    assert np.asarray(q.scales).tolist() == [[255, np.asarray(q.scales)[0, 1]], [np.asarray(q.scales)[1, 0], 255]]
+    d = np.asarray(Q.dequantize(q))
+    assert np.isnan(d[0, :32]).all() and np.isnan(d[1, 32:]).all()
+    np.testing.assert_array_equal(d[0, 32:], 1.0)
+    np.testing.assert_array_equal(d[1, :32], 1.0)
+    assert np.isnan(np.asarray(F.e8m0_decode(jnp.asarray([255], jnp.uint8)))).all()

@@ -134,3 +134,24 @@ class TestKernels:
 class TestKernelsInterpret(TestKernels):
     INTERPRET = True
 
+
+
+@pytest.mark.parametrize("matmul", ["w4a16", "lowrank"])
+def test_mismatched_operands_are_refused(matmul):
+    """A weight for another K, or a block the K tile does not hold whole, is an error naming
+    the shapes (the low-rank kernel once read x[:, :64] against a K = 64 weight)."""
+    x = jnp.ones((2, 128), jnp.float32)
+    q = Q.quantize(jnp.ones((64, 16), jnp.float32), "nvfp4", axis=0)
+    kw = _kw(q.fmt)
+
+    def call(x, q, **extra):
+        args = (x, q.codes, q.scales, q.global_scale.reshape(()))
+        if matmul == "lowrank":
+            args += (jnp.zeros((x.shape[1], 2)), jnp.zeros((2, q.codes.shape[1])))
+            return lowrank_w4a16.lowrank_w4a16_matmul(*args, **{**kw, **extra}, interpret=True)
+        return w4a16.w4a16_matmul(*args, **{**kw, **extra}, interpret=True)
+
+    with pytest.raises(ValueError, match=r"codes \(32, 16\) / scales \(4, 16\) do not match x \(2, 128\)"):
+        call(x, q)
+    with pytest.raises(ValueError, match="bk=24 must be a multiple of the block 16"):
+        call(jnp.ones((2, 64), jnp.float32), q, bk=24)

@@ -6,7 +6,7 @@ import pytest
 
 from jaxlm.quant.formats import get_format
 from jaxlm.quant.transforms import identity_transform, transform_activations, w4a4_matmul
-from jaxlm.quant.twinquant import TwinQuantConfig, forward, fused_operands, svd_split, twinquant
+from jaxlm.quant.twinquant import TwinQuantConfig, _resolve_rank, forward, fused_operands, svd_split, twinquant
 from kernels_pallas import lowrank_w4a16
 
 C, R = 256, 128
@@ -67,5 +67,11 @@ def test_weight_only_forward_is_the_fused_low_rank_kernel(layer):
 def test_bad_config_is_named():
     with pytest.raises(ValueError, match="rank=300"):
         twinquant(np.zeros((256, 64), np.float32), np.zeros((8, 256), np.float32), "mxfp4", TwinQuantConfig(rank=300))
+    # a narrow (GQA key/value) projection: the rank is at most its output width
+    with pytest.raises(ValueError, match=r"rank=40 is invalid for a \[64, 32\] weight: must be in \[1, 32\]"):
+        twinquant(np.ones((64, 32), np.float32), np.ones((8, 64), np.float32), "mxfp4", TwinQuantConfig(rank=40))
+    with pytest.raises(ValueError, match=r"rank=40 is invalid for a \[64, 32\] weight"):
+        svd_split(np.ones((64, 32)), 40, 32)
+    assert _resolve_rank(0.75, 64, 32) == 32 and _resolve_rank(0.995, 64) == 63 and _resolve_rank(0.5, 64, 32) == 32
     with pytest.raises(ValueError, match="init_transform='qr'"):
         TwinQuantConfig(init_transform="qr")

@@ -54,6 +54,16 @@ def test_sem_weights_and_term_match_numpy(threshold):
     assert (w > 0).sum() <= max(int(np.floor(valid.sum() * threshold)), 1)  # only tokens below tau
 
 
+@pytest.mark.parametrize("n, threshold, k", [(180, 0.65, 117), (180, 0.35, 63), (90, 0.7, 63), (7, 0.25, 1),
+                                             (3, 0.1, 1), (1000, 0.65, 650)])
+def test_sem_cutoff_is_floor_of_n_times_the_threshold_as_written(n, threshold, k):
+    """tau is the k-th smallest entropy, k = floor(N x threshold) exactly (180 x 0.65 = 117: in
+    float32, 0.65 is 0.6499999762 and the product floors to 116)."""
+    H = jnp.arange(n, dtype=jnp.float32)  # distinct entropies: the k-th smallest is k - 1
+    w = np.asarray(sem_weights(H, jnp.ones(n, bool), threshold))
+    assert int((w > 0).sum()) == max(k - 1, 1) and w[0] == 1.0  # weights fall to 0 at tau = H[k - 1]
+
+
 def test_sem_gradient_flows_through_entropy_not_weights():
     """d/dz of sum_t w_t H_t with w frozen: lowering a weighted token's entropy is rewarded,
     and tokens with weight 0 (above tau) get no gradient from the term."""

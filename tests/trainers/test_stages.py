@@ -50,6 +50,22 @@ def test_bad_stage_lists_are_refused(tmp_path):
         run_stages([s, dataclasses.replace(s)], tmp_path, domains=DOMAINS)
     with pytest.raises(ValueError, match="Stage.name='a/b'"):
         Stage("a/b", s.config)
+    for bad in (".", ".."):  # ".." would write outside out_dir
+        with pytest.raises(ValueError, match=f"Stage.name='{bad}' must be"):
+            Stage(bad, s.config)
+
+
+def test_a_preempted_stage_stops_the_schedule_and_a_rerun_resumes_it(tmp_path, monkeypatch):
+    """A stage stopped by ``trainer.stop_after`` saved no model: the schedule stops saying so;
+    the re-run (with ``out_dir`` spelled differently) resumes it and runs on."""
+    first, second = _stage("a", DOMAINS["math"], 1e-3), _stage("b", DOMAINS["math"], 1e-3)
+    cut = dataclasses.replace(second, config=dataclasses.replace(
+        second.config, trainer=dataclasses.replace(second.config.trainer, stop_after=2)))
+    with pytest.raises(RuntimeError, match="stage 'b' stopped at step 2 before its 3 steps"):
+        run_stages([first, cut], tmp_path / "runs", domains={"math": DOMAINS["math"]}, eval_n=8, max_new_tokens=2)
+    monkeypatch.chdir(tmp_path)
+    report = run_stages([first, second], "./runs/", domains={"math": DOMAINS["math"]}, eval_n=8, max_new_tokens=2)
+    assert [r["steps"] for r in report] == [3, 3]
 
 
 @pytest.mark.slow  # four training stages and two GRPO runs (about 4 minutes on 2 cores); the checks above run by default
@@ -73,3 +89,27 @@ def test_mid_training_before_rl_gives_rl_a_larger_gain(tmp_path):
     assert result["rl_gain with mid-training"] > result["rl_gain without"]
     after_rl = {arm: result[arm][-1]["domains"] for arm in ("with mid-training", "without")}
     assert after_rl["with mid-training"]["general"]["loss"] < after_rl["without"]["general"]["loss"]
+
+
+def test_an_omni_stage_reports_retention_of_its_language_model(tmp_path):
+    """[text -> omni alignment (encoders only)]: retention reads the omni checkpoint's language
+    model, which the encoder-only stage leaves as the text stage wrote it."""
+    from jaxlm.data.audiovisual import AVTaskConfig
+    from trainers.config import OmniTrainConfig
+
+    model = jaxlm.ModelConfig.tiny(vocab_size=261, rope="mrope", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                   ffn_dim=64, max_seq_len=64)
+    trainer = TrainerConfig(steps=2, progress=False, save_every=100, eval_generate=0)
+    text = Stage("text", ExperimentConfig(
+        model=model, data=DataConfig(source=DOMAINS["math"], seq_len=64, batch_size=4, eval_examples=4),
+        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=1), trainer=trainer, algorithm=SFTConfig()))
+    omni = Stage("omni", ExperimentConfig(
+        model=model, data=DataConfig(batch_size=4), optimizer=OptimizerConfig(lr=3e-3, warmup_steps=1, trainable="encoder"),
+        trainer=trainer, algorithm=OmniTrainConfig(
+            task=AVTaskConfig(frames=2, grid=2, patch=2, audio_frames=4, window=8, tone_frames=1),
+            encoder_hidden=16, eval_examples=4)))
+    report = run_stages([text, omni], tmp_path, domains={"math": DOMAINS["math"]}, eval_n=4, max_new_tokens=2)
+    assert [r["algorithm"] for r in report] == ["sft", "omni"]
+    assert report[1]["domains"] == report[0]["domains"]  # the language model was frozen
+    with pytest.raises(ValueError, match="an omni stage follows an omni stage"):
+        run_stages([text, omni, dataclasses.replace(omni, name="again")], tmp_path / "x", domains=DOMAINS)
