@@ -21,11 +21,10 @@ GRPO reward: ``rewards=("reward_model",)`` with ``GRPOConfig.reward_model=<dir>`
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
 import functools
 import json
+import math
 from pathlib import Path
 from typing import Sequence
 

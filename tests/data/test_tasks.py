@@ -7,7 +7,16 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxlm.data.tasks import TASKS, Arithmetic, Countdown, Extraction, MarkovText, Sorting, SumTrace, make_task
+from jaxlm.data.tasks import (
+    TASKS,
+    Arithmetic,
+    Countdown,
+    Extraction,
+    MarkovText,
+    Sorting,
+    SumTrace,
+    make_task,
+)
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))

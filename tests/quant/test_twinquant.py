@@ -6,7 +6,14 @@ import pytest
 
 from jaxlm.quant.formats import get_format
 from jaxlm.quant.transforms import identity_transform, transform_activations, w4a4_matmul
-from jaxlm.quant.twinquant import TwinQuantConfig, _resolve_rank, forward, fused_operands, svd_split, twinquant
+from jaxlm.quant.twinquant import (
+    TwinQuantConfig,
+    _resolve_rank,
+    forward,
+    fused_operands,
+    svd_split,
+    twinquant,
+)
 from kernels_pallas import lowrank_w4a16
 
 C, R = 256, 128
