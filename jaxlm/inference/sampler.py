@@ -200,18 +200,20 @@ def generate_tokens(
         if offset is not None:
             offset = jnp.repeat(offset, G, axis=0)
         B = B * G
+    start_state = None if grammar is None else jnp.broadcast_to(jnp.asarray(grammar_start, jnp.int32), (B,))
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
         tokens=jnp.full((B, N), pad_id, jnp.int32),
         logprobs=jnp.zeros((B, N), jnp.float32),
         sampling_logprobs=jnp.zeros((B, N), jnp.float32),
         lengths=jnp.zeros((B,), jnp.int32),
-        done=jnp.zeros((B,), bool),
+        # a grammar whose start is already complete (its only string is empty) allows no token
+        done=jnp.zeros((B,), bool) if grammar is None else grammar.terminal[start_state],
         prompt_lengths=prompt_mask.sum(axis=1, dtype=jnp.int32),
         logits=model.unembed(last_hidden),
         cache=out.cache,
         rng=rng,
-        grammar_state=None if grammar is None else jnp.asarray(grammar_start, jnp.int32),
+        grammar_state=start_state,
     )
 
     def choose(s: SamplingState) -> SamplingState:

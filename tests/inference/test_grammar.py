@@ -509,6 +509,8 @@ def test_a_model_vocabulary_padded_past_the_tokenizers_never_samples_the_padding
     (lambda t: compile_ebnf('root ::= "a" (="b")', t), "lookahead"),
     (lambda t: compile_ebnf('root ::= "a\nb"', t), "line 1 column 10: unterminated string"),
     (lambda t: compile_ebnf('root ::= "a" root', t, max_depth=3), "can never be completed"),
+    # an unused rule is checked too (XGrammar: 'Rule "missing" is not defined')
+    (lambda t: compile_ebnf('root ::= "a"\nunused ::= "b" missing', t), "'missing' is used but not defined"),
 ])
 def test_compile_time_errors_name_the_construct(make, match):
     with pytest.raises(GrammarError, match=match):
@@ -637,3 +639,41 @@ def test_enum_beside_type_keeps_the_values_of_that_type():
     assert to_dfa(parse_json_schema({"type": ["integer", "null"], "enum": [1.0, 2.5, None, "x"]})).matches(b"null")
     with pytest.raises(GrammarError, match="no 'enum' value has type 'boolean'"):
         parse_json_schema({"type": "boolean", "enum": ["a", 1]})
+
+
+def test_tokens_into_loops_the_vocabulary_cannot_leave_are_cut():
+    """A state with tokens but no token path to acceptance is dead at the token level: ``a*b``
+    over the tokens {a} cannot be written at all; ``a+b|c`` over {a, c} allows only c (an "a"
+    would loop until the token limit)."""
+    with pytest.raises(GrammarError, match="cannot write any string of the grammar"):
+        compile_regex("a*b", token_bytes=[None, b"a"], stop_tokens=(0,), cache_dir=None)
+    g = compile_regex("a+b|c", token_bytes=[None, b"a", b"c"], stop_tokens=(0,), cache_dir=None)
+    assert np.flatnonzero(g.tables.allowed(g.tables.start)).tolist() == [2]
+
+
+def test_a_grammar_whose_only_string_is_empty_generates_nothing(random_model):
+    """The start state is complete and no token is allowed: the row is done before any draw
+    (it used to sample from an all-masked row, id 0, until the token limit)."""
+    tok = random_model.tokenizer
+    g = compile_regex("a{0}", tok, stop_tokens=(), cache_dir=None)
+    out = jaxlm.generate(random_model, ["hi"], max_new_tokens=4, grammar=g, stop_tokens=(), rng=0)
+    assert out.completions() == [[]]
+
+
+def test_an_object_schema_without_properties_takes_any_object():
+    """``{"type": "object"}`` (no properties, no additionalProperties) is any object in JSON
+    Schema and in XGrammar, nested free objects too; within the depth cut the language is
+    jsonschema's."""
+    tok = jaxlm.ByteTokenizer()
+    schema = {"type": "object", "properties": {"meta": {"type": "object"}}, "required": ["meta"]}
+    g = compile_json_schema(schema, tok, cache_dir=None)
+    texts = ['{"meta": {}}', '{"meta": {"source": "web", "n": [1, 2.5], "ok": true, "x": null}}',
+             '{"meta": {"a": {"b": "c"}}}', '{"meta": []}', '{"meta": {"a": 1,}}', '{}', '{"meta": 1}']
+    for text in texts:
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            valid = True
+        except (ValueError, jsonschema.ValidationError):
+            valid = False
+        assert g.matches(text) == valid, text
+    assert compile_json_schema({"type": "object"}, tok, cache_dir=None).matches('{"k": [1, {"m": "n"}]}')

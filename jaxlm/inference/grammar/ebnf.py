@@ -168,6 +168,20 @@ class _EBNF(_Parser):
         self.error(f"unexpected {c!r}" if c else "unexpected end of grammar")
 
 
+def _check_references(rules: dict) -> None:
+    """Every rule a body names is defined, in every rule (reached from ``root`` or not, as
+    XGrammar checks): a misspelt name in an unused rule is an error, not ignored."""
+    def walk(e, rule):
+        if isinstance(e, tuple) and e and e[0] == "ref":
+            if e[1] not in rules:
+                raise GrammarError(f"EBNF: rule {e[1]!r} is used but not defined (in rule {rule!r})")
+            return e
+        return map_children(e, lambda child: walk(child, rule))
+
+    for name, body in rules.items():
+        walk(body, name)
+
+
 def _expand(rules: dict, max_depth: int):
     entered: dict[str, int] = {}
 
@@ -197,4 +211,5 @@ def parse_ebnf(grammar: str, *, max_depth: int = 4):
     rules = _EBNF(grammar).rules()
     if "root" not in rules:
         raise GrammarError("EBNF: no 'root' rule (the start of the grammar)")
+    _check_references(rules)
     return _expand(rules, max_depth)

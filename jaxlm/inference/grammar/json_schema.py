@@ -6,7 +6,8 @@ strict mode), so the two give the same token masks:
 * ``type``: ``object``, ``array``, ``string``, ``number``, ``integer``, ``boolean``, ``null``, or a
   list of them; ``enum`` and ``const`` (values written as compact JSON); ``anyOf``;
 * objects: ``properties`` in schema order, ``required`` (others optional),
-  ``additionalProperties`` absent or false (no other keys);
+  ``additionalProperties`` absent or false (no other keys); an object schema with neither
+  ``properties`` nor ``additionalProperties`` takes any object (its values as ``{}``'s);
 * arrays: ``items``, ``minItems``, ``maxItems``;
 * strings: ``minLength`` / ``maxLength`` counted in characters, an escape being one
   (XGrammar differs here: its bounded strings take any character but ``"``, ``\\``, CR and
@@ -210,7 +211,16 @@ class _Builder:
             return seq(literal("["), self.ws, literal("]"))
         return self.bracketed("[", item, item, "]", lo == 0, max(lo - 1, 0), None if hi is None else hi - 1)
 
+    def any_object(self, depth: int):
+        """Any JSON object, its values nested within ``max_depth`` (as ``{}``'s objects)."""
+        if depth >= self.max_depth:
+            return seq(literal("{"), self.ws, literal("}"))
+        member = seq(STRING, self.key_sep, self.any_value(depth + 1))
+        return self.bracketed("{", member, member, "}", True)
+
     def object(self, s: dict, where: str, depth: int):
+        if "properties" not in s and "additionalProperties" not in s and not s.get("required"):
+            return self.any_object(depth)  # {"type": "object"}: any object, as in JSON Schema and XGrammar
         if s.get("additionalProperties", False) is not False:
             raise GrammarError(f"JSON schema {where}: 'additionalProperties' other than false is not supported")
         props = s.get("properties", {})

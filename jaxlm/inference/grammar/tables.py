@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import breadth_first_order
 
 from jaxlm.inference.grammar.automaton import ByteDFA, GrammarError
 
@@ -269,15 +271,11 @@ def build_tables(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens:
         category[ids] = unique_cat[inverse.reshape(-1)]
     nxt = np.stack(columns, axis=1).astype(np.int32)  # [S + 1, C]
     accepting = np.append(dfa.accepting, True)
-    # a state no token leaves and that does not accept is a dead end at the token level (the
-    # vocabulary lacks the bytes it needs): cut the transitions into it, until none is left
-    while True:
-        dead = ~accepting & ~np.any(nxt >= 0, axis=1)
-        into = (nxt >= 0) & dead[np.where(nxt >= 0, nxt, 0)]
-        if not into.any():
-            break
-        nxt = np.where(into, -1, nxt)
-    if dead[0]:
+    # a state from which no sequence of tokens reaches acceptance is a dead end at the token
+    # level (the vocabulary lacks bytes it needs, also behind a loop): cut the transitions into it
+    live = _live_states(nxt, accepting)
+    nxt = np.where((nxt >= 0) & ~live[np.where(nxt >= 0, nxt, 0)], -1, nxt)
+    if not live[0]:
         raise GrammarError("this tokenizer cannot write any string of the grammar (its tokens lack the bytes "
                            "the grammar needs)")
     bitmask = None
@@ -286,10 +284,25 @@ def build_tables(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens:
     return TokenTables(category=category, next=nxt, accepting=accepting, bitmask=bitmask, stop_tokens=tuple(stop))
 
 
+def _live_states(nxt: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+    """``[S]`` True where some path of transitions in ``nxt [S, C]`` (-1: none) reaches an
+    accepting state: a breadth-first search backwards from them, linear in the transitions."""
+    n = nxt.shape[0]
+    src, cat = np.nonzero(nxt >= 0)
+    dst = nxt[src, cat]
+    finals = np.flatnonzero(accepting)
+    rows = np.concatenate([dst, np.full(len(finals), n)])  # reversed edges; node n points to every final
+    cols = np.concatenate([src, finals])
+    graph = csr_matrix((np.ones(len(rows), np.int8), (rows, cols)), shape=(n + 1, n + 1))
+    live = np.zeros(n + 1, bool)
+    live[breadth_first_order(graph, n, directed=True, return_predecessors=False)] = True
+    return live[:n]
+
+
 def tables_key(dfa: ByteDFA, token_bytes: Sequence[bytes | None], stop_tokens: Sequence[int],
                bitmask_limit: int) -> str:
     h = hashlib.sha256()
-    h.update(b"jaxlm-grammar-tables-v1")
+    h.update(b"jaxlm-grammar-tables-v2")  # v2: transitions into token-level dead loops cut
     h.update(np.ascontiguousarray(dfa.delta).tobytes())
     h.update(np.ascontiguousarray(dfa.accepting).tobytes())
     for t in token_bytes:
