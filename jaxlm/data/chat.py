@@ -22,7 +22,8 @@ Assistant masks (`encode_chat`), the tokens trained in SFT:
   with no special token in it all of it is. This needs a template whose rendering of
   ``messages[:i + 1]`` starts every longer conversation's rendering; one that rewrites
   earlier turns when later ones follow raises `ChatTemplateError` (use ``{% generation %}``);
-- the built-in format: each assistant content + ``\\n``, and the final EOS.
+- the built-in format: each assistant content + ``\\n``, and the final EOS when the conversation
+  ends with an assistant turn (after a final user turn the EOS is context, as a template leaves it).
 A token is trained when it overlaps a trained character span (its offsets in the text).
 """
 
@@ -374,7 +375,7 @@ def _builtin_ids(tokenizer, segments, add_generation_prompt: bool) -> tuple[list
         mask += [trainable] * len(piece)
     if not add_generation_prompt and tokenizer.eos_id is not None:
         ids.append(tokenizer.eos_id)
-        mask.append(True)
+        mask.append(bool(segments) and segments[-1][1])  # trained after an assistant turn only
     return ids, mask
 
 

@@ -455,6 +455,10 @@ def test_builtin_format_of_the_byte_tokenizer():
     assert ids == [tok.bos_id] + tok.encode(text) + [tok.eos_id] == tok.apply_chat_template(chat)
     trained = [i for i, m in zip(ids, mask) if m]
     assert tok.decode(trained) == "yo\n\n" and trained[-1] == tok.eos_id
+    # ending with a user turn, the EOS is context (a template's rendering trains nothing there either)
+    user_last, user_mask = encode_chat(tok, chat[:4])
+    assert user_last[-1] == tok.eos_id and not user_mask[-1]
+    assert tok.decode([i for i, m in zip(user_last, user_mask) if m]) == "yo\n"
     prompt = tok.apply_chat_template(chat[:4], add_generation_prompt=True)
     assert prompt == [tok.bos_id] + tok.encode(text[: text.rindex("<|assistant|>")] + "<|assistant|>\n")
     enc = encode({"messages": chat}, tok)
