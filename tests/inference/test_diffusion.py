@@ -354,8 +354,8 @@ def test_bad_input_errors(model):
         diffusion_generate(causal, PROMPTS, gen_length=8, steps=8)
     with pytest.raises(ValueError, match="diffusion_generate"):
         jaxlm.generate(model, PROMPTS, max_new_tokens=4)
-    with pytest.raises(ValueError, match="kv_quant"):
-        q = build_model(diffusion_config(kv_quant="int4", head_dim=16), seed=0)
+    q = build_model(diffusion_config(kv_quant="nvfp4", head_dim=16), seed=0)
+    with pytest.raises(ValueError, match="kv_quant='nvfp4' is not supported by the cached diffusion forwards"):
         diffusion_generate(q, [[1, 2]], gen_length=4, steps=4, cache="dual")
     with pytest.raises(ValueError, match=r"stop_tokens \[1000000\] are outside"):
         diffusion_generate(model, PROMPTS, gen_length=8, steps=8, stop_tokens=[10**6])
