@@ -37,7 +37,7 @@ def answer_positions(pairs):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default="runs/early_exit")
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--calibration", type=int, default=256, help="training problems to calibrate on")
     ap.add_argument("--eval", type=int, default=200, help="held-out problems")

@@ -162,7 +162,7 @@ def test_bad_windows_fail_naming_the_field(model):
         calibrate_from_logits(np.zeros((2, 3, 4)), quantiles=(0.9, 0.1))
 
 
-@pytest.mark.slow  # trains a 6-layer model for 600 steps (about 3 minutes on 2 cores); the exactness tests above run by default
+@pytest.mark.slow  # trains a 6-layer model for 1000 steps (about 5 minutes on 2 cores); the exactness tests above run by default
 def test_calibrated_window_saves_layers_at_equal_accuracy(tmp_path):
     """WAVE's claim in miniature on the quickstart model (6 layers, 2-digit addition), as
     `bench/early_exit.py` measures it: the window calibrated on training problems cuts the
