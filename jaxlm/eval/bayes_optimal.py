@@ -174,9 +174,9 @@ def mbr(latents: Sequence[Any], d="zero_one", *, weights=None, log_weights=None)
 
 
 # ---------------------------------------------------------------- response -> latent maps
-# an optional sign; digits with or without thousands separators ("1,234"), or none before a
-# decimal point (".75"); an optional fraction
-_NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
+# an optional sign (not a hyphen after a word or number: "1-5" is 1 and 5); digits with or
+# without thousands separators ("1,234"), or none before a decimal point (".75"); an optional fraction
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
 
 
 def number_latent(text: str) -> float | None:

@@ -54,17 +54,22 @@ def bidirectional_preference(p_ab, p_ba) -> tuple[np.ndarray, np.ndarray]:
     return p, preference_entropy(p)
 
 
-def _calibration(scores, errors, alpha: float):
+def _scores_errors(scores, errors) -> tuple[np.ndarray, np.ndarray]:
     s = np.asarray(scores, np.float64).ravel()
     e = np.asarray(errors).ravel()
     if s.shape != e.shape:
         raise ValueError(f"scores {s.shape} and errors {e.shape} differ in size")
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha={alpha} must be in (0, 1)")
     if not np.all(np.isfinite(s)):
         raise ValueError("scores have NaN or infinite entries")
     if e.size and not np.all((e == 0) | (e == 1)):
         raise ValueError("errors must be 0/1 (1 = the judgment disagreed with the label)")
+    return s, e
+
+
+def _calibration(scores, errors, alpha: float):
+    s, e = _scores_errors(scores, errors)
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha={alpha} must be in (0, 1)")
     order = np.argsort(s, kind="mergesort")
     s, e = s[order], e[order].astype(np.float64)
     last = np.flatnonzero(np.r_[s[1:] != s[:-1], True]) if s.size else np.zeros(0, int)
@@ -111,10 +116,9 @@ class SelectiveReport:
 
 
 def selective_report(scores, errors, threshold: float) -> SelectiveReport:
-    s = np.asarray(scores, np.float64).ravel()
-    e = np.asarray(errors, np.float64).ravel()
-    if s.shape != e.shape:
-        raise ValueError(f"scores {s.shape} and errors {e.shape} differ in size")
+    """Accept ``scores <= threshold``; scores must be finite and errors 0/1, as in calibration."""
+    s, e = _scores_errors(scores, errors)
+    e = e.astype(np.float64)
     keep = s <= threshold
     n = int(keep.sum())
     return SelectiveReport(float(threshold), float(keep.mean()) if s.size else 0.0, n,

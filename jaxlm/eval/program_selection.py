@@ -107,10 +107,14 @@ def split_tester(candidates: Sequence[str], function: str, tester: Tester, *, ro
     tests: list[tuple[Any, str | None]] = []
     test_columns: list[int] = []
     for _ in range(rounds):
-        fresh = [x for x in tester.propose(proposals, rng) if json.dumps(x) not in seen]
+        fresh = []
+        for x in tester.propose(proposals, rng):  # new inputs only, each once (testers repeat themselves)
+            key = json.dumps(x)
+            if key not in seen:
+                seen.add(key)
+                fresh.append(x)
         if not fresh:
             continue
-        seen.update(json.dumps(x) for x in fresh)
         block = behaviour_table(candidates, function, fresh, call_timeout_s=call_timeout_s, limits=limits)
         offset = len(all_inputs)
         all_inputs += fresh

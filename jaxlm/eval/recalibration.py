@@ -29,6 +29,10 @@ def _pairs(score, correct) -> tuple[np.ndarray, np.ndarray]:
 
 def _feature(score: np.ndarray, on: str) -> np.ndarray:
     if on == "logit":
+        if np.any((score < 0.0) | (score > 1.0)):
+            bad = score[(score < 0.0) | (score > 1.0)][0]
+            raise ValueError(f"score {bad!r} is outside [0, 1]: on='logit' takes probabilities "
+                             "(use on='score' for raw margins)")
         p = np.clip(score, _EPS, 1.0 - _EPS)
         return np.log(p) - np.log1p(-p)
     return score

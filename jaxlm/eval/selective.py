@@ -76,6 +76,6 @@ def selective_accuracy(confidence: np.ndarray, correct: np.ndarray, coverage: fl
     if confidence.size == 0:
         raise ValueError("selective accuracy of no predictions")
     x = coverage * confidence.size  # ceil up to float error, relative to x (0.28 * 1e5 = 28000.000000000004)
-    k = int(np.ceil(x - 1e-9 * max(x, 1.0)))
+    k = max(1, int(np.ceil(x - 1e-9 * max(x, 1.0))))  # any coverage > 0 keeps at least one
     top = np.argsort(-confidence, kind="mergesort")[:k]
     return float(correct[top].mean())

@@ -86,7 +86,9 @@ def test_weights_and_parsers():
     assert number_latent("so the answer is 12, not 3.5") == 3.5
     assert number_latent("none") is None
     cases = {"x = -.5": -0.5, "answer: .75": 0.75, "The total is 1,234.": 1234.0, "so it costs $2,500": 2500.0,
-             "12,345,678.5 units": 12345678.5, "a list 1,2,3": 3.0, "1,2345": 2345.0, "-3": -3.0}
+             "12,345,678.5 units": 12345678.5, "a list 1,2,3": 3.0, "1,2345": 2345.0, "-3": -3.0,
+             # a hyphen after a number or word is not a sign
+             "between 1-5": 5.0, "pages 10-12": 12.0, "x=-3": -3.0, "(-2)": -2.0}
     assert {t: number_latent(t) for t in cases} == cases
     assert set_latent(" a, b ,,c") == frozenset("abc")
     assert edge_latent("b-a, c-b x") == frozenset({("a", "b"), ("b", "c")})

@@ -93,3 +93,8 @@ def test_selective_report():
     r = selective_report([0.1, 0.2, 0.9], [0, 1, 1], 0.5)
     assert (r.coverage, r.accepted, r.error_rate) == (pytest.approx(2 / 3), 2, 0.5)
     assert selective_report([0.1], [1], -np.inf).error_rate == 0.0
+    # the checks of the calibration: a NaN score would be silently rejected, an error of 7 averaged
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        selective_report([0.1, np.nan, 0.2], [0, 1, 0], 0.5)
+    with pytest.raises(ValueError, match="errors must be 0/1"):
+        selective_report([0.1, 0.2], [0, 7], 0.5)

@@ -48,6 +48,26 @@ def test_split_tester_picks_the_group_that_agrees_with_the_expected_outputs():
         split_tester([], "f", ScriptedTester())
 
 
+class RepeatingTester:
+    """Proposes one input twice in a round: its expected output agrees with ``return x``
+    there, and with ``return -x`` on the other input."""
+
+    def propose(self, n, rng):
+        return [[5], [5], [6]]
+
+    def expected(self, inputs):
+        return ["5" if x == [5] else "-6" for x in inputs]
+
+
+def test_split_tester_counts_an_input_proposed_twice_once():
+    ident, neg = "def f(x):\n    return x\n", "def f(x):\n    return -x\n"
+    choice = split_tester([neg, neg, ident], "f", RepeatingTester(), rounds=1, proposals=3, tests_per_round=3,
+                          call_timeout_s=0.5)
+    assert [x for x, _ in choice.tests] == [[5], [6]]
+    assert choice.agreement == (1, 1)  # one test each way: a tie, so the first group (the larger) wins
+    assert choice.index == 0
+
+
 def test_every_task_reference_passes_and_every_mistake_fails_its_hidden_tests():
     for spec in SPECS:
         hidden = hidden_tests(spec)

@@ -63,3 +63,6 @@ def test_selective_accuracy():
     assert selective_accuracy(big_conf, big_correct, 0.28001) < 1.0
     with pytest.raises(ValueError, match="coverage"):
         selective_accuracy(conf, correct, 0.0)
+    # any coverage above 0 keeps ceil(coverage * N) >= 1 prediction: the most confident
+    assert selective_accuracy(conf, correct, 3e-10) == 1.0
+    assert selective_accuracy([0.4], [0], 5e-10) == 0.0
