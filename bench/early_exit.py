@@ -3,7 +3,8 @@
 Trains the quickstart recipe (`configs/quickstart.py`) with 6 layers on clean 2-digit
 addition (once, under ``--run``),
 calibrates the exit window and threshold on training problems (the positions that predict
-answer tokens), then measures on held-out problems: exact-match accuracy and mean layers
+answer tokens; with ``--calibrate decode`` the threshold is then chosen by decoding those
+problems' prompts with exits and comparing with full-depth decoding), then measures on held-out problems: exact-match accuracy and mean layers
 per generated token with and without exits (batch 64), and the wall time of greedy
 decoding at batch 1 (exits save compute only when every row of a batch has left, so a
 batch of one is where the time shows): whole calls of 6 new tokens, and their decode steps
@@ -11,6 +12,7 @@ alone (a call minus a one-token call). Also the threshold sweep of the calibrati
 
     python bench/early_exit.py                    # -> runs/early_exit
     python bench/early_exit.py --agreement 0.98 --quantiles 0.05 0.95
+    python bench/early_exit.py --calibrate decode  # threshold from decoded agreement
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def main() -> None:
     ap.add_argument("--agreement", type=float, default=0.99)
     ap.add_argument("--quantiles", type=float, nargs=2, default=(0.1, 0.9))
     ap.add_argument("--proxy-vocab", type=int, default=16)
+    ap.add_argument("--calibrate", choices=("teacher-forced", "decode"), default="teacher-forced",
+                    help="how the threshold is chosen: teacher-forced agreement per answer token, or "
+                         "decoded answers equal to full depth's (sequence level)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -56,6 +61,7 @@ def main() -> None:
     from jaxlm.editing.requests import encode_pairs
     from jaxlm.eval.accuracy import task_accuracy
     from jaxlm.inference.early_exit import calibrate_exit_window
+    from jaxlm.inference.exit_threshold import calibrate_threshold_by_decoding
     from trainers.loop import train
     from trainers.recipes import load_config
 
@@ -76,6 +82,13 @@ def main() -> None:
     print(f"calibration: window [{w.start}, {w.end}] of {cfg.n_layers}, threshold {w.threshold}, "
           f"proxy vocab {w.proxy_vocab}; simulated agreement {cal.agreement:.3f}, layers {cal.mean_layers:.2f}")
     print("settled-layer histogram:", np.bincount(cal.settled, minlength=cfg.n_layers + 1)[1:].tolist())
+    if args.calibrate == "decode":
+        teacher_forced = cal
+        cal = calibrate_threshold_by_decoding(model, [e["prompt"] for e in cal_ex], w, max_new_tokens=6,
+                                              agreement=args.agreement)
+        w = cal.window
+        print(f"threshold by decoding: {w.threshold} (teacher-forced: {teacher_forced.window.threshold}); decoded "
+              f"answers equal to full depth {cal.agreement:.3f}, layers per decoded token {cal.mean_layers:.2f}")
 
     held = [task.example(i, "eval") for i in range(args.eval)]
     rows = {}
@@ -119,11 +132,12 @@ def main() -> None:
                  decode_vs_full=decode["full depth"] / steps)
         print(f"{name:>10} | {r['accuracy']:>8.3f} | {r['layers_decoded']:>22.2f} | {r['layers_all']:>14.2f} | "
               f"{call:>11.3f}s | {r['vs_full']:.2f}x | {steps:>11.3f}s | {r['decode_vs_full']:.2f}x")
-    print("\nthreshold sweep (simulated on calibration):")
+    print(f"\nthreshold sweep ({'decoded' if args.calibrate == 'decode' else 'simulated'} on calibration):")
     for s in cal.sweep:
         print(f"  {s['threshold']:<6g}: agreement {s['agreement']:.3f}, layers {s['mean_layers']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"window": vars(w), "rows": rows, "sweep": cal.sweep}, indent=2))
+        Path(args.json).write_text(json.dumps({"window": vars(w), "calibrate": args.calibrate, "rows": rows,
+                                               "sweep": cal.sweep}, indent=2))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def add_edit_head(model: Transformer) -> Transformer:
     the new current-token head, so both heads give the same logits at first. With tied
     embeddings the current-token head is the embedding, so ``<|del|>``'s column there is the
     mean embedding (not zero), and the copy has it too. Every other parameter is shared by
-    value."""
+    value, and so is every other piece of state (a compressed model's kept RoPE frequencies)."""
     c = model.config
     if c.mode != "diffusion":
         raise ValueError(f"add_edit_head needs a masked diffusion LM (mode='diffusion'), got mode={c.mode!r}")
@@ -29,7 +29,7 @@ def add_edit_head(model: Transformer) -> Transformer:
         raise ValueError("add_edit_head: the model already has a next-token head")
     V = c.vocab_size
     new_config = dataclasses.replace(c, vocab_size=V + 1, next_token_head=True, delete_token_id=V)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model))
     embed = params["embed"]
     params["embed"] = jnp.concatenate([embed, embed.mean(0, keepdims=True)], 0)
     if c.tie_embeddings:  # the current-token head is the new embedding, its <|del|> row included
@@ -40,7 +40,7 @@ def add_edit_head(model: Transformer) -> Transformer:
         params["lm_head"]["kernel"] = head
     params["next_head"] = {"kernel": head}
     new = build_model(new_config, seed=0, tokenizer=model.tokenizer)
-    state = nnx.state(new, nnx.Param)
+    state = nnx.state(new)
     nnx.replace_by_pure_dict(state, params)
     nnx.update(new, state)
     return new

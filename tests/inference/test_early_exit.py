@@ -189,3 +189,45 @@ def test_calibrated_window_saves_layers_at_equal_accuracy(tmp_path):
     assert wave["accuracy"] >= full["accuracy"] - 0.01
     assert wave["layers_decoded"] < n_layers - 0.5
     assert result["window"]["start"] >= 1 and result["window"]["end"] <= n_layers
+
+
+def test_decoded_agreement_counts_sequences_tokens_and_layers():
+    from types import SimpleNamespace
+
+    from jaxlm.inference.exit_threshold import decoded_agreement
+
+    full = SimpleNamespace(tokens=np.array([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]]), lengths=np.array([3, 2, 4]))
+    # row 0: same; row 1: stops one token later (same prefix); row 2: differs at position 2
+    exited = SimpleNamespace(tokens=np.array([[5, 6, 7, 0], [8, 9, 4, 0], [1, 2, 9, 4]]), lengths=np.array([3, 3, 4]),
+                             exit_layers=np.array([[4, 2, 3, 0], [4, 1, 1, 0], [4, 4, 2, 2]]))
+    scores = decoded_agreement(full, exited)
+    assert scores["sequence"] == pytest.approx(1 / 3)
+    assert scores["token"] == pytest.approx(8 / 9)  # over the full model's 9 tokens, one differs
+    assert scores["mean_layers"] == pytest.approx(np.mean([2, 3, 1, 1, 4, 2, 2]))  # after each first token
+
+
+def test_threshold_by_decoding_reproduces_its_agreement(model):
+    from jaxlm.inference.exit_threshold import calibrate_threshold_by_decoding
+
+    window = ExitWindow(1, 3, threshold=0.5, proxy_vocab=8)
+    full = jaxlm.generate(model, PROMPTS, max_new_tokens=N, temperature=0, stop_tokens=())
+    exact = calibrate_threshold_by_decoding(model, PROMPTS, window, max_new_tokens=N, agreement=1.0,
+                                            thresholds=(0.0, 0.3, 1.01), stop_tokens=())
+    assert [s["threshold"] for s in exact.sweep][-1] == exact.window.threshold
+    # the chosen window decodes exactly as the full model; every rejected one did not
+    out = jaxlm.generate(model, PROMPTS, max_new_tokens=N, temperature=0, stop_tokens=(), early_exit=exact.window)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(full.tokens))
+    assert exact.agreement == 1.0
+    for s in exact.sweep[:-1]:
+        w = dataclasses.replace(window, threshold=s["threshold"])
+        got = jaxlm.generate(model, PROMPTS, max_new_tokens=N, temperature=0, stop_tokens=(), early_exit=w)
+        same = [np.array_equal(np.asarray(got.tokens)[b], np.asarray(full.tokens)[b]) for b in range(len(PROMPTS))]
+        assert s["agreement"] == pytest.approx(np.mean(same)) and s["agreement"] < 1.0
+    anything = calibrate_threshold_by_decoding(model, PROMPTS, window, max_new_tokens=N, agreement=0.0,
+                                               thresholds=(0.0, 1.01), stop_tokens=())
+    assert anything.window.threshold == 0.0 and len(anything.sweep) == 1
+    assert anything.mean_layers == pytest.approx(1.0)  # every decoded token left after layer 1
+    with pytest.raises(ValueError, match="level='tokens' is invalid"):
+        calibrate_threshold_by_decoding(model, PROMPTS, window, max_new_tokens=N, level="tokens")
+    with pytest.raises(ValueError, match="temperature= is set by the calibration"):
+        calibrate_threshold_by_decoding(model, PROMPTS, window, max_new_tokens=N, temperature=1.0)

@@ -122,3 +122,81 @@ def test_bfloat16_load_is_close(tmp_path):
     assert out.dtype == np.float32
     ref = hf_logits(model, tokens, mask, positions).logits.numpy()
     assert np.abs(out[mask] - ref[mask]).max() < 0.05
+
+
+def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers(tmp_path):
+    """A config.json with both keys (a ``rope_scaling`` added by hand to extend the context):
+    transformers applies ``rope_scaling``."""
+    import json
+
+    model = build_hf_model("qwen2_bias_tied")
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg.get("rope_parameters", {}).get("rope_type", "default") == "default"
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    tokens, mask, positions = padded_batch(length=40)
+    ref = hf_logits(ref_model, tokens, mask, positions).logits.numpy()
+    plain = hf_logits(model, tokens, mask, positions).logits.numpy()
+    assert np.abs(ref[mask] - plain[mask]).max() > 1e-3  # the scaling matters at this length
+    ours = jaxlm.load_hf(tmp_path, dtype="float32")
+    assert ours.config.rope_scaling.kind == "linear" and ours.config.rope_scaling.factor == 4.0
+    out = _jaxlm_logits(ours, tokens, mask, positions).logits
+    np.testing.assert_allclose(np.asarray(out)[mask], ref[mask], atol=ATOL, rtol=0)
+
+
+def test_tied_config_with_a_different_stored_head_loads_it_untied(tmp_path):
+    """transformers does not tie when the stored ``lm_head.weight`` differs from the
+    embedding (it warns and uses the stored head); the same head must be used here."""
+    from safetensors.torch import load_file, save_file
+
+    model = build_hf_model("llama_linear_rope_tied")
+    model.save_pretrained(tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(file)
+    torch.manual_seed(1)
+    tensors["lm_head.weight"] = 0.02 * torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, file, metadata={"format": "pt"})
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    tokens, mask, positions = padded_batch()
+    ref = hf_logits(ref_model, tokens, mask, positions).logits.numpy()
+    with pytest.warns(UserWarning, match="lm_head.weight differs"):
+        ours = jaxlm.load_hf(tmp_path, dtype="float32")
+    assert not ours.config.tie_embeddings
+    out = _jaxlm_logits(ours, tokens, mask, positions).logits
+    np.testing.assert_allclose(np.asarray(out)[mask], ref[mask], atol=ATOL, rtol=0)
+    # a stored copy equal to the embedding stays tied
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
+    assert jaxlm.load_hf(tmp_path, dtype="float32").config.tie_embeddings
+
+
+def test_save_hf_writes_the_special_token_ids_transformers_generate_stops_on(tmp_path):
+    import json
+
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64),
+                              seed=0)
+    tok = model.tokenizer or jaxlm.ByteTokenizer()
+    model.tokenizer = tok
+    jaxlm.save_hf(model, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    want = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    assert {k: cfg[k] for k in want} == want and {k: gen[k] for k in want} == want
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.generation_config.eos_token_id == tok.eos_id
+    # an existing generation config's other settings survive a save over it
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.6}))
+    jaxlm.save_hf(model, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["temperature"] == 0.6
+
+
+@pytest.mark.parametrize("field", [{"qat_format": "nvfp4"}, {"kv_quant": "e1m2"}])
+def test_save_hf_refuses_forwards_hf_cannot_run(tmp_path, field):
+    cfg = jaxlm.ModelConfig.tiny(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, **field)
+    model = jaxlm.build_model(cfg, seed=0)
+    name = next(iter(field))
+    with pytest.raises(jaxlm.models.hf.UnsupportedConfigError, match=f"{name}="):
+        jaxlm.save_hf(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

@@ -279,6 +279,15 @@ def test_add_edit_head_keeps_the_model_and_copies_its_head():
     out = add_edit_head(tied)(x)
     np.testing.assert_allclose(np.asarray(out.logits[..., :260]), np.asarray(tied(x).logits), atol=1e-5)
     np.testing.assert_allclose(np.asarray(out.next_logits), np.asarray(out.logits), atol=1e-5)
+    # compressed query/key heads keep their own RoPE frequencies (state that is not a Param)
+    small = build_model(ModelConfig.tiny(vocab_size=260, mode="diffusion", mask_token_id=MASK, init_std=0.3,
+                                         qk_head_dim=8), seed=4)
+    kept = 1.0 / 10000 ** (np.arange(4, 8) * 2 / small.config.head_dim)  # as if the low-frequency pairs were kept
+    for block in small.layers:
+        block.attn.rope_inv_freq.set_value(jnp.asarray(np.tile(kept, (small.config.n_kv_heads, 1)), jnp.float32))
+    out = add_edit_head(small)
+    np.testing.assert_array_equal(np.asarray(out.layers[0].attn.rope_inv_freq[...])[0], kept.astype(np.float32))
+    np.testing.assert_allclose(np.asarray(out(x).logits[..., :260]), np.asarray(small(x).logits), atol=1e-5)
     with pytest.raises(ValueError, match="already has a next-token head"):
         add_edit_head(edit_model)
     with pytest.raises(ValueError, match="masked diffusion LM"):

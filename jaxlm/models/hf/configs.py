@@ -29,11 +29,13 @@ def _field(hf: dict[str, Any], name: str, default: Any = _REQUIRED, *, kind: typ
 def _rope_from_hf(hf: dict[str, Any]):
     params = hf.get("rope_parameters")
     where = "config.json rope_parameters"
-    if params is None:  # transformers < 5: rope_theta + rope_scaling
-        params = dict(hf.get("rope_scaling") or {})
-        where = "config.json rope_scaling"
-        if params.get("rope_theta") is None:
-            params["rope_theta"] = hf.get("rope_theta")
+    # transformers < 5 wrote rope_theta + rope_scaling; as transformers does, a non-empty
+    # rope_scaling wins over rope_parameters (e.g. one added by hand to extend the context)
+    legacy = hf.get("rope_scaling")
+    if legacy or params is None:
+        params, where = legacy or {}, "config.json rope_scaling"
+        if isinstance(params, dict):
+            params = {**params, "rope_theta": params.get("rope_theta", hf.get("rope_theta"))}
     if not isinstance(params, dict):
         raise UnsupportedConfigError(f"{where}={params!r} is not an object")
     kind = params.get("rope_type", params.get("type", "default"))
@@ -116,6 +118,13 @@ def config_to_hf(config: ModelConfig, family: Family) -> dict[str, Any]:
                             "have one width for all layers)")
     if config.k_shift:
         problems.append("k_shift=True (HF attention has no post-RoPE key shift)")
+    if config.qat_format is not None:
+        problems.append(f"qat_format={config.qat_format!r} (the forward quantizes every projection's input; HF "
+                        "runs them in float: export the quantized model with jaxlm.quant.qat_export.export_qat "
+                        "and save it with jaxlm.save_checkpoint)")
+    if config.kv_quant is not None:
+        problems.append(f"kv_quant={config.kv_quant!r} (the forward quantizes keys and values; HF attention does "
+                        "not: save it with jaxlm.save_checkpoint)")
     if config.sliding_window is not None and not family.sliding_window:
         problems.append(f"sliding_window={config.sliding_window} (the family has none)")
     for name, default in (("attention", "softmax"), ("mlp", "swiglu"), ("rope", "default")):

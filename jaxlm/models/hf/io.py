@@ -12,10 +12,12 @@ or new directory; see docs/reliability.md).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -115,6 +117,28 @@ def _device_tensor(tensor: np.ndarray, transpose: bool, dtype, sharding) -> jax.
     return x if sharding is None else jax.device_put(x, sharding)
 
 
+def _untie_if_head_differs(path, config, family, flat, head, mesh, rules):
+    """A checkpoint whose config ties the embeddings but which stores an ``lm_head.weight``
+    unlike its embedding matrix is loaded untied, with the stored head, as transformers does
+    (it warns and does not tie). Returns the config, shapes and axes to load with."""
+    embed_name = family.to_jaxlm("model.embed_tokens.weight")[0]
+    embed = flat.get(embed_name)
+    if embed is None or tuple(head.shape) != tuple(embed.shape):
+        raise CheckpointError(f"{path}: lm_head.weight {tuple(head.shape)} does not match model.embed_tokens.weight "
+                              f"{None if embed is None else tuple(embed.shape)} though config.json ties them")
+    if np.array_equal(np.asarray(jax.numpy.asarray(head).astype(embed.dtype)), np.asarray(embed)):
+        return config, param_shapes(config), param_axes(config)
+    warnings.warn(f"{path}: config.json ties the embeddings (tie_word_embeddings=true) but lm_head.weight differs "
+                  "from model.embed_tokens.weight; loading the stored head untied, as transformers does",
+                  stacklevel=3)
+    config = dataclasses.replace(config, tie_embeddings=False)
+    expected, axes = param_shapes(config), param_axes(config)
+    name, transpose = family.to_jaxlm("lm_head.weight")
+    sharding = None if mesh is None else param_sharding(tuple(expected[name].shape), axes[name], mesh, rules)
+    flat[name] = _device_tensor(head, transpose, config.weight_dtype, sharding)
+    return config, expected, axes
+
+
 def load_hf(
     path: str | os.PathLike,
     *,
@@ -166,6 +190,7 @@ def load_hf(
     axes = param_axes(config)
 
     flat: dict[str, jax.Array] = {}
+    stored_head = None  # a tied checkpoint's lm_head.weight, kept until it is compared with the embedding
     for file in _safetensors_files(path):
         for hf_name, tensor in _iter_tensors(file):
             if is_llada:
@@ -175,7 +200,8 @@ def load_hf(
             mapped = family.to_jaxlm(hf_name)
             if mapped is None or mapped[0] not in expected:
                 if hf_name == "lm_head.weight" and config.tie_embeddings:
-                    continue  # tied checkpoints sometimes store the shared matrix twice
+                    stored_head = tensor  # tied checkpoints sometimes store the shared matrix twice
+                    continue
                 raise CheckpointError(
                     f"{file.name}: unexpected tensor {hf_name!r} {tuple(tensor.shape)} for "
                     f"{family.architecture} with this config.json"
@@ -193,6 +219,8 @@ def load_hf(
                 raise CheckpointError(f"tensor {hf_name!r} appears in more than one file")
             sharding = None if mesh is None else param_sharding(want, axes[name], mesh, rules)
             flat[name] = _device_tensor(tensor, transpose, config.weight_dtype, sharding)
+    if stored_head is not None:
+        config, expected, axes = _untie_if_head_differs(path, config, family, flat, stored_head, mesh, rules)
     # Parameters the family has no tensor for belong to a jaxlm variant (e.g. affine-scaled
     # attention, MeGan's hypernetwork): they take their initial values, which reproduce the
     # base model exactly.
@@ -253,6 +281,21 @@ def _carry_over(old: Path, new: Path, *, skip: tuple[str, ...] = ()) -> None:
             _link_or_copy(str(entry), str(new / name))
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def _special_token_ids(tokenizer) -> dict[str, Any]:
+    """HF's ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of a tokenizer (the EOS
+    entry a list when it has several stop ids); none for no tokenizer."""
+    if tokenizer is None:
+        return {}
+    eos = getattr(tokenizer, "eos_id", None)
+    stops = [int(i) for i in getattr(tokenizer, "stop_ids", ()) or (() if eos is None else (eos,))]
+    ids = {"bos_token_id": getattr(tokenizer, "bos_id", None), "pad_token_id": getattr(tokenizer, "pad_id", None),
+           "eos_token_id": stops[0] if len(stops) == 1 else (stops or None)}
+    return {k: (v if isinstance(v, list) else int(v)) for k, v in ids.items() if v is not None}
+
+
 def save_hf(
     model: Transformer,
     path: str | os.PathLike,
@@ -270,7 +313,10 @@ def save_hf(
     and swapped in, so ``path`` holds the complete old or new model at every moment. Other
     files of the old directory are carried over; its weights (``*.safetensors``, the index,
     a jaxlm checkpoint's ``config/`` and ``params/``) are not, nor its tokenizer files when
-    ``model`` has a tokenizer of its own.
+    ``model`` has a tokenizer of its own. The tokenizer's BOS, PAD and end-of-sequence ids
+    (all of them, as a list when there are several) go into ``config.json`` and
+    ``generation_config.json`` (an old one's other settings kept), so `transformers`'
+    ``generate`` stops where jaxlm's does.
     """
     from safetensors.numpy import save_file
 
@@ -278,6 +324,8 @@ def save_hf(
     fam = FAMILIES[family or config.family]
     hf_config = config_to_hf(config, fam)
     path = Path(path)
+    special_ids = _special_token_ids(model.tokenizer)
+    hf_config.update(special_ids)
 
     tensors: dict[str, np.ndarray] = {}
     for name, value in flat_params(model).items():
@@ -316,6 +364,13 @@ def save_hf(
             index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+        if special_ids:
+            try:  # an old generation config's other settings (sampling defaults) are kept
+                generation = _read_json(path / GENERATION_CONFIG)
+            except CheckpointError:
+                generation = {}
+            generation = {**generation, **special_ids}
+            (staging / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2, sort_keys=True))
         if model.tokenizer is not None:  # the model's own tokenizer replaces the old one's files
             save_tokenizer(model.tokenizer, staging)
         _carry_over(path, staging, skip=_TOKENIZER_FILES if model.tokenizer is not None else ())
