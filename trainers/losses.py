@@ -88,8 +88,10 @@ def sem_weights(entropy: jax.Array, valid: jax.Array, threshold: float) -> jax.A
     h = jnp.where(valid, entropy, jnp.inf).ravel()
     n = valid.sum(dtype=jnp.int32)
     # floor(N * threshold) in integers, threshold as the fraction it is written as (0.65 = 13/20):
-    # float32's 0.65 is 0.6499999762, and floor(180 * it) would be 116, not 117
-    frac = fractions.Fraction(str(float(threshold))).limit_denominator(1000)
+    # float32's 0.65 is 0.6499999762, and floor(180 * it) would be 116, not 117. Exact for
+    # denominators up to 46340 (every threshold with at most four decimals), where
+    # (N mod den) * num stays inside int32
+    frac = fractions.Fraction(str(float(threshold))).limit_denominator(46340)
     num, den = frac.numerator, frac.denominator
     k = jnp.maximum((n // den) * num + (n % den) * num // den, 1)
     ordered = jnp.sort(h)

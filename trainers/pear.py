@@ -95,7 +95,8 @@ def _row_log_weights(ell, valid, seg, gamma: float, block_size: int | None) -> j
     def back(carry, xs):  # R_b = L_b + gamma R_{b+1} within a document
         acc, next_doc = carry
         total, doc = xs
-        r = total + jnp.where(doc == next_doc, gamma * acc, 0.0)
+        # gamma = 0: no carry at all (0 * an infinite later log-ratio would be NaN)
+        r = total + jnp.where(doc == next_doc, gamma * acc, 0.0) if gamma != 0 else total
         return (r, doc), r
 
     _, suffix = jax.lax.scan(back, (jnp.zeros(()), jnp.full((), -2, block_doc.dtype)), (block_sum, block_doc),

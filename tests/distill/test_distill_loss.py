@@ -245,3 +245,59 @@ def test_a_quantized_teacher_distils_from_its_own_logits(models):
     total, _ = jax.jit(fn)(sp, BATCH, nnx.to_pure_dict(qs))
     np.testing.assert_allclose(float(total), np_reference(s, qt, BATCH, cfg)[0], rtol=2e-5)
     assert abs(np_reference(s, qt, BATCH, cfg)[0] - np_reference(s, t, BATCH, cfg)[0]) > 1e-3  # really quantized
+
+
+@pytest.mark.parametrize("gap", [20.0, 60.0, 95.0])
+def test_fused_topk_backward_when_the_students_tail_is_far_below_the_teachers(gap):
+    """p_T / q_T beyond float range: the gradient d KL(p_bins || q_bins) / dz = q - p^ (p^ = p on
+    the head, p_T q_v / q_T on the tail) against a float64 reference, fused and autodiff."""
+    from trainers.distill.loss import fused_forward_kl_terms, position_terms, teacher_topk
+
+    V, K = 6, 2
+    w = jnp.eye(V, dtype=jnp.float32)  # logits = h
+    targets = jnp.asarray([0])
+    teacher = teacher_topk(jnp.asarray([[5.0, 4.0, 0.0, 0.0, 0.0, 0.0]]), w, targets, k=K, temperature=1.0, chunk=None)
+    cfg = DistillConfig(teacher="t", teacher_logprobs="topk", top_k=K)
+    h = jnp.asarray([[0.0, 0.0] + [-gap, -gap - 1.0, -gap - 2.0, -gap]], jnp.float32)
+    z = np.asarray(h, np.float64)[0]
+    lq = z - np.log(np.exp(z - z.max()).sum()) - z.max()
+    pb = np.exp(np.asarray(teacher["bucket"], np.float64)[0])
+    q_tail = np.exp(lq[2:] - np.log(np.exp(lq[2:]).sum()))
+    ref = np.exp(lq) - np.concatenate([pb[:2], pb[2] * q_tail])
+    fused = jax.grad(lambda x: fused_forward_kl_terms(x, w, targets, teacher, tau=1.0, chunk=None)["div"].sum())(h)
+    auto = jax.grad(lambda x: position_terms(x, w, targets, teacher, cfg, chunk=None, need_fkl=False)["div"].sum())(h)
+    np.testing.assert_allclose(np.asarray(fused)[0], ref, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(auto)[0], ref, atol=1e-6)
+
+
+def test_transition_alignment_of_a_confident_student_is_finite():
+    """log q(y) rounds to 0 in float32 above a logit margin of ~17; the bucket's log(1 - q(y))
+    is then the exact log-sum over the other tokens, not -inf (inf loss, NaN gradients)."""
+    from trainers.distill.loss import log_rest, position_terms
+
+    V = 5
+    w = jnp.eye(V, dtype=jnp.float32)
+    targets = jnp.asarray([0, 0])
+    cfg = DistillConfig(teacher="t", divergence="forward_kl", tpa_weight=1.0)
+    for margin in (12.0, 18.0, 30.0):
+        h = jnp.asarray([[margin, 0.0, -1.0, 0.5, 0.0], [1.0, 2.0, 0.0, 0.0, 0.0]], jnp.float32)
+        teacher = {"h": jnp.asarray([[3.0, 0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0]], jnp.float32), "w": w}
+
+        def tpa(x):
+            t = position_terms(x, w, targets, teacher, cfg, chunk=None, need_fkl=True)
+            fkl_next = jnp.asarray([t["fkl"][1], 0.0])
+            return transition_alignment(t["p_target"], t["q_target"], fkl_next, form="joint_bucket",
+                                        p_rest=t["p_rest"], q_rest=t["q_rest"])[0]
+
+        value, grad = jax.value_and_grad(tpa)(h)
+        # float64 reference: KL of the two-step joints with the other first tokens in one bin
+        p = np.exp(np.asarray(teacher["h"], np.float64))
+        p /= p.sum(-1, keepdims=True)
+        q = np.exp(np.asarray(h, np.float64) - np.asarray(h, np.float64).max(-1, keepdims=True))
+        q /= q.sum(-1, keepdims=True)
+        P = np.concatenate([p[0, 0] * p[1], [1 - p[0, 0]]])
+        Q = np.concatenate([q[0, 0] * q[1], [q[0, 1:].sum()]])
+        np.testing.assert_allclose(float(value), _kl(P, Q), rtol=1e-4)
+        assert np.isfinite(np.asarray(grad)).all()
+    np.testing.assert_allclose(float(log_rest(jnp.asarray([[0.0, -40.0, -41.0]]), jnp.asarray([0]))[0]),
+                               np.log(np.exp(-40.0) + np.exp(-41.0)), rtol=1e-6)

@@ -122,3 +122,44 @@ def test_registry_lists_the_divergences():
     assert {"forward_kl", "reverse_kl", "jsd", "tail_aware"} <= set(DIVERGENCES)
     with pytest.raises(KeyError, match="forward_kl"):
         DIVERGENCES["forward-kl"]
+
+
+def test_masked_vocabulary_entries_give_finite_gradients():
+    """A -inf logit in both (a banned token): 0 log 0 = 0 in the value and in the gradient."""
+    p_logits = jnp.asarray([[1.0, 0.3, -jnp.inf, -0.5]])
+    q_logits = jnp.asarray([[0.2, 0.9, -jnp.inf, 0.1]])
+    for name in ("forward_kl", "reverse_kl", "jsd", "tail_aware"):
+        fn = lambda q: DIVERGENCES[name](jax.nn.log_softmax(p_logits), jax.nn.log_softmax(q), top_k=1).sum()  # noqa
+        value, grad = jax.value_and_grad(fn)(q_logits)
+        assert np.isfinite(float(value)), name
+        assert np.isfinite(np.asarray(grad)[:, [0, 1, 3]]).all(), (name, grad)
+
+
+def test_tail_aware_keeps_a_tail_whose_mass_underflows():
+    """log p_T below -87 flushes exp(log p_T) to 0 in float32, but the renormalised tail is
+    still defined: its KL must not vanish."""
+    V = 6
+    tail_shape = np.array([0.5, 0.3, 0.15, 0.05])
+    q_tail = np.array([0.1, 0.2, 0.3, 0.4])
+    ref = float(np.sum(tail_shape * np.log(tail_shape / q_tail)))
+    for log_pt in (-50.0, -100.0, -150.0):
+        p = np.concatenate([[0.0, -1.0], log_pt + np.log(tail_shape)])
+        p = p - np.log(np.exp(p[:2]).sum())  # the head holds (all but e^log_pt of) the mass
+        q = np.concatenate([[-0.5, -1.5], np.log(q_tail) - 2.0])
+        q = q - np.log(np.exp(q).sum())
+        _, tail_kl, _ = tail_aware_parts(jnp.asarray([p], jnp.float32), jnp.asarray([q], jnp.float32), 2)
+        np.testing.assert_allclose(float(tail_kl[0]), ref, rtol=1e-4)
+    assert V == len(p)
+
+
+def test_a_stored_head_that_rounds_to_all_the_mass_keeps_a_floored_tail():
+    """A confident teacher's top-1 stored as -0.0: the tail is below float32's resolution of
+    the head's sum, floored there (K 2^-24), so reverse KL and JSD stay finite."""
+    head = jnp.asarray([[-0.0, -21.0], [-1e-9, -19.0], [np.log(0.6), np.log(0.3)]], jnp.float32)
+    bucket = np.asarray(bucket_from_head(head))
+    np.testing.assert_allclose(bucket[:2, -1], np.log(2 * 2.0**-24), rtol=1e-6)
+    np.testing.assert_allclose(bucket[2, -1], np.log(0.1), rtol=1e-4)  # a resolved tail is untouched
+    q = jax.nn.log_softmax(jnp.asarray([[3.0, -1.0, 0.5], [2.0, 0.0, 0.1], [0.0, 0.0, 0.0]]))
+    for fn in (reverse_kl, generalized_jsd, forward_kl):
+        value, grad = jax.value_and_grad(lambda x: fn(jnp.asarray(bucket), x).sum())(q)  # noqa: B023
+        assert np.isfinite(float(value)) and np.isfinite(np.asarray(grad)).all(), fn.__name__

@@ -86,3 +86,14 @@ def test_weights_clip_and_use_the_shifted_columns():
 def test_bad_config_names_the_field(bad, match):
     with pytest.raises(ValueError, match=f"algorithm.pear.{match}"):
         PEARConfig(**bad)
+
+
+def test_gamma_zero_ignores_an_infinite_later_ratio():
+    """gamma = 0 is the per-token ratio: an infinite log-ratio at one token (a behaviour
+    log-prob of -inf) must not reach the earlier tokens (0 * inf would be NaN)."""
+    ell = np.array([[0.1, -0.2, np.inf, 0.3]], np.float32)
+    valid = np.ones((1, 4), bool)
+    seg = np.ones((1, 4), np.int32)
+    got = np.asarray(pear_log_weights(jnp.asarray(ell), jnp.asarray(valid), jnp.asarray(seg),
+                                      PEARConfig(variant="token", gamma=0.0)))
+    np.testing.assert_array_equal(got, ell)

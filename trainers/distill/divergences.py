@@ -28,9 +28,11 @@ DIVERGENCES: Registry = Registry("distillation divergence")
 
 def _kl(p_logp: jax.Array, q_logp: jax.Array) -> jax.Array:
     """``sum p (log p - log q)`` over the last axis; bins with ``p = 0`` count 0 (even where
-    ``q = 0``), a bin with ``p > 0 = q`` makes it ``inf``."""
+    ``q = 0``; their gradient is 0 too, not NaN), a bin with ``p > 0 = q`` makes it ``inf``."""
     p = jnp.exp(p_logp)
-    term = jnp.where(p > 0, p * (p_logp - jnp.where(p > 0, q_logp, 0.0)), 0.0)
+    has = p > 0
+    safe_p_logp = jnp.where(has, p_logp, 0.0)
+    term = jnp.where(has, p * (safe_p_logp - jnp.where(has, q_logp, 0.0)), 0.0)
     return jnp.sum(term, axis=-1)
 
 
@@ -49,7 +51,10 @@ def reverse_kl(p_logp, q_logp, **_) -> jax.Array:
 @DIVERGENCES.register("jsd")
 def generalized_jsd(p_logp, q_logp, *, jsd_beta: float = 0.5, **_) -> jax.Array:
     """``beta KL(p || m) + (1 - beta) KL(q || m)``, ``m = beta p + (1 - beta) q``, ``0 < beta < 1``."""
-    m_logp = jnp.logaddexp(p_logp + jnp.log(jsd_beta), q_logp + jnp.log1p(-jsd_beta))
+    neither = jnp.isneginf(p_logp) & jnp.isneginf(q_logp)  # a bin empty on both sides (its gradient: 0, not NaN)
+    m_logp = jnp.logaddexp(jnp.where(neither, 0.0, p_logp + jnp.log(jsd_beta)),
+                           jnp.where(neither, 0.0, q_logp + jnp.log1p(-jsd_beta)))
+    m_logp = jnp.where(neither, -jnp.inf, m_logp)
     return jsd_beta * _kl(p_logp, m_logp) + (1.0 - jsd_beta) * _kl(q_logp, m_logp)
 
 
@@ -79,14 +84,17 @@ def tail_aware_parts(p_logp: jax.Array, q_logp: jax.Array, k: int) -> tuple[jax.
     head = head_mask(p_logp, k)
     tail = ~head
     p_tail, q_tail = _masked_lse(p_logp, tail), _masked_lse(q_logp, tail)
-    p_head = jnp.where(head, jnp.exp(p_logp), 0.0)
-    head_kl = jnp.sum(jnp.where(head & (p_head > 0), p_head * (p_logp - q_logp), 0.0), axis=-1)
-    pt = jnp.exp(p_tail)
-    bucket = jnp.where(pt > 0, pt * (p_tail - jnp.where(pt > 0, q_tail, 0.0)), 0.0)
+    head_kl = _kl(jnp.where(head, p_logp, -jnp.inf), jnp.where(head, q_logp, 0.0))
+    # the tail is judged on its log-mass: exp(p_T) underflows to 0 below ~1e-38 while the
+    # renormalised tail is still well defined (a very peaked teacher, or tau < 1)
+    has_tail = jnp.isfinite(p_tail)
+    safe_p_tail = jnp.where(has_tail, p_tail, 0.0)
+    pt = jnp.where(has_tail, jnp.exp(safe_p_tail), 0.0)
+    bucket = jnp.where(has_tail, pt * (safe_p_tail - jnp.where(has_tail, q_tail, 0.0)), 0.0)
     # renormalised tails: log p~ = log p - log p_T on T (an empty tail has no KL)
-    pn = jnp.where(tail, p_logp - p_tail[..., None], -jnp.inf)
+    pn = jnp.where(tail & has_tail[..., None], p_logp - safe_p_tail[..., None], -jnp.inf)
     qn = jnp.where(tail, q_logp - q_tail[..., None], -jnp.inf)
-    tail_kl = jnp.where(pt > 0, _kl(jnp.where(pt[..., None] > 0, pn, -jnp.inf), qn), 0.0)
+    tail_kl = jnp.where(has_tail, _kl(pn, qn), 0.0)
     return head_kl + bucket, tail_kl, pt
 
 
@@ -107,7 +115,13 @@ def bucketed(logp: jax.Array, idx: jax.Array) -> jax.Array:
 
 def bucket_from_head(head_logp: jax.Array) -> jax.Array:
     """Stored top-K log-probs ``[..., K]`` -> ``[..., K + 1]`` with the tail bucket
-    ``log(1 - sum exp(head))`` (clipped at 0 mass when rounding makes the head sum exceed 1)."""
+    ``log(1 - sum exp(head))``. Float32 log-probs resolve the head's sum only to about
+    ``K 2^-24``: a tail below that (a confident teacher's top-1 stored as ``-0.0``) is unknown,
+    and is floored there rather than set to 0 mass, which would make reverse KL infinite."""
+    head_logp = head_logp.astype(jnp.float32)
     head_mass = jax.nn.logsumexp(head_logp, axis=-1)
-    tail = jnp.where(head_mass < 0, jnp.log(-jnp.expm1(jnp.minimum(head_mass, 0.0))), -jnp.inf)
+    floor = jnp.log(jnp.float32(head_logp.shape[-1] * 2.0**-24))
+    safe = jnp.minimum(head_mass, -1e-30)
+    tail = jnp.where(safe > -0.693, jnp.log(-jnp.expm1(safe)), jnp.log1p(-jnp.exp(jnp.minimum(safe, -0.693))))
+    tail = jnp.maximum(jnp.where(head_mass < 0, tail, -jnp.inf), floor)
     return jnp.concatenate([head_logp, tail[..., None]], axis=-1)

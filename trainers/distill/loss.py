@@ -61,18 +61,41 @@ def _over_chunks(fn: Callable, args: tuple, n: int, chunk: int | None, *, remat:
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:n], out)
 
 
+def log_rest(logp: jax.Array, targets: jax.Array) -> jax.Array:
+    """``log(1 - p(y))`` as the log-sum over every token but ``y`` (``[n, V]``, ``[n]`` ->
+    ``[n]``): exact where ``log p(y)`` rounds to 0 in float32 (a margin above ~17)."""
+    others = jnp.arange(logp.shape[-1])[None, :] != targets[:, None]
+    return jax.nn.logsumexp(jnp.where(others, logp, -jnp.inf), axis=-1)
+
+
+def rest_from_bucket(bucket: jax.Array, idx: jax.Array, targets: jax.Array, target_logp: jax.Array) -> jax.Array:
+    """``log(1 - p(y))`` from top-K bins ``bucket [n, K + 1]`` over ``idx [n, K]`` and the
+    target's own log-prob: the other bins when ``y`` is in the head, else the tail bucket
+    less ``p(y)``."""
+    in_head = idx == targets[:, None]
+    head_rest = jax.nn.logsumexp(jnp.where(jnp.concatenate([in_head, jnp.zeros_like(in_head[:, :1])], -1),
+                                           -jnp.inf, bucket), axis=-1)
+    tail, y = bucket[:, -1], jnp.minimum(target_logp, bucket[:, -1])
+    d = jnp.where(jnp.isfinite(tail), y - tail, -jnp.inf)  # <= 0
+    tail_rest = jnp.logaddexp(jax.nn.logsumexp(bucket[:, :-1], axis=-1),
+                              tail + jnp.where(d > -0.693, jnp.log(-jnp.expm1(jnp.minimum(d, -1e-30))),
+                                               jnp.log1p(-jnp.exp(d))))
+    return jnp.where(in_head.any(-1), head_rest, tail_rest)
+
+
 def teacher_topk(h: jax.Array, w: jax.Array, targets: jax.Array, *, k: int, temperature: float,
                  chunk: int | None) -> dict[str, jax.Array]:
     """The teacher's top-``k`` bins and tail bucket ``bucket [n, k + 1]``, their token ids
     ``idx [n, k]`` and the log-prob of each target ``target [n]``, at ``temperature``,
-    ``chunk`` rows of logits at a time (no gradient)."""
+    ``chunk`` rows of logits at a time (no gradient); ``rest [n]`` is ``log(1 - p(target))``
+    summed over the other tokens (exact where ``p(target)`` rounds to 1)."""
     h, w = jax.lax.stop_gradient(h), jax.lax.stop_gradient(w)
 
     def one(hc, tc):
         logp = jax.nn.log_softmax(_logits(hc, w) / temperature, axis=-1)
         _, idx = jax.lax.top_k(logp, k)
         return {"bucket": bucketed(logp, idx), "idx": idx,
-                "target": jnp.take_along_axis(logp, tc[:, None], axis=-1)[:, 0]}
+                "target": jnp.take_along_axis(logp, tc[:, None], axis=-1)[:, 0], "rest": log_rest(logp, tc)}
 
     return _over_chunks(one, (h, targets), h.shape[0], chunk, remat=False)
 
@@ -120,13 +143,18 @@ def _fused_kd_bwd(tau, res, g):
         p = jax.nn.softmax(_logits(teacher["h"], teacher["w"]) / tau, axis=-1)
         dz = ce + (g_kl / tau)[:, None] * (q - p)
     else:
-        # everywhere the tail's p^ = (p_T / q_T) q, then the head's entries corrected in place
+        # the tail's p^_v = exp(log p_T + log q_v - log q_T) everywhere (in log space: p_T / q_T
+        # may be far beyond float range), then the head's entries set in place to their own
+        # q_v - p_v (never formed as a difference of two tail-scaled terms)
         idx, bucket = teacher["idx"], teacher["bucket"]
-        tail_scale = jnp.exp(bucket[:, -1] - log_q_tail)
-        tail_scale = jnp.where(jnp.isfinite(tail_scale), tail_scale, 0.0)
-        dz = ce + (g_kl / tau * (1.0 - tail_scale))[:, None] * q
-        q_head = jnp.exp(jnp.take_along_axis(z, idx, axis=-1) / tau - lse_tau[:, None])
-        dz = dz.at[rows, idx].add((g_kl / tau)[:, None] * (tail_scale[:, None] * q_head - jnp.exp(bucket[:, :-1])))
+        log_ratio = bucket[:, -1] - log_q_tail
+        log_ratio = jnp.where(jnp.isfinite(log_ratio), log_ratio, -jnp.inf)  # no tail mass on either side
+        p_tail = jnp.exp(jnp.minimum(log_ratio[:, None] + z / tau - lse_tau[:, None], 0.0))
+        dz = ce + (g_kl / tau)[:, None] * (q - p_tail)
+        z_head = jnp.take_along_axis(z, idx, axis=-1)
+        q_head = jnp.exp(z_head / tau - lse_tau[:, None])
+        ce_head = g_nll[:, None] * jnp.exp(z_head - lse1[:, None])
+        dz = dz.at[rows, idx].set(ce_head + (g_kl / tau)[:, None] * (q_head - jnp.exp(bucket[:, :-1])))
     dz = dz.at[rows[:, 0], targets].add(-g_nll)
     dh = jnp.dot(dz, w.astype(jnp.float32).T).astype(h.dtype)
     dw = jnp.dot(h.astype(jnp.float32).T, dz).astype(w.dtype)
@@ -156,8 +184,9 @@ def position_terms(h: jax.Array, w: jax.Array, targets: jax.Array, teacher: dict
                    cfg: DistillConfig | None, *, chunk: int | None, need_fkl: bool) -> dict[str, jax.Array]:
     """Per-row ``nll`` (at temperature 1) and, with a teacher, ``div`` (``cfg.divergence``),
     ``fkl`` (forward KL, for TPA), ``q_target`` / ``p_target`` (the student's / teacher's
-    log-prob of the target at tau). ``teacher``: ``{"h", "w"}`` (full distributions) or
-    ``{"bucket", "idx", "target"}`` (top-K bins)."""
+    log-prob of the target at tau) and ``q_rest`` / ``p_rest`` (their ``log(1 - p(target))``).
+    ``teacher``: ``{"h", "w"}`` (full distributions) or ``{"bucket", "idx", "target", "rest"}``
+    (top-K bins)."""
     full = teacher is not None and "h" in teacher
     tw = jax.lax.stop_gradient(teacher["w"]) if full else None
     div_fn = DIVERGENCES[cfg.divergence] if cfg is not None else None
@@ -181,28 +210,43 @@ def position_terms(h: jax.Array, w: jax.Array, targets: jax.Array, teacher: dict
         if need_fkl:
             out["fkl"] = out["div"] if cfg.divergence == "forward_kl" else forward_kl(p, q)
             out["p_target"] = p_target
-            out["q_target"] = jnp.take_along_axis(q if full else q_full, tc[:, None], axis=-1)[:, 0]
+            q_all = q if full else q_full
+            out["q_target"] = jnp.take_along_axis(q_all, tc[:, None], axis=-1)[:, 0]
+            out["q_rest"] = log_rest(q_all, tc)
+            out["p_rest"] = log_rest(p, tc) if full else (
+                tch["rest"] if "rest" in tch else rest_from_bucket(p, tch["idx"], tc, p_target))
         return out
 
     tch = {} if teacher is None else ({"h": teacher["h"]} if full else
-                                      {k: teacher[k] for k in ("bucket", "idx", "target")})
+                                      {k: teacher[k] for k in ("bucket", "idx", "target", "rest") if k in teacher})
     return _over_chunks(one, (h, targets, tch), h.shape[0], chunk, remat=True)
 
 
 def _log1mexp(x: jax.Array) -> jax.Array:
-    """``log(1 - exp(x))`` for ``x <= 0`` (``-inf`` at 0)."""
-    x = jnp.minimum(x, 0.0)
-    return jnp.where(x > -0.693, jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
+    """``log(1 - exp(x))`` for ``x <= 0`` (``-inf`` at 0; every branch finite, for the gradient)."""
+    safe = jnp.minimum(x, -1e-30)
+    value = jnp.where(safe > -0.693, jnp.log(-jnp.expm1(safe)), jnp.log1p(-jnp.exp(jnp.minimum(safe, -0.693))))
+    return jnp.where(x >= 0, -jnp.inf, value)
 
 
-def transition_alignment(p_target, q_target, fkl_next, *, form: str) -> jax.Array:
+def _plogratio(logp: jax.Array, logq: jax.Array) -> jax.Array:
+    """``p (log p - log q)`` with ``0 log 0 = 0`` and a finite gradient where ``p = 0``."""
+    has = jnp.isfinite(logp)
+    safe_p = jnp.where(has, logp, 0.0)
+    return jnp.where(has, jnp.exp(safe_p) * (safe_p - jnp.where(has, logq, 0.0)), 0.0)
+
+
+def transition_alignment(p_target, q_target, fkl_next, *, form: str, p_rest=None, q_rest=None) -> jax.Array:
     """TPA per position (module docstring), from the teacher's/student's log-prob of the data
-    token and the forward KL of the next position."""
+    token, the forward KL of the next position and, for ``joint_bucket``, their log-mass on
+    every other token (``p_rest`` / ``q_rest``: exact sums; default ``log(1 - p(y))``, which is
+    ``-inf`` once ``p(y)`` rounds to 1)."""
     pt = jnp.exp(p_target)
-    first = jnp.where(pt > 0, pt * (p_target - q_target), 0.0)
+    first = _plogratio(p_target, q_target)
     if form == "joint_bucket":
-        rest_p, rest_q = _log1mexp(p_target), _log1mexp(q_target)
-        first = first + jnp.where(pt < 1, (1 - pt) * (rest_p - rest_q), 0.0)
+        rest_p = _log1mexp(p_target) if p_rest is None else p_rest
+        rest_q = _log1mexp(q_target) if q_rest is None else q_rest
+        first = first + _plogratio(rest_p, rest_q)
     return first + pt * fkl_next
 
 
@@ -237,6 +281,7 @@ def make_distill_loss_fn(graphdef, *, sliding_window: int | None, distill: Disti
                 teacher = {"bucket": bucket_from_head(shifted(batch["teacher_topk_logprobs"])).reshape(B * T, -1),
                            "idx": shifted(batch["teacher_topk_ids"]).reshape(B * T, -1),
                            "target": shifted(batch.get("teacher_logprobs", jnp.zeros((B, T)))).reshape(-1)}
+                teacher["rest"] = rest_from_bucket(teacher["bucket"], teacher["idx"], flat_targets, teacher["target"])
             else:
                 t_out = forward(teacher_graphdef, teacher_params, batch, sliding_window=sliding_window, head=False)
                 th = jax.lax.stop_gradient(t_out.hidden).reshape(B * T, -1)
@@ -266,7 +311,8 @@ def make_distill_loss_fn(graphdef, *, sliding_window: int | None, distill: Disti
             if need_fkl:
                 nxt = jnp.concatenate([valid[:, 1:], jnp.zeros_like(valid[:, :1])], axis=1) & valid
                 fkl_next = jnp.concatenate([terms["fkl"][:, 1:], jnp.zeros_like(terms["fkl"][:, :1])], axis=1)
-                tpa = transition_alignment(terms["p_target"], terms["q_target"], fkl_next, form=distill.tpa_form)
+                tpa = transition_alignment(terms["p_target"], terms["q_target"], fkl_next, form=distill.tpa_form,
+                                           p_rest=terms["p_rest"], q_rest=terms["q_rest"])
                 tpa = jnp.where(nxt, tpa, 0.0)
                 per_token = per_token + distill.tpa_weight * tau2 * tpa
                 sums["tpa"] = jnp.sum(tpa)
