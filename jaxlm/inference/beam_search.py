@@ -36,6 +36,7 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from jaxlm.inference.cache import KVCache
@@ -47,10 +48,27 @@ EARLY_STOPPING = (True, False, "never")
 
 
 @struct.dataclass
+class BeamRows:
+    """What logits processors receive as ``state`` under beam search: the running beams as
+    rows, one per row of logits (row ``b * K + k`` is beam ``k`` of prompt ``b``), with the
+    fields of the sampler's `SamplingState` that processors read."""
+
+    step: jax.Array  # [] int32
+    tokens: jax.Array  # [B * K, N] each beam's tokens so far (pad after the step)
+    logprobs: jax.Array  # [B * K, N]
+    sampling_logprobs: jax.Array  # [B * K, N]
+    lengths: jax.Array  # [B * K] int32: tokens so far (every running beam has ``step``)
+    done: jax.Array  # [B * K] bool: always False (a beam that stops leaves the running set)
+    prompt_lengths: jax.Array  # [B * K] int32
+    logits: jax.Array  # [B * K, V]
+    grammar_state: jax.Array | None = None  # [B * K] with grammar=
+
+
+@struct.dataclass
 class BeamState:
-    """The beam loop's carry (logits processors receive it as ``state``). Running beams
-    and finished hypotheses of each prompt are ``[B, K, ...]``; the model sees ``B * K`` rows
-    (row ``b * K + k`` is beam ``k`` of prompt ``b``)."""
+    """The beam loop's carry. Running beams and finished hypotheses of each prompt are
+    ``[B, K, ...]``; the model sees ``B * K`` rows (row ``b * K + k`` is beam ``k`` of prompt
+    ``b``); logits processors see them as `BeamRows`."""
 
     step: jax.Array  # [] int32: index of the token being chosen
     tokens: jax.Array  # [B, K, N] running beams' tokens (pad after the step)
@@ -72,14 +90,14 @@ class BeamState:
 
 def check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences) -> None:
     """Clear errors for beam-search settings (field named, allowed values stated)."""
-    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+    if isinstance(num_beams, bool) or not isinstance(num_beams, (int, np.integer)) or num_beams < 1:
         raise ValueError(f"num_beams={num_beams!r} is invalid: must be a positive int (1: no beam search)")
     if not isinstance(length_penalty, (int, float)) or isinstance(length_penalty, bool) \
             or not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty={length_penalty!r} is invalid: must be a finite float")
     if early_stopping not in EARLY_STOPPING or isinstance(early_stopping, int) and not isinstance(early_stopping, bool):
         raise ValueError(f"early_stopping={early_stopping!r} is invalid: must be True, False or 'never'")
-    if isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int) \
+    if isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, (int, np.integer)) \
             or not 1 <= num_return_sequences <= num_beams:
         raise ValueError(f"num_return_sequences={num_return_sequences!r} is invalid: must be an int in "
                          f"[1, num_beams={num_beams}]")
@@ -135,6 +153,7 @@ def beam_search_tokens(
     out = model.backbone(prompt_tokens, None, cache=cache, mask=prompt_mask, condition=condition,
                          interventions=interventions)
     rows = jnp.repeat(jnp.arange(B), K)  # every beam of prompt b starts from its prompt's cache
+    prompt_lengths = jnp.repeat(prompt_mask.sum(1, dtype=jnp.int32), K)
     if condition is not None:
         condition = jax.tree.map(lambda x: jnp.repeat(x, K, axis=0), condition)
     zeros = jnp.zeros((B, K, N), jnp.float32)
@@ -159,7 +178,12 @@ def beam_search_tokens(
         t = s.step
         V = s.logits.shape[-1]
         model_lp = jax.nn.log_softmax(s.logits, axis=-1)
-        lp = process(model_lp, s)
+        as_rows = lambda x: x.reshape(B * K, *x.shape[2:])  # noqa: E731
+        lp = process(model_lp, BeamRows(
+            step=t, tokens=as_rows(s.tokens), logprobs=as_rows(s.logprobs),
+            sampling_logprobs=as_rows(s.sampling_logprobs), lengths=jnp.full((B * K,), t, jnp.int32),
+            done=jnp.zeros((B * K,), bool), prompt_lengths=prompt_lengths, logits=s.logits,
+            grammar_state=None if s.grammar_state is None else s.grammar_state.reshape(-1)))
         if grammar is not None:
             lp = mask_logits(grammar, s.grammar_state.reshape(-1), lp)
         lp = lp.astype(jnp.float32).reshape(B, K, V)

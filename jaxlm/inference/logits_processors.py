@@ -3,7 +3,10 @@
 Each built-in is a frozen dataclass, so equal settings hash equal and a jitted
 sampler is compiled once per setting. Any callable with the same signature
 (a grammar mask, a repetition penalty, a steering bias) composes the same way;
-`compose` applies them left to right. ``state`` is the sampler's `SamplingState`.
+`compose` applies them left to right. ``state`` is the decode loop's carry, one row per row of
+logits: the sampler's `SamplingState` (early exit's carries the same fields), or under beam
+search `jaxlm.inference.beam_search.BeamRows` (each running beam a row); all have ``step``,
+``tokens [rows, N]``, ``logprobs``, ``lengths``, ``done`` and ``prompt_lengths``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 LogitsProcessor = Callable[[jax.Array, object], jax.Array]
 NEG_INF = -jnp.inf
@@ -79,8 +83,9 @@ class TopK:
     k: int
 
     def __post_init__(self):
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k <= 0:
+        if isinstance(self.k, bool) or not isinstance(self.k, (int, np.integer)) or self.k <= 0:
             raise ValueError(f"top_k={self.k!r} is invalid: must be a positive int")
+        object.__setattr__(self, "k", int(self.k))  # equal settings hash equal (np.int64(5) == 5)
 
     def __call__(self, logits, state=None):
         keep = keep_top(logits, lambda kept: jnp.sum(kept, -1, keepdims=True) >= self.k)

@@ -415,8 +415,9 @@ def generate(
                          "(ModelConfig.mode='diffusion'): use jaxlm.diffusion_generate")
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     token_lists = _as_token_lists(prompts, tokenizer, add_bos)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive int")
+    max_new_tokens = int(max_new_tokens)  # a static argument: numpy scalars become Python ints
     for i, p in enumerate(token_lists):
         if not p:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
@@ -492,6 +493,7 @@ def generate(
             )
     rng = _check_rng(rng)
     check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences)
+    num_beams, num_return_sequences = int(num_beams), int(num_return_sequences)
     if num_beams > 1:
         if draft is not None or early_exit is not None or decode_segments is not None:
             raise ValueError("num_beams > 1 does not combine with draft=, early_exit= or decode_segments=")

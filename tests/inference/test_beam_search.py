@@ -13,7 +13,7 @@ from flax import nnx
 import jaxlm
 
 torch = pytest.importorskip("torch")  # the reference implementation
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from hf_reference import build_hf_model, padded_batch  # noqa: E402
 
@@ -197,3 +197,37 @@ def test_grammar_beams_stay_in_the_language(byte_model):
             for t in tok.encode(text):
                 state = g.tables.step(state, t)
                 assert state >= 0, text
+
+
+def test_a_processor_reading_the_generated_tokens_sees_each_beam_as_a_row(pair):
+    """A state-reading processor (no token generated twice) gets one row of ``state.tokens``
+    per row of logits, as when sampling; the beams equal transformers' with the same rule
+    written as an HF logits processor."""
+    P = pair["tokens"].shape[1]
+
+    class NoRepeatHF(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            for row, ids in enumerate(input_ids[:, P:]):
+                scores[row, ids] = -float("inf")
+            return scores
+
+    def no_repeat(logits, state):
+        rows = jnp.arange(logits.shape[0])[:, None]
+        seen = jnp.arange(state.tokens.shape[1])[None, :] < state.step
+        banned = jnp.zeros(logits.shape, bool).at[rows, state.tokens].max(seen)
+        return jnp.where(banned, -jnp.inf, logits)
+
+    with torch.no_grad():
+        ref = pair["hf"].generate(
+            input_ids=torch.tensor(pair["tokens"], dtype=torch.long),
+            attention_mask=torch.tensor(pair["mask"].astype(np.int64)), num_beams=3, max_new_tokens=N,
+            do_sample=False, num_return_sequences=2, pad_token_id=PAD, eos_token_id=None,
+            logits_processor=transformers.LogitsProcessorList([NoRepeatHF()]), output_scores=True,
+            return_dict_in_generate=True)
+    out = jaxlm.generate(pair["ours"], pair["prompts"], max_new_tokens=N, num_beams=3, num_return_sequences=2,
+                         stop_tokens=(), pad_id=PAD, logits_processors=[no_repeat])
+    tokens = np.asarray(out.tokens)
+    np.testing.assert_array_equal(tokens, ref.sequences[:, P:].numpy())
+    assert all(len(set(row)) == len(row) for row in tokens.tolist())
+    np.testing.assert_allclose(np.asarray(out.beam_scores), ref.sequences_scores.numpy(), atol=2e-6, rtol=1e-6)

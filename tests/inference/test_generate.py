@@ -266,6 +266,13 @@ def test_numpy_scalars_are_accepted(model):
     listed = jaxlm.generate(model, [jnp.array([1, 2]), np.array([1, 2])], max_new_tokens=3, temperature=0.5, rng=3,
                             stop_tokens=np.array([7]))
     np.testing.assert_array_equal(np.asarray(listed.tokens[0]), np.asarray(got.tokens[0]))
+    # integer settings as numpy scalars (what an array's element or a config read from numpy gives)
+    ints = jaxlm.generate(model, [[1, 2]], max_new_tokens=np.int64(3), temperature=0.5, rng=3, top_k=np.int32(5))
+    np.testing.assert_array_equal(np.asarray(ints.tokens), np.asarray(jaxlm.generate(
+        model, [[1, 2]], max_new_tokens=3, temperature=0.5, rng=3, top_k=5).tokens))
+    beams = jaxlm.generate(model, [[1, 2]], max_new_tokens=np.int64(3), num_beams=np.int64(2),
+                           num_return_sequences=np.int64(2))
+    assert beams.tokens.shape == (2, 3)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
