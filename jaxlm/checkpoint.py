@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import os
 import sys
@@ -95,6 +96,7 @@ def _missing(path: Path, expected: str) -> CheckpointError:
     found = describe_leftovers(path)
     if not path.exists():
         return CheckpointError(f"{path} does not exist" + (f"; {found}" if found else ""))
+    _refuse_run_directory(path)
     return CheckpointError(f"{path} is not a jaxlm checkpoint (expected {expected})" + (f"; {found}" if found else ""))
 
 
@@ -275,6 +277,22 @@ def load_checkpoint(
     return model
 
 
+def _refuse_run_directory(path: Path) -> None:
+    """A training run's directory (its experiment ``config.json`` beside ``model/`` or
+    ``checkpoints/``) is not a model: name the model inside it."""
+    if not (path / "config.json").is_file() or not ((path / "model").is_dir() or (path / "checkpoints").is_dir()):
+        return
+    try:
+        keys = set(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return
+    if {"trainer", "algorithm"} <= keys:
+        inside = path / "model"
+        raise CheckpointError(f"{path} is a training run's directory, not a model: "
+                              + (f"its final model is {inside}" if inside.is_dir() else
+                                 "it has no final model yet (model/); its checkpoints are in checkpoints/"))
+
+
 def load_model(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, **hf_kwargs) -> Transformer:
     """Load either a jaxlm (orbax) checkpoint or a HuggingFace directory, by what ``path`` holds.
 
@@ -291,6 +309,7 @@ def load_model(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None
     if (path / "omni.json").exists() and (path / "lm").is_dir():
         raise CheckpointError(f"{path} is an omni checkpoint (a language model and media encoders): load it with "
                               f"jaxlm.load_omni({str(path)!r}); {path / 'lm'} is its language model alone")
+    _refuse_run_directory(path)
     if (path / "config.json").exists():
         return load_hf(path, mesh=mesh, **hf_kwargs)
     found = describe_leftovers(path)

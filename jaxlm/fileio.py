@@ -652,6 +652,26 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
+def strict_json_value(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, inf: not JSON) replaced by None, through
+    dicts, lists and tuples, so ``json.dumps(..., allow_nan=False)`` accepts it."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {k: strict_json_value(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json_value(v) for v in obj]
+    return obj
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """`atomic_write_text` of ``obj`` as strict JSON (non-finite floats written as null),
+    creating the parent directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(path, json.dumps(strict_json_value(obj), indent=2, allow_nan=False))
+
+
 class JSONFileError(ValueError):
     """A JSON or JSON-lines file does not parse; the message names the file and line."""
 

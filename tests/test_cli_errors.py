@@ -182,3 +182,44 @@ def test_overwrite_refuses_a_training_run_in_progress(verb, checkpoint, tmp_path
 def test_dtype_for_a_jaxlm_checkpoint_is_a_usage_error(checkpoint, capsys):
     _fails(["generate", "--model", checkpoint, "--prompt", "1+1=", "--dtype", "bfloat16"], capsys,
            "--dtype applies to HF directories", "jaxlm checkpoint")
+
+
+def test_quickstart_checks_the_grpo_stage_before_training(tmp_path, capsys):
+    """A bad --rl-overrides key is refused before the SFT stage runs (nothing is written),
+    --rl-overrides with --rl-steps 0 is refused, and the GRPO stage takes the SFT model's
+    shape (--overrides model.d_model=32 trains and fine-tunes one model)."""
+    from trainers.quickstart import _grpo_config
+    from trainers.recipes import load_config
+
+    out = tmp_path / "qs"
+    _fails(["quickstart", "--out", out, "--rl-overrides", "algorithm.bogus=1"], capsys, "algorithm.bogus")
+    assert not out.exists()
+    _fails(["quickstart", "--out", out, "--rl-steps", "0", "--rl-overrides", "trainer.seed=1"], capsys, "rl_steps=0")
+    sft = load_config("quickstart", [f"trainer.out_dir={out}", "model.d_model=32", "model.n_heads=2"])
+    rl = _grpo_config(sft, 3, ["trainer.seed=1"], progress=False)
+    assert rl.model == sft.model and rl.init_from == str(out / "model") and rl.trainer.steps == 3
+
+
+def test_a_training_run_directory_names_its_model(checkpoint, tmp_path, capsys):
+    """`--model RUN` (the run's own config.json is not a HF config) points at RUN/model."""
+    run = tmp_path / "run"
+    _copy(checkpoint, run / "model")
+    (run / "config.json").write_text(json.dumps({"model": {}, "trainer": {}, "algorithm": {}}))
+    _fails(["eval", "--model", run, "--n", "1"], capsys, "is a training run's directory", str(run / "model"))
+    with pytest.raises(jaxlm.models.hf.io.CheckpointError, match="training run's directory"):
+        jaxlm.load_checkpoint(run)
+
+
+def test_edit_refuses_to_replace_a_report_and_writes_strict_json(checkpoint, tmp_path, capsys):
+    from jaxlm.fileio import atomic_write_json
+
+    report = tmp_path / "report.json"
+    report.write_text('{"precious": true}')
+    _fails(["edit", checkpoint, "--requests", tmp_path / "requests.jsonl", "--report", report], capsys,
+           "--report", "exists", "--overwrite")
+    assert json.loads(report.read_text()) == {"precious": True}
+    # an unmeasured metric (NaN) is written as null, which strict JSON parsers accept
+    atomic_write_json(tmp_path / "sub" / "r.json", {"retention": float("nan"), "rows": [1.0, float("inf")]})
+    strict = json.loads((tmp_path / "sub" / "r.json").read_text(),
+                        parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    assert strict == {"retention": None, "rows": [1.0, None]}

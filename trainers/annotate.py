@@ -89,6 +89,7 @@ def annotate_file(model, data: str | Path, out: str | Path, *, as_: str = "behav
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)  # before the work, not after it
     if Path(data).suffix != ".jsonl":
         raise DataError(f"{data}: `jaxlm logprobs` reads and writes .jsonl files")
     rows = read_rows(data)  # validated (a bad line is named): the same rows as `raw`, in order

@@ -523,12 +523,12 @@ def run_compress(args: CompressArgs):
 
 
 def run_edit(args: EditArgs) -> dict:
-    import json
-
     from jaxlm.editing.benchmark import edit_checkpoint, markdown_table
 
     if args.out is not None and args.method == "all":
         raise UsageError("--out saves one edited model: pick one --method, not all")
+    if args.report is not None and args.report.exists() and not args.overwrite:
+        raise UsageError(f"--report {args.report} exists; {_OVERWRITE_HINT}")
     report, runs = edit_checkpoint(
         args.model, args.requests, method=args.method, batches=args.batches, corpus=args.corpus,
         corpus_size=args.corpus_size, capability=args.capability, capability_n=args.capability_n,
@@ -539,10 +539,9 @@ def run_edit(args: EditArgs) -> dict:
     print(f"{n} edits in {args.batches} batch(es) on {args.model}")
     print(markdown_table(runs, report["unedited"]))
     if args.report is not None:
-        from jaxlm.fileio import atomic_write_text
+        from jaxlm.fileio import atomic_write_json
 
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.report, json.dumps(report, indent=2))
+        atomic_write_json(args.report, report)  # strict JSON: an unmeasured metric (NaN) is null
     if args.out is not None:
         print(f"edited model -> {args.out}")
     return report

@@ -155,6 +155,9 @@ class TrainerConfig:
         if not isinstance(self.out_dir, str) or not self.out_dir.strip():
             raise ValueError(f"TrainerConfig.out_dir={self.out_dir!r} is invalid: name the run's directory "
                              "(an empty value would train into the current directory)")
+        s = self.stop_after
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
+            raise ValueError(f"TrainerConfig.stop_after={s!r} is invalid: must be an int >= 1 or None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,10 +508,11 @@ class ExperimentConfig:
                     f"ExperimentConfig.{name} must be a {allowed}, got {type(value).__name__} "
                     f"(e.g. {name}={allowed.split(' | ')[0]}(...), not {name}=dict(...))"
                 )
-        if not isinstance(self.tokenizer, str):
+        if not isinstance(self.tokenizer, str) or not self.tokenizer.strip():
             raise ValueError(f"ExperimentConfig.tokenizer={self.tokenizer!r} must be 'byte' or a directory (str)")
-        if self.init_from is not None and not isinstance(self.init_from, str):
-            raise ValueError(f"ExperimentConfig.init_from={self.init_from!r} must be a path (str) or None")
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from.strip()):
+            raise ValueError(f"ExperimentConfig.init_from={self.init_from!r} must be a path (str) or None (an empty "
+                             "value, e.g. an unset shell variable, would silently start from random weights)")
         if isinstance(self.algorithm, OmniTrainConfig) and (self.model.rope != "mrope" or self.model.mode != "causal"):
             raise ValueError(f"algorithm.name='omni' needs model.rope='mrope' (three-axis positions) and "
                              f"model.mode='causal', got rope={self.model.rope!r}, mode={self.model.mode!r}")

@@ -63,6 +63,7 @@ def judge_file(model, pairs: str | Path, out: str | Path, *, calibration: str | 
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)  # before the work, not after it
     if batch_size < 1:
         raise ValueError(f"--batch-size={batch_size} must be >= 1")
     rows = read_pairs(pairs)

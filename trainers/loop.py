@@ -51,7 +51,7 @@ from jaxlm.fileio import (
 )
 from jaxlm.models.omni import is_omni_checkpoint
 from trainers.algorithm import ALGORITHMS, Algorithm, RunSetup
-from trainers.checkpointing import TrainCheckpointer, abstract_like
+from trainers.checkpointing import CheckpointCorruptError, TrainCheckpointer, abstract_like
 from trainers.config import ConfigError, ExperimentConfig
 from trainers.logger import MetricsLogger
 from trainers.setup import (
@@ -111,14 +111,21 @@ def train(cfg: ExperimentConfig, *, hooks: Sequence[Hook] = (), data_iterator_wr
 
 def _stored_config(out_dir: Path, ckpt: TrainCheckpointer, step: int) -> dict[str, Any] | None:
     """The config a run directory was started with: ``config.json``, else (missing or
-    unreadable) the copy saved with checkpoint ``step``."""
+    unreadable) the copy saved with checkpoint ``step``, else with the newest older checkpoint
+    whose copy reads (every checkpoint of a run holds the same config)."""
     try:
         return read_json(out_dir / "config.json", what="the run's config")
     except FileNotFoundError:
         pass
     except JSONFileError as e:
         log.warning("%s; using the config stored with checkpoint step %d instead", e, step)
-    return ckpt.stored_config(step)
+    candidates = [step, *sorted((s for s in ckpt.all_steps() if s < step), reverse=True)]
+    for candidate in candidates[:-1]:
+        try:
+            return ckpt.stored_config(candidate)
+        except CheckpointCorruptError as e:
+            log.warning("%s; trying an older checkpoint's copy", e)
+    return ckpt.stored_config(candidates[-1])
 
 
 def _has_model(path: Path) -> bool:

@@ -15,6 +15,7 @@ It prints sampled answers and a summary table and leaves checkpoints, ``metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Sequence
@@ -22,8 +23,9 @@ from typing import Sequence
 import jaxlm
 from jaxlm.eval import task_accuracy
 from jaxlm.quant.apply import quantize_with
+from trainers.config import ConfigError, ExperimentConfig
 from trainers.loop import TrainResult, train
-from trainers.recipes import load_config
+from trainers.recipes import apply_overrides, load_config
 
 
 def run_quickstart(
@@ -44,6 +46,10 @@ def run_quickstart(
                   f"trainer.log_every={max(min(20, steps // 5), 1)}",
                   f"optimizer.warmup_steps={min(50, max(steps // 10, 1))}"]
     cfg = load_config("quickstart", [*extra, *overrides])
+    if rl_steps == 0 and rl_overrides:
+        raise ConfigError(f"rl_overrides={list(rl_overrides)} with rl_steps=0: the GRPO stage is skipped")
+    # the GRPO stage's config is checked before SFT runs, with the SFT model's shape
+    rl_cfg = _grpo_config(cfg, rl_steps, rl_overrides, progress) if rl_steps != 0 else None
     task = cfg.data.source
     console.print(
         f"[bold]jaxlm quickstart[/bold]: SFT of a {cfg.model.num_params() / 1e6:.2f}M-parameter model "
@@ -73,7 +79,7 @@ def run_quickstart(
     names = ["model", "metrics.jsonl", "curves.png", "checkpoints"]
     if rl_steps != 0:
         sft_samples = result.samples
-        result = _grpo_stage(out, rl_steps, rl_overrides, progress, console, summary)
+        result = _grpo_stage(rl_cfg, console, summary)
         console.print(_samples_table(sft_samples, result.samples))
         final_model = out / "grpo" / "model"
         names += ["grpo/model", "grpo/curves.png"]
@@ -106,14 +112,20 @@ def _samples_table(sft: list[dict], grpo: list[dict] | None = None, n: int = 8):
     return table
 
 
-def _grpo_stage(out: Path, rl_steps, rl_overrides, progress, console, summary) -> TrainResult:
-    """GRPO from the SFT model (`configs/grpo_arithmetic.py`) into ``out/grpo``."""
+def _grpo_config(sft: ExperimentConfig, rl_steps, rl_overrides, progress) -> ExperimentConfig:
+    """`configs/grpo_arithmetic.py` from the SFT model (its shape: ``sft.model``) into ``out/grpo``."""
+    out = Path(sft.trainer.out_dir)
     extra = [f"init_from={out / 'model'}", f"trainer.out_dir={out / 'grpo'}", f"trainer.progress={progress}"]
     if rl_steps is not None:
         every = max(rl_steps // 3, 1)
         extra += [f"trainer.steps={rl_steps}", f"trainer.eval_every={every}", f"trainer.save_every={every}",
                   f"trainer.log_every={max(min(5, rl_steps // 3), 1)}"]
-    cfg = load_config("grpo_arithmetic", [*extra, *rl_overrides])
+    base = dataclasses.replace(load_config("grpo_arithmetic"), model=sft.model)
+    return apply_overrides(base, [*extra, *rl_overrides])
+
+
+def _grpo_stage(cfg: ExperimentConfig, console, summary) -> TrainResult:
+    """GRPO from the SFT model into ``out/grpo``."""
     a = cfg.algorithm
     console.print(
         f"[bold]GRPO stage[/bold]: {cfg.trainer.steps} iterations of {cfg.data.batch_size} prompts x "

@@ -83,6 +83,34 @@ def _replace_path(obj: Any, parts: list[str], value: Any) -> Any:
     return dataclasses.replace(obj, **{parts[0]: _replace_path(head, parts[1:], value)})
 
 
+def _unchecked(cls: type, **values: Any) -> Any:
+    """An instance of dataclass ``cls`` with its defaults (and ``values``), its validation not
+    yet run: a section switched on by an override of one of its fields is only valid once
+    every override is in (tyro rebuilds it, and its parents, through their constructors)."""
+    obj = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            value = values[f.name]
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            raise ConfigError(f"{cls.__name__}.{f.name} has no default: set the section in the recipe")
+        object.__setattr__(obj, f.name, value)
+    return obj
+
+
+def _replace_path_unchecked(obj: Any, parts: list[str], value: Any) -> Any:
+    """`_replace_path` without running the validation of the dataclasses on the way."""
+    if not parts:
+        return value
+    head = getattr(obj, parts[0])
+    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    values[parts[0]] = _replace_path_unchecked(head, parts[1:], value)
+    return _unchecked(type(obj), **values)
+
+
 def _walk(obj: Any, parts: list[str]) -> Any:
     for name in parts:
         obj = getattr(obj, name)
@@ -93,7 +121,9 @@ def _switch_optional_sections(config: ExperimentConfig, items: list[tuple[str, s
     """Optional sections (``algorithm.prefix``, ``algorithm.environment``: ``X | None``) are
     switched here, before tyro sees the rest: ``algorithm.prefix=None`` turns one off, and an
     override of a field inside a section that is None (``algorithm.prefix.problems=32``) turns it
-    on with its defaults first. Returns the config and the overrides still to apply."""
+    on with its defaults first (validated once every override is in: a section whose defaults
+    alone are incomplete, ``algorithm.distill.teacher=PATH``, is switched on by its fields).
+    Returns the config and the overrides still to apply."""
     rest = []
     for key, value in items:
         parts = key.split(".")
@@ -106,7 +136,7 @@ def _switch_optional_sections(config: ExperimentConfig, items: list[tuple[str, s
                 config, consumed = _replace_path(config, parts, None), True
                 break
             if section is not None and i < len(parts) - 1 and getattr(obj, name) is None:
-                config = _replace_path(config, parts[: i + 1], section())
+                config = _replace_path_unchecked(config, parts[: i + 1], _unchecked(section))
             obj = _walk(config, parts[: i + 1])
         if not consumed:
             rest.append((key, value))

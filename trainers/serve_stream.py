@@ -42,8 +42,9 @@ def serve_prompt_file(model: str | os.PathLike, draft: str | os.PathLike, prompt
     (checkpoint or HF directories) and write the requested outputs (module docstring)."""
     rows = read_prompts(prompts)
     save_draft = None if save_draft is None else Path(save_draft)
-    if save_draft is not None and save_draft.exists() and not overwrite:
-        raise FileExistsError(f"{save_draft} exists; {hint}")
+    for output in (completions, report, save_draft):  # refused before any work, not after it
+        if output is not None and Path(output).exists() and not overwrite:
+            raise FileExistsError(f"{output} exists; {hint}")
     target, small = load_model(model), load_model(draft)
     if target.tokenizer is None:
         raise ValueError(f"{model} has no tokenizer (tokenizer.json); cannot encode text prompts")

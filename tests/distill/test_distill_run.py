@@ -47,7 +47,7 @@ def _train_records(out):
 
 
 def test_distillation_and_pear_train_through_the_harness(tmp_path, teacher_dir, data_file):
-    scored = tmp_path / "scored.jsonl"
+    scored = tmp_path / "new_dir" / "scored.jsonl"  # the parent is created
     main(["logprobs", str(teacher_dir), "--data", str(data_file), "--out", str(scored), "--as", "behavior"])
     rows = read_rows(scored)
     assert len(rows) == len(ROWS) and all("behavior_logprobs" in r for r in rows)

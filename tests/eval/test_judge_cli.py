@@ -28,7 +28,7 @@ def judge_dir(tmp_path_factory):
 
 
 def test_judge_writes_the_judgments_and_the_scope_acceptance(judge_dir, capsys):
-    out = judge_dir / "judged.jsonl"
+    out = judge_dir / "out" / "judged.jsonl"  # the parent is created
     main(["judge", str(judge_dir / "model"), "--pairs", str(judge_dir / "pairs.jsonl"), "--out", str(out),
           "--calibration", str(judge_dir / "pairs.jsonl"), "--alpha", "0.5", "--overwrite"])
     rows = [json.loads(line) for line in out.read_text().splitlines()]

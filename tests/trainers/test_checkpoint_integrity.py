@@ -162,3 +162,21 @@ def test_a_different_state_is_a_mismatch_not_corruption(tmp_path):
         ckpt.restore_verified(abstract_like(other))
     assert ckpt.all_steps() == [1, 2] and not (tmp_path / "corrupt").exists()
     ckpt.close()
+
+
+def test_the_run_config_falls_back_to_an_older_checkpoints_copy(tmp_path, caplog):
+    """config.json lost and the newest checkpoint's copy unreadable: an older checkpoint's
+    copy (every checkpoint holds the run's one config) is used, not an abort."""
+    from trainers.loop import _stored_config
+
+    _save_steps(tmp_path / "checkpoints")
+    shutil.rmtree(tmp_path / "checkpoints" / "3" / "config")
+    ckpt = TrainCheckpointer(tmp_path / "checkpoints", keep=5)
+    with caplog.at_level(logging.WARNING):
+        assert _stored_config(tmp_path, ckpt, 3) == {"optimizer": {"lr": 1e-3}}
+    assert "step 3" in caplog.text
+    for step in (1, 2):
+        shutil.rmtree(tmp_path / "checkpoints" / str(step) / "config")
+    with pytest.raises(CheckpointCorruptError, match="step 1"):
+        _stored_config(tmp_path, ckpt, 3)
+    ckpt.close()

@@ -96,6 +96,18 @@ def test_optional_sections_switch_on_and_off_from_the_command_line():
         apply_overrides(load_config("grpo_arithmetic"), ["algorithm.prefix.problems=-1"])
     with pytest.raises(ConfigError, match="algorithm.prefix.problems"):
         apply_overrides(load_config("grpo_arithmetic"), ["algorithm.prefix.problemz=32"])
+    # a section whose defaults alone do not validate is checked once every override is in
+    distill = apply_overrides(load_config("quickstart"), ["algorithm.distill.teacher=/tmp/teacher"])
+    assert distill.algorithm.distill.teacher == "/tmp/teacher"
+    offline = apply_overrides(load_config("quickstart"), ["algorithm.distill.teacher_logprobs=offline"])
+    assert offline.algorithm.distill.teacher is None
+    with pytest.raises(ConfigError, match="a teacher checkpoint path is needed"):
+        apply_overrides(load_config("quickstart"), ["algorithm.distill.top_k=3"])
+    # and a parent's cross-field check sees the final values (camel needs collector=camel)
+    camel = apply_overrides(load_config("grpo_arithmetic"), ["algorithm.camel.flip_prob=0.5", "algorithm.collector=camel"])
+    assert camel.algorithm.camel.flip_prob == 0.5 and camel.algorithm.collector == "camel"
+    with pytest.raises(ConfigError, match="needs collector='camel'"):
+        apply_overrides(load_config("grpo_arithmetic"), ["algorithm.camel.flip_prob=0.5"])
 
 
 def test_quiet_trainer_preset_only_trains_and_saves_the_final_model():

@@ -83,6 +83,14 @@ def test_a_started_run_without_a_checkpoint_is_resumed_only_by_its_config(tmp_pa
 def test_out_dir_must_name_a_directory():
     with pytest.raises(ValueError, match="TrainerConfig.out_dir='' is invalid"):
         TrainerConfig(out_dir="")
+    # stop_after <= 0 would end after one step; an empty init_from would start from random weights
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match=f"TrainerConfig.stop_after={bad} is invalid"):
+            TrainerConfig(stop_after=bad)
+    with pytest.raises(ValueError, match="ExperimentConfig.init_from='' must be a path"):
+        ExperimentConfig(init_from="")
+    with pytest.raises(ValueError, match="ExperimentConfig.tokenizer=' '"):
+        ExperimentConfig(tokenizer=" ")
 
 
 class _PoisonAt:
