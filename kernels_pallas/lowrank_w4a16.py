@@ -70,9 +70,14 @@ def lowrank_w4a16_matmul(
     """``x [M, K]``, residual ``codes [K/2, N]`` / ``scales [K/block, N]``, ``P [K, r]``, ``Lt [r, N]``."""
     M, K = x.shape
     w4a16.check_operands(x, codes, scales, block=block, bk=bk)
+    if P.ndim != 2 or Lt.ndim != 2:
+        raise ValueError(f"P {P.shape} and Lt {Lt.shape} must be matrices [K, r] and [r, N]")
     r = P.shape[1]
     if P.shape[0] != K or Lt.shape != (r, codes.shape[1]):
         raise ValueError(f"P {P.shape} / Lt {Lt.shape} do not match x {x.shape} and N={codes.shape[1]}")
+    if r < 1:
+        raise ValueError(f"rank r={r} (P {P.shape}): the low-rank branch needs r >= 1; without one use "
+                         "kernels_pallas.w4a16.w4a16_matmul")
     bm = bm or w4a16.default_bm(M)
     xp, cp, sp, (M, N) = w4a16.pad_operands(x, codes, scales, block=block, bm=bm, bn=bn, bk=bk)
     Mp, Kp = xp.shape

@@ -453,10 +453,16 @@ class ModelConfig:
             attn += 2 * self.head_dim
         if self.k_shift:
             attn += self.k_dim
+        if self.attention == "sink":  # one sink logit per head
+            attn += self.n_heads
+        elif self.attention == "affine_scaled":  # the per-head scale and bias projections
+            attn += 2 * d * self.n_heads
         mlp = 3 * d * self.ffn_dim
         per_layer = attn + mlp + 2 * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
         head += self.vocab_size * d if self.next_token_head else 0
+        if self.mlp == "meta_swiglu":  # MeGan's hypernetwork, shared by every layer
+            head += 3 * d * self.meta_rank + l * self.meta_rank + self.meta_rank * self.ffn_dim
         total = self.vocab_size * d + l * per_layer + d + head
         if self.per_layer_dims:  # every layer with its own widths
             outer = total - l * per_layer

@@ -160,3 +160,16 @@ def test_quant_blocks_are_the_formats_own():
     from jaxlm.quant.formats import get_format
 
     assert QUANT_BLOCKS == {name: get_format(name).block for name in QUANT_BLOCKS}
+
+
+@pytest.mark.parametrize("variant", [dict(attention="sink"), dict(attention="affine_scaled"),
+                                     dict(mlp="meta_swiglu", meta_rank=8), dict(k_shift=True, qk_norm=True),
+                                     dict(next_token_head=True, tie_embeddings=True, mode="diffusion", mask_token_id=258),
+                                     dict(attention="sink", scan_layers=True)])
+def test_num_params_counts_the_variants_parameters(variant):
+    """num_params (printed by compression reports) equals the parameters the module builds."""
+    from flax import nnx
+
+    cfg = jaxlm.ModelConfig.tiny(n_layers=3, **variant)
+    leaves = jax.tree.leaves(nnx.state(jaxlm.abstract_model(cfg), nnx.Param))
+    assert cfg.num_params() == sum(int(np.prod(x.shape)) for x in leaves)

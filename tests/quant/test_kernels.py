@@ -155,3 +155,11 @@ def test_mismatched_operands_are_refused(matmul):
         call(x, q)
     with pytest.raises(ValueError, match="bk=24 must be a multiple of the block 16"):
         call(jnp.ones((2, 64), jnp.float32), q, bk=24)
+
+
+def test_a_rank_zero_low_rank_branch_is_refused():
+    q = Q.quantize(jnp.ones((64, 16), jnp.float32), "nvfp4", axis=0)
+    args = (jnp.ones((2, 64), jnp.float32), q.codes, q.scales, q.global_scale.reshape(()))
+    with pytest.raises(ValueError, match="rank r=0"):
+        lowrank_w4a16.lowrank_w4a16_matmul(*args, jnp.zeros((64, 0)), jnp.zeros((0, 16)), **_kw(q.fmt),
+                                           interpret=True)

@@ -57,13 +57,18 @@ def mlp_cur(h: np.ndarray, w_down: np.ndarray, m: int, *, select: str = "energy"
     """A3-MLP: kept neuron indices ``[m]`` (sorted) and the refit ``W_down' [m, D]``."""
     if select not in MLP_SELECTS:
         raise ValueError(f"select={select!r} is invalid: must be one of {MLP_SELECTS}")
+    if m >= h.shape[0]:  # every neuron kept: the original MLP
+        return np.arange(h.shape[0]), np.array(w_down, copy=True)
     if select == "energy":
         keep = np.sort(np.argsort(-mlp_selection_scores(h, w_down), kind="stable")[:m])
     else:
         keep = _greedy_neurons(h, w_down, m)
     h_ss = h[np.ix_(keep, keep)]
-    lam = ridge * float(np.mean(np.diag(h_ss)))
-    w_new = np.linalg.solve(h_ss + lam * np.eye(m), h[keep] @ w_down)
+    # the ridge pulls toward the kept neurons' own rows, so directions the calibration never
+    # reached keep their weights and the full width is exactly the original MLP (a ridge
+    # toward 0 would zero them); a floor keeps a dead layer (H = 0) solvable
+    lam = max(ridge * float(np.mean(np.diag(h_ss))), 1e-12 * max(float(np.mean(np.diag(h))), 1.0))
+    w_new = np.linalg.solve(h_ss + lam * np.eye(m), h[keep] @ w_down + lam * w_down[keep])
     return keep, w_new
 
 
@@ -102,7 +107,7 @@ def mlp_error_curve(h: np.ndarray, w_down: np.ndarray, select: str = "energy", r
     tenfold at a time only if rounding left ``H`` indefinite by more than that)."""
     order = mlp_order(h, w_down, select)
     hp = h[np.ix_(order, order)]
-    lam = max(ridge, 1e-9) * float(np.mean(np.diag(h)))
+    lam = max(ridge, 1e-9) * max(float(np.mean(np.diag(h))), 1e-12)  # defined for a dead layer (H = 0) too
     chol = _cholesky_with_ridge(hp, lam)
     y = np.linalg.solve(chol, h[order] @ w_down)  # row j: the error drop of the j-th added neuron
     gains = np.sum(y * y, axis=1)

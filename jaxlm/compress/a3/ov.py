@@ -35,6 +35,8 @@ def ov_factors(wv: np.ndarray, wo: np.ndarray, cz: np.ndarray, rank: int, *, gro
     rv, rv_inv = _gram_root(wv.T @ c_mean @ wv, eig_floor)
     wo_cat = wo.transpose(1, 0, 2).reshape(Hv, G * Dout)
     u, s, vt = np.linalg.svd(rv @ wo_cat, full_matrices=False)
+    if rank >= Hv:  # full width: the same function, also where the calibration never reached (C_z singular)
+        return wv.copy(), wo.copy(), s
     wv_new = wv @ (rv_inv @ u[:, :rank] * s[:rank])
     wo_new = vt[:rank].reshape(rank, G, Dout).transpose(1, 0, 2)
     if group == "average_refit":

@@ -52,6 +52,8 @@ def qk_factors(wq: np.ndarray, wk: np.ndarray, c: np.ndarray, rank: int, *, eig_
     rq, rq_inv = _gram_root(gram_q, eig_floor)
     rk, rk_inv = _gram_root(gram_k, eig_floor)
     u, s, vt = np.linalg.svd(rq @ rk.T)
+    if rank >= wk.shape[1]:  # full width: the same scores, also where the calibration never reached (C singular)
+        return wq.copy(), wk.copy(), s
     root_s = np.sqrt(s[:rank])
     wq_new = np.einsum("gdh,hr->gdr", wq, rq_inv @ u[:, :rank] * root_s)
     wk_new = wk @ (rk_inv @ vt[:rank].T * root_s)
@@ -105,7 +107,10 @@ def _compress_qk(params, out, config, stats, a3, layer, width, refit=None):
         cols = np.concatenate([keep, keep + half], axis=-1)  # [K, r]
         wk_new = np.take_along_axis(wk, cols[:, None, :], axis=-1)
         wq_new = np.take_along_axis(wq, np.repeat(cols, G, axis=0)[:, None, :], axis=-1)
-        if refit is not None:  # qk_rope_refit's least-squares columns for these pairs
+        # qk_rope_refit's least-squares columns for these pairs; with every pair kept the score
+        # error is 0 and the refit is the identity, which its solve (ill-conditioned where the
+        # calibration is rank-deficient) would only perturb
+        if refit is not None and width < config.qk_head_dim:
             if refit[0].shape != wq_new.shape or refit[1].shape != wk_new.shape:
                 raise ValueError(f"qk_refit for layer {layer} has shapes {refit[0].shape}, {refit[1].shape}, "
                                  f"not {wq_new.shape}, {wk_new.shape}: refit with the same A3Config and statistics")
