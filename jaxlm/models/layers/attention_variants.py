@@ -60,6 +60,8 @@ class AffineScaledAttention(Attention):
         return s, x @ self.bias_proj[...].astype(jnp.float32)
 
     def attend(self, q, k, v, mask, inputs=None, *, need_probs: bool = True):
+        """The returned probabilities (the ``attn_probs`` tap) are the softmax weights
+        ``a_ij``; the weights applied to the values are ``s_i a_ij + b_i`` (`affine_terms`)."""
         c = self.config
         ctx, probs = self.softmax_attention(q, k, v, mask, need_probs=need_probs)
         s, z_b = self.affine_terms(inputs)
