@@ -72,6 +72,23 @@ def test_swap_in_rewards_equal_brute_force(seed):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("wild", [1e9, 1e12, 1e15])
+def test_one_huge_answer_leaves_its_groups_other_rewards_exact(wild):
+    """A wild anchor (one rollout of a group answers 1e12) must not disturb the CCCs of the
+    group's other rollouts: raw batch sums (S2 - a_i^2) cancelled to CCCs above 1."""
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        B, G = 5, 4
+        target = rng.normal(50, 10, B)
+        pred = target[:, None] + rng.normal(0, 3, (B, G))
+        pred[0, 0] = wild
+        valid = np.ones((B, G), bool)
+        got = swap_in_ccc_rewards(pred, valid, target)
+        want = brute_force_swap_in(pred, valid, target, -1.0)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
+        assert (np.abs(got) <= 1.0).all()
+
+
 def test_swap_in_rewards_edge_cases():
     # every rollout valid, one group: the batch's targets are constant -> CCC 0 unless exact
     got = swap_in_ccc_rewards(np.array([[3.0, 5.0]]), np.ones((1, 2), bool), np.array([3.0]))

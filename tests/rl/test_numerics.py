@@ -263,3 +263,25 @@ def test_zero_variance_groups_are_the_groups_without_a_policy_gradient():
                for g in range(3)]
     flat_reference = all(len({returns[g][k] for g in range(3) if valid[0, g, k]}) <= 1 for k in range(3))
     assert zero_variance_groups(adv, valid).tolist() == [flat_reference, False] == [False, False]
+
+
+def test_combined_rewards_skip_nan_and_refuse_infinite_values():
+    """NaN is "no opinion" (skipped; all-NaN stays NaN), a weight-0 function does not count
+    (0 * inf would be NaN), and an infinite reward is an error naming the function."""
+    from trainers.rl.rewards import combine_rewards
+
+    def first(prompts, completions, **_):
+        return np.asarray([1.0, np.nan, np.nan, 0.5])
+
+    def second(prompts, completions, **_):
+        return np.asarray([2.0, 3.0, np.nan, 0.0])
+
+    total, _ = combine_rewards([first, second], [1.0, 0.5], ["p"] * 4, ["c"] * 4)
+    np.testing.assert_allclose(total[[0, 1, 3]], [2.0, 1.5, 0.5])
+    assert np.isnan(total[2])
+
+    def infinite(prompts, completions, **_):
+        return np.asarray([np.inf, 0.0, 1.0, 0.0])
+
+    with pytest.raises(ValueError, match="reward function 'infinite' returned inf for rollout 0"):
+        combine_rewards([first, infinite], [1.0, 0.0], ["p"] * 4, ["c"] * 4)

@@ -11,9 +11,13 @@ its group's anchor::
     p^(i,k) = (ȳ_1, ..., ȳ_{i-1}, ŷ_ik, ȳ_{i+1}, ..., ȳ_B),   r_ccc(i, k) = CCC(p^(i,k), y)
 
 so the rollouts of a group share the rest of the batch and differ only by their own
-prediction. It costs O(1) per rollout from the batch sums ``S1 = Σ ȳ_j``, ``S2 = Σ ȳ_j²``,
-``Sxy = Σ ȳ_j y_j`` (card B.2, exact algebra [INFERRED]): ``S1' = S1 - ȳ_i + z``,
-``S2' = S2 - ȳ_i² + z²``, ``Sxy' = Sxy - ȳ_i y_i + z y_i``.
+prediction. The card computes it from the batch sums ``S1 = Σ ȳ_j``, ``S2 = Σ ȳ_j²``,
+``Sxy = Σ ȳ_j y_j`` (``S2' = S2 - ȳ_i² + z²``, ..., exact algebra [INFERRED]); here the other
+groups' moments are taken centred on their own mean (``m = n - 1`` anchors, mean ``μ_o``,
+``M2 = Σ (ȳ_j - μ_o)²``, ``C = Σ (ȳ_j - μ_o)(y_j - μ_y)``) and ``z`` is merged in
+(``var p = (M2 + m (z - μ_o)² / n) / n``), the same value without the cancellation of
+``S2 - ȳ_i²`` when one anchor is huge (one wild answer of 1e12 gave the other rollouts of its
+group CCCs above 1).
 
 Choices the card marks [INFERRED], and what this module does:
 
@@ -90,21 +94,23 @@ def swap_in_ccc_rewards(pred, valid, target, *, invalid_reward: float = -1.0) ->
     if n == 0:
         return out
     count = np.maximum(valid.sum(axis=1), 1)
-    shift = target[active].mean()  # centre predictions and targets alike (CCC is shift-invariant)
-    z = np.where(valid, pred - shift, 0.0)
-    y = np.where(active, target - shift, 0.0)
-    anchor = z.sum(axis=1) / count  # ȳ_i (0 for groups without an anchor: they are not summed)
-    a = np.where(active, anchor, 0.0)
-    S1, S2, Sxy = a.sum(), (a * a).sum(), (a * y).sum()
-    mu_y = y.sum() / n
-    var_y = (y * y).sum() / n - mu_y**2
-    # swap z in for the group's anchor: [B, G]
-    s1 = S1 - a[:, None] + z
-    s2 = S2 - (a * a)[:, None] + z * z
-    sxy = Sxy - (a * y)[:, None] + z * y[:, None]
-    mu_p = s1 / n
-    var_p = s2 / n - mu_p**2
-    cov = sxy / n - mu_p * mu_y
+    anchor = np.where(valid, pred, 0.0).sum(axis=1) / count  # ȳ_i (unused for groups without one)
+    mu_y = target[active].mean()
+    dy = np.where(active, target - mu_y, 0.0)
+    var_y = float((dy * dy).sum() / n)
+    # row i: the other groups with an anchor (m of them), their centred moments
+    others = active[None, :] & ~np.eye(len(target), dtype=bool)
+    m = others.sum(axis=1).astype(np.float64)
+    mu_o = np.where(others, anchor[None, :], 0.0).sum(axis=1) / np.maximum(m, 1.0)
+    centred = np.where(others, anchor[None, :] - mu_o[:, None], 0.0)
+    M2 = (centred * centred).sum(axis=1)
+    C = (centred * dy[None, :]).sum(axis=1)
+    dy_others = np.where(others, dy[None, :], 0.0).sum(axis=1)
+    # merge each rollout's prediction z in for its group's anchor: [B, G]
+    d = np.where(valid, pred, mu_o[:, None]) - mu_o[:, None]
+    mu_p = mu_o[:, None] + d / n
+    var_p = (M2[:, None] + d * d * m[:, None] / n) / n
+    cov = (C[:, None] - (mu_p - mu_o[:, None]) * dy_others[:, None] + (mu_o[:, None] + d - mu_p) * dy[:, None]) / n
     den = var_p + var_y + (mu_p - mu_y) ** 2
     safe = np.where(den > 0, den, 1.0)
     value = np.where(den > 0, 2.0 * cov / safe, np.where(den == 0, 1.0, np.nan))

@@ -40,10 +40,18 @@ def length_penalty(prompts, completions, **_) -> np.ndarray:
 
 
 def combine_rewards(fns: Sequence[Callable], weights: Sequence[float], prompts, completions, **columns):
-    """``sum_k w_k r_k`` with NaN entries skipped (all-NaN -> NaN) and the per-function values."""
+    """``sum_k w_k r_k`` with NaN entries skipped (all-NaN -> NaN: "no opinion") and the
+    per-function values. An infinite reward is an error naming the reward function (it would
+    turn its whole group's advantages into NaN); a function of weight 0 does not count."""
     parts = np.stack([np.asarray(f(prompts, completions, **columns), np.float32) for f in fns])
+    bad = np.argwhere(np.isinf(parts))
+    if bad.size:
+        k, i = (int(v) for v in bad[0])
+        name = getattr(fns[k], "__name__", repr(fns[k]))
+        raise ValueError(f"reward function {name!r} returned {float(parts[k, i])} for rollout {i}: rewards must be "
+                         "finite numbers (NaN for no opinion)")
     w = np.asarray(weights, np.float32)[:, None]
-    weighted = np.where(np.isnan(parts), 0.0, w * parts)
+    weighted = np.where(np.isnan(parts) | (w == 0), 0.0, w * parts)
     total = weighted.sum(0)
     total = np.where(np.isnan(parts).all(0), np.nan, total)
     return total, parts
