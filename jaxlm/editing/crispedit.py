@@ -11,7 +11,8 @@ below it, as in the reference ``crispedit.py`` training loop.
 `sequential_edit` applies batches of requests one after another: the capability
 statistics are recomputed when an edited weight has drifted by more than
 ``recompute_threshold`` (relative Frobenius norm) since they were computed, and the
-statistics of earlier edit batches are merged in, token-weighted, so later edits also
+statistics of earlier edit batches are merged in (weighted by samples, as the reference
+merges its caches; ``merge_weight="tokens"`` weights by tokens), so later edits also
 avoid undoing earlier ones (the reference code's cache merging).
 """
 

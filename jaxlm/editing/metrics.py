@@ -110,11 +110,15 @@ class EditEvaluator:
         n = len(self.requests)
         enc = functools.partial(encode_pairs, tokenizer)
         self.rewrite_new = enc([r["prompt"] for r in requests], [r["target_new"] for r in requests])
-        has_true = all(r.get("target_true") for r in requests)
-        self.rewrite_true = enc([r["prompt"] for r in requests], [r["target_true"] for r in requests]) if has_true else None
+        # ES / PS over the requests that name their true target (each one its own case)
+        self.true_rows = np.asarray([k for k, r in enumerate(requests) if r.get("target_true")], np.int64)
+        self.rewrite_true = enc([requests[k]["prompt"] for k in self.true_rows],
+                                [requests[k]["target_true"] for k in self.true_rows]) if self.true_rows.size else None
         p, new, true, self.para_owner = _flatten(requests, "paraphrase")
         self.para_new = enc(p, new) if p else None
-        self.para_true = enc(p, true) if p and has_true else None
+        self.para_true_rows = np.asarray([i for i, t in enumerate(true) if t], np.int64)
+        self.para_true = enc([p[i] for i in self.para_true_rows],
+                             [true[i] for i in self.para_true_rows]) if self.para_true_rows.size else None
         p, new, true, self.nb_owner = _flatten(requests, "neighborhood")
         self.nb_true = enc(p, true) if p else None
         self.nb_new = enc(p, new) if p else None
@@ -138,14 +142,15 @@ class EditEvaluator:
         out["efficacy"] = float(rw["token_acc"].mean())
         out["efficacy_exact"] = float(rw["exact"].mean())
         if self.rewrite_true is not None:
-            out["ES"] = float(np.mean(self._target_score(rw) > self._target_score(score(model, self.rewrite_true))))
+            new_score = self._target_score(rw)[self.true_rows]
+            out["ES"] = float(np.mean(new_score > self._target_score(score(model, self.rewrite_true))))
         if self.para_new is not None:
             pa = score(model, self.para_new)
             out["generalization"] = _case_mean(pa["token_acc"], self.para_owner, self.n)
             out["generalization_exact"] = _case_mean(pa["exact"], self.para_owner, self.n)
             if self.para_true is not None:
-                out["PS"] = _case_mean(self._target_score(pa) > self._target_score(score(model, self.para_true)),
-                                       self.para_owner, self.n)
+                wins = self._target_score(pa)[self.para_true_rows] > self._target_score(score(model, self.para_true))
+                out["PS"] = _case_mean(wins, self.para_owner[self.para_true_rows], self.n)
         if self.nb_true is not None:
             nb = score(model, self.nb_true)
             out["locality"] = _case_mean(target_agreement(nb["pred"], self.base_nb_pred), self.nb_owner, self.n)

@@ -172,6 +172,14 @@ def test_per_request_means_with_non_dyadic_probabilities():
                            for n in r["neighborhood"]]) for r in reqs])
     assert (m["ES"], m["PS"], m["NS"]) == pytest.approx((es, ps, ns), abs=1e-12)
     assert 0 < es < 1 or 0 < ps < 1 or 0 < ns < 1  # the case is not all-or-nothing
+    # a request without target_true has no ES / PS of its own; the others keep theirs
+    mixed = [reqs[0], {k: v for k, v in reqs[1].items() if k != "target_true"}]
+    m = EditEvaluator(Bigram(table), mixed, TOK)(Bigram(table))
+    r = reqs[0]
+    assert m["ES"] == float(nll(r["prompt"], r["target_new"]) < nll(r["prompt"], r["target_true"]))
+    assert m["PS"] == pytest.approx(np.mean([nll(p, r["target_new"]) < nll(p, r["target_true"])
+                                             for p in r["paraphrase_prompts"]]), abs=1e-12)
+    assert m["NS"] == pytest.approx(ns, abs=1e-12)  # neighbourhoods need no target_true
 
 
 def test_requests_without_optional_fields_and_retention_of_a_zero_capability():
