@@ -45,7 +45,7 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 """The template variables a tokenizer's special tokens are passed as (when it has them)."""
 
 TEMPLATE_FILE = "chat_template.jinja"
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class ChatTemplateError(ValueError):
@@ -202,7 +202,7 @@ def _messages(messages: Sequence[dict]) -> list[dict]:
         if not isinstance(m, dict):
             raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
         m = {k: v for k, v in _plain(m).items() if v is not None}
-        reasoning = next((m[k] for k in _REASONING_FIELDS if k in m), None)
+        reasoning = next((m[k] for k in REASONING_FIELDS if k in m), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         out.append(m)
@@ -275,8 +275,21 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
-            prompt = self.render(messages[:i], add_generation_prompt=True, **kw)
             upto = self.render(messages[: i + 1], **kw)
+            try:
+                prompt = self.render(messages[:i], add_generation_prompt=True, **kw)
+            except ChatTemplateError:
+                prompt = None  # e.g. a template that reads messages[0] renders no empty conversation
+            if prompt is None or not upto.startswith(prompt):
+                # an opening assistant turn: the template writes its header (BOS, a default system
+                # prompt) only once a first message exists; find the content's start instead
+                found = self._before_content(messages, i, kw, upto)
+                prompt = found if found is not None else prompt
+            if prompt is None:
+                raise ChatTemplateError(
+                    f"{self.origin}: the template renders no generation prompt before assistant message {i}, and "
+                    f"its start could not be found; mark the assistant output with {{% generation %}} ... "
+                    f"{{% endgeneration %}} in the template")
             if not text.startswith(upto):
                 at = _first_difference(upto, text)
                 raise ChatTemplateError(
@@ -296,6 +309,19 @@ class ChatTemplate:
             end_token = self.end_of_turn(upto, len(prompt))
             spans.append((len(prompt), len(upto) if end_token is None else end_token[1]))
         return text, spans
+
+    def _before_content(self, messages, i: int, kw: dict, upto: str) -> str | None:
+        """What the template writes before assistant message ``i``'s content, found by rendering
+        the conversation with that content replaced by a marker; None if that text is not how
+        ``upto`` (messages ``[:i + 1]``) starts."""
+        marker = "\ue000jaxlm-assistant-content\ue000"
+        probe = [*messages[:i], {**messages[i], "content": marker}]
+        try:
+            rendered = self.render(probe, **kw)
+        except ChatTemplateError:
+            return None
+        at = rendered.find(marker)
+        return rendered[:at] if at >= 0 and upto.startswith(rendered[:at]) else None
 
     def end_of_turn(self, text: str, start: int = 0) -> tuple[int, int] | None:
         """``(start, end)`` of the last special token in ``text[start:]`` (an assistant turn's

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxlm.data.chat import REASONING_FIELDS
+
 ROLES = ("system", "user", "assistant", "tool")
 
 #: Optional per-token columns a row may carry, one entry per token of the row's encoding
@@ -76,7 +78,9 @@ def tool_call(call: Any, where: str) -> dict[str, Any]:
 
 def check_message(m: Any, where: str) -> dict[str, Any]:
     """One chat message, validated: ``role`` (system | user | assistant | tool) and ``content``;
-    an assistant message may carry ``tool_calls``, a tool message the tool's ``name``."""
+    an assistant message may carry ``tool_calls`` and its reasoning (``reasoning_content``,
+    ``thinking`` or ``reasoning``: what templates with a thinking block render), a tool message the tool's ``name`` and ``tool_call_id``.
+    Every string in it must be text (no lone surrogate)."""
     if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
         raise DataError(f"{where} must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}")
     out = {"role": m["role"], "content": m["content"]}
@@ -84,11 +88,26 @@ def check_message(m: Any, where: str) -> dict[str, Any]:
         if m["role"] != "assistant" or not isinstance(m["tool_calls"], list):
             raise DataError(f"{where}: 'tool_calls' is a list on an assistant message")
         out["tool_calls"] = [tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])]
-    if m["role"] == "tool" and "name" in m:
-        if not isinstance(m["name"], str):
-            raise DataError(f"{where}: a tool message's 'name' must be a string")
-        out["name"] = m["name"]
+    for key, role in (("name", "tool"), ("tool_call_id", "tool"), *((k, "assistant") for k in REASONING_FIELDS)):
+        if m["role"] == role and m.get(key) is not None:
+            if not isinstance(m[key], str):
+                raise DataError(f"{where}: a {role} message's {key!r} must be a string")
+            out[key] = m[key]
+    _check_strings(out, where)
     return out
+
+
+def _check_strings(value: Any, where: str) -> None:
+    """`_check_text` on every string inside ``value`` (dicts, lists)."""
+    if isinstance(value, str):
+        _check_text(value, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, where)
+            _check_strings(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for j, v in enumerate(value):
+            _check_strings(v, f"{where}[{j}]")
 
 
 def _check_text(text: str, where: str) -> None:
@@ -108,9 +127,6 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
         if not isinstance(msgs, list) or not msgs:
             raise DataError(f"{where}: 'messages' must be a non-empty list")
         checked = [check_message(m, f"{where}: messages[{i}]") for i, m in enumerate(msgs)]
-        for i, m in enumerate(checked):
-            if isinstance(m.get("content"), str):
-                _check_text(m["content"], f"{where}: messages[{i}].content")
         if not any(m["role"] == "assistant" for m in checked):
             raise DataError(f"{where}: 'messages' has no assistant turn (nothing to train on)")
         return {"messages": checked, **_token_fields(row, where)}
@@ -147,15 +163,23 @@ def _jsonl_rows(path: Path):
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """All rows of a ``.jsonl`` or ``.parquet`` file, validated."""
+    return read_rows_located(path)[0]
+
+
+def read_rows_located(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """`read_rows` and where each row is (``path:line`` or ``path row i``), for errors found
+    later (encoding a row with the tokenizer and its chat template)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path} does not exist")
     if path.is_dir():
         raise DataError(f"{path} is a directory, not a .jsonl or .parquet file")
     rows: list[dict[str, Any]] = []
+    where: list[str] = []
     if path.suffix == ".jsonl":
         for lineno, row in _jsonl_rows(path):
-            rows.append(_check_row(row, f"{path}:{lineno}"))
+            where.append(f"{path}:{lineno}")
+            rows.append(_check_row(row, where[-1]))
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -164,7 +188,8 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         except Exception as e:  # pyarrow raises several types for corrupt files
             raise DataError(f"{path}: not a readable parquet file ({e})") from None
         for i, row in enumerate(table.to_pylist()):
-            rows.append(_check_row(row, f"{path} row {i}"))
+            where.append(f"{path} row {i}")
+            rows.append(_check_row(row, where[-1]))
     else:
         raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
     if not rows:
@@ -172,9 +197,9 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     for k in TOKEN_FIELDS + TOPK_FIELDS[:1]:
         have = [k in r for r in rows]
         if any(have) and not all(have):
-            raise DataError(f"{path}: row {have.index(False)} has no {k!r} column but row {have.index(True)} does; "
+            raise DataError(f"{where[have.index(False)]} has no {k!r} column but {where[have.index(True)]} does; "
                             "every row or none must carry it")
-    return rows
+    return rows, where
 
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ import numpy as np
 from jaxlm.data.conditioned import ConditionedDigits
 from jaxlm.data.encoding import encode
 from jaxlm.data.facts import FactWorld
-from jaxlm.data.files import TOKEN_FIELDS, TOPK_FIELDS, DataError, Files, read_rows
+from jaxlm.data.files import TOKEN_FIELDS, TOPK_FIELDS, DataError, Files, read_rows_located
 from jaxlm.data.graphs import GraphLabels
 from jaxlm.data.mixture import Mixture
 from jaxlm.data.polarity import Polarity
@@ -73,20 +73,21 @@ class ExampleSource:
     def __init__(self, source: Source, split: str):
         self.source, self.split = source, split
         if isinstance(source, Files):
-            rows = read_rows(source.path)
+            rows, where = read_rows_located(source.path)
             if source.eval_path is not None:
-                rows = read_rows(source.eval_path) if split == "eval" else rows
+                rows, where = read_rows_located(source.eval_path) if split == "eval" else (rows, where)
             else:
                 def held_out(i):
                     h = hashlib.blake2b(str(i).encode(), digest_size=8).digest()
                     return int.from_bytes(h, "little") % 10_000 < source.eval_fraction * 10_000
 
-                rows = [r for i, r in enumerate(rows) if held_out(i) == (split == "eval")]
+                keep = [i for i in range(len(rows)) if held_out(i) == (split == "eval")]
+                rows, where = [rows[i] for i in keep], [where[i] for i in keep]
             if not rows:
                 raise DataError(f"{source.path}: the {split} split is empty")
-            self._rows = rows
+            self._rows, self.row_where = rows, where  # row_where: each row's file:line, for errors
         else:
-            self._rows = None
+            self._rows, self.row_where = None, None
 
     def __len__(self) -> int:
         return len(self._rows) if self._rows is not None else _ENDLESS
@@ -156,12 +157,12 @@ def _encoded_split(cfg: DataConfig, tokenizer, split: str) -> grain.MapDataset:
     if examples._rows is None:
         return grain.MapDataset.source(examples).map(_checked_encode(tokenizer, cfg.seq_len, cfg.source))
     encoded = []
-    for i, r in enumerate(examples._rows):
+    for r, where in zip(examples._rows, examples.row_where):
         try:
             encoded.append(encode(r, tokenizer))
-        except DataError as e:
-            raise DataError(f"{cfg.source.path if split == 'train' or cfg.source.eval_path is None else cfg.source.eval_path}"
-                            f" row {i} of the {split} split: {e}") from None
+        except Exception as e:  # noqa: BLE001 (a bad row or a template that refuses it: name the row)
+            message = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e}"
+            raise DataError(f"{where} ({split} split): {message}") from None
     kept = [e for e in encoded if len(e["tokens"]) <= cfg.seq_len and e["loss_mask"].any()]
     dropped = len(encoded) - len(kept)
     if dropped:

@@ -146,16 +146,19 @@ class HFTokenizer:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "HFTokenizer":
-        """``path/tokenizer.json`` with specials from ``config.json`` / ``tokenizer_config.json``
-        (later wins for BOS, PAD and the primary EOS). Every end-of-sequence id any of
+        """``path/tokenizer.json`` with specials from ``config.json``,
+        ``special_tokens_map.json`` and ``tokenizer_config.json`` (later wins for BOS, PAD and
+        the primary EOS; an explicit ``"bos_token": null`` in ``tokenizer_config.json`` means no
+        BOS, as in Qwen2.5, and likewise for PAD). Every end-of-sequence id any of
         ``tokenizer_config.json``, ``config.json`` and ``generation_config.json`` names is a
         stop id (Llama 3.1: ``eos_token: "<|eot_id|>"`` beside ``eos_token_id: [128001, 128008,
-        128009]``)."""
+        128009]``). A chat template sees the strings of the BOS and EOS ids in use, and those
+        ``special_tokens_map.json`` and ``tokenizer_config.json`` name."""
         path = Path(path)
         specials: dict[str, object] = {}
         eos_lists: dict[str, list] = {}
-        strings = None
-        for name in ("config.json", "generation_config.json", _CONFIG):
+        strings: dict[str, str | None] = {}
+        for name in ("config.json", "generation_config.json", "special_tokens_map.json", _CONFIG):
             if (path / name).exists():
                 data = json.loads((path / name).read_text())
                 if not isinstance(data, dict):
@@ -166,15 +169,19 @@ class HFTokenizer:
                     for field in (f"{key}_token_id", f"{key}_token"):
                         if data.get(field) is not None:
                             specials[key] = data[field]
+                    if name == _CONFIG and key != "eos" and f"{key}_token" in data and data[f"{key}_token"] is None \
+                            and data.get(f"{key}_token_id") is None:
+                        specials[key] = None  # the tokenizer's own file says there is none
                 eos_lists[name] = [data[f] for f in ("eos_token", "eos_token_id") if data.get(f) is not None]
-                if name == _CONFIG:  # a template sees the special tokens tokenizer_config.json names
-                    strings = {k: _token_string(data.get(k)) for k in SPECIAL_TOKEN_NAMES}
-        if "eos" in specials:  # the primary EOS (the last file's) first, then every other id listed
+                if name in ("special_tokens_map.json", _CONFIG):
+                    strings.update({k: _token_string(data[k]) for k in SPECIAL_TOKEN_NAMES if k in data})
+        if specials.get("eos") is not None:  # the primary EOS (the last file's) first, then every other id listed
             listed = [e for name in (_CONFIG, "generation_config.json", "config.json") for e in eos_lists.get(name, [])]
             specials["eos"] = [specials["eos"], *listed]
         tok = cls.from_file(path / "tokenizer.json", **specials)
-        if strings is not None:
-            tok.special_tokens = {k: v for k, v in strings.items() if v is not None}
+        # the strings of the BOS / EOS ids in use, then those the files name (a null removes one)
+        named = {**{k: v for k, v in tok.special_tokens.items() if k in ("bos_token", "eos_token")}, **strings}
+        tok.special_tokens = {k: v for k, v in named.items() if v is not None}
         template = read_chat_template(path)
         if template is not None:
             tok.set_chat_template(template[0], origin=template[1])

@@ -145,8 +145,13 @@ EMPTY_REPLY_CHAT = [
     {"role": "user", "content": "Now say 42."},
     {"role": "assistant", "content": "42"},
 ]
+ASSISTANT_FIRST_CHAT = [  # an opening greeting: the template's header (BOS, a default system prompt) comes first
+    {"role": "assistant", "content": "Hello, how can I help?"},
+    {"role": "user", "content": "Say 42."},
+    {"role": "assistant", "content": "42"},
+]
 PROMPT_CHAT = SYSTEM_CHAT[:4]
-CHATS = {"system": SYSTEM_CHAT, "empty_reply": EMPTY_REPLY_CHAT}
+CHATS = {"system": SYSTEM_CHAT, "empty_reply": EMPTY_REPLY_CHAT, "assistant_first": ASSISTANT_FIRST_CHAT}
 CORPUS = [m["content"] for c in CHATS.values() for m in c] + [
     "system user assistant", "You are a helpful assistant.", "hello there, how are you today", "tools function",
 ]
@@ -375,7 +380,7 @@ def test_messages_rows_train_through_the_template(pair, tmp_path):
     want_ids, want_mask = hf_assistant_mask(hf, SYSTEM_CHAT, FAMILIES[family]["generation"])
     np.testing.assert_array_equal(enc["tokens"], want_ids)
     np.testing.assert_array_equal(enc["loss_mask"], want_mask)
-    cfg = DataConfig(source=Files(path=str(path), eval_fraction=0.0), seq_len=160, batch_size=2)
+    cfg = DataConfig(source=Files(path=str(path), eval_fraction=0.0), seq_len=160, batch_size=len(CHATS))
     batch = next(iter(train_dataset(cfg, tok)))
     rows = {tuple(r[s > 0].tolist()): m[s > 0].tolist()
             for r, m, s in zip(batch["tokens"], batch["loss_mask"], batch["segment_ids"])}

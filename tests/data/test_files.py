@@ -32,12 +32,42 @@ def _jsonl(path, rows):
         ('{"prompt": "x\\ud83d", "completion": "y"}', r"data.jsonl:2: column 'prompt' holds a lone surrogate"),
         ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "\\udc00b"}]}',
          r"data.jsonl:2: messages\[1\].content holds a lone surrogate '\\udc00' at character 0"),
+        ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": '
+         '[{"name": "f", "arguments": {"q": "\\ud83d"}}]}]}',
+         r"data.jsonl:2: messages\[1\].tool_calls\[0\].function.arguments.q holds a lone surrogate"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b",
+                                                          "reasoning_content": 3}]},
+         r"data.jsonl:2: messages\[1\]: a assistant message's 'reasoning_content' must be a string"),
     ],
 )
 def test_malformed_jsonl_rows_name_file_and_line(tmp_path, bad, match):
     path = _jsonl(tmp_path / "data.jsonl", [{"prompt": "a", "completion": "b"}, bad])
     with pytest.raises(DataError, match=match):
         read_rows(path)
+
+
+def test_reasoning_and_tool_call_ids_are_kept(tmp_path):
+    """Fields the chat layer renders (an assistant turn's reasoning, a tool result's call id)
+    survive reading a file, as they do when the messages are passed directly."""
+    row = {"messages": [{"role": "user", "content": "2+2?"},
+                        {"role": "assistant", "content": "", "tool_calls": [{"name": "add", "arguments": {"a": 2}}],
+                         "reasoning_content": "use the tool"},
+                        {"role": "tool", "content": "4", "name": "add", "tool_call_id": "call_0"},
+                        {"role": "assistant", "content": "4", "thinking": "two plus two"}]}
+    (got,) = read_rows(_jsonl(tmp_path / "data.jsonl", [row]))
+    assert got["messages"][1]["reasoning_content"] == "use the tool"
+    assert got["messages"][2]["tool_call_id"] == "call_0" and got["messages"][3]["thinking"] == "two plus two"
+
+
+def test_a_row_the_template_refuses_names_its_file_line(tmp_path):
+    """An error found only while encoding a row (a log-prob column of the wrong length, a
+    chat template that refuses the conversation) names the file and line, not the row's
+    index in the split."""
+    good = {"prompt": "a", "completion": "b", "behavior_logprobs": [0.0] * 4}  # BOS a b EOS
+    path = _jsonl(tmp_path / "data.jsonl", [good] * 3 + [{"prompt": "p", "completion": "c", "behavior_logprobs": [0.0]}])
+    with pytest.raises(DataError, match=r"data.jsonl:4 \(train split\): a row's 'behavior_logprobs' has 1 entries"):
+        next(iter(train_dataset(DataConfig(source=Files(path=str(path), eval_fraction=0.0), seq_len=16,
+                                           batch_size=1), TOK)))
 
 
 def test_parquet_rows_and_errors(tmp_path):

@@ -152,3 +152,35 @@ def test_stop_ids_are_the_union_of_every_file_and_survive_a_save(tmp_path):
 
     hf = AutoTokenizer.from_pretrained(tmp_path / "again")
     assert hf.eos_token_id == 0
+
+
+@pytest.mark.parametrize("layout", ["ids_in_config_only", "special_tokens_map", "bos_null"])
+def test_special_tokens_agree_with_transformers(tmp_path, layout):
+    """BOS / EOS / PAD and the template's token strings as transformers reads the same files:
+    ids from config.json alone still name their strings; special_tokens_map.json names them;
+    an explicit "bos_token": null in tokenizer_config.json (Qwen2.5) means no BOS although
+    config.json has a bos_token_id."""
+    from transformers import AutoTokenizer
+
+    _train_tokenizer(tmp_path)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if layout == "ids_in_config_only":
+        (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    elif layout == "special_tokens_map":
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+            {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"}))
+    else:
+        (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+        config.update(bos_token=None, eos_token="</s>")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, hf = HFTokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    if layout == "bos_null":
+        assert ours.bos_id is None and hf.bos_token_id is None and ours.encode("a cat", add_bos=True) == hf.encode(
+            "a cat", add_special_tokens=False)
+    if layout == "special_tokens_map":
+        assert (ours.bos_id, ours.eos_id) == (hf.bos_token_id, hf.eos_token_id) == (1, 2)
+    if layout == "ids_in_config_only":
+        assert (ours.bos_id, ours.eos_id) == (1, 2)
+    want = {k: v for k, v in (("bos_token", "<s>"), ("eos_token", "</s>")) if layout != "bos_null" or k != "bos_token"}
+    assert {k: ours.special_tokens.get(k) for k in want} == want
+    assert "bos_token" not in ours.special_tokens or layout != "bos_null"

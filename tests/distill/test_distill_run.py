@@ -115,7 +115,7 @@ def test_columns_pack_with_their_tokens(tmp_path, teacher_dir, data_file):
 
 @pytest.mark.parametrize("row, match", [
     ({"prompt": "1+1=", "completion": "2", "behavior_logprobs": [0.0, -1.0]},
-     r"rows.jsonl row 0 of the train split: a row's 'behavior_logprobs' has 2 entries but the row encodes to 7"),
+     r"rows.jsonl:1 \(train split\): a row's 'behavior_logprobs' has 2 entries but the row encodes to 7"),
     ({"prompt": "1+1=", "completion": "2", "behavior_logprobs": "x"}, "list of finite numbers"),
     ({"prompt": "1+1=", "completion": "2", "teacher_topk_ids": [[1]] * 7}, "come together"),
     ({"prompt": "1+1=", "completion": "2", "teacher_topk_ids": [[1, 2]] * 7,
@@ -133,7 +133,7 @@ def test_bad_columns_name_the_row(tmp_path, row, match):
 def test_rows_must_all_carry_a_column(tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({**ROWS[1], "behavior_logprobs": [0.0] * 7}) + "\n")
-    with pytest.raises(DataError, match="row 0 has no 'behavior_logprobs' column but row 1 does"):
+    with pytest.raises(DataError, match=r"mixed.jsonl:1 has no .behavior_logprobs. column but .*mixed.jsonl:2 does"):
         read_rows(path)
 
 
