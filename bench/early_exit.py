@@ -1,10 +1,13 @@
 """WAVE early exit: layers saved and wall time against full depth at equal accuracy (CPU).
 
 Trains the quickstart recipe (`configs/quickstart.py`) with 6 layers on clean 2-digit
-addition (once, under ``--run``),
-calibrates the exit window and threshold on training problems (the positions that predict
-answer tokens; with ``--calibrate decode`` the threshold is then chosen by decoding those
-problems' prompts with exits and comparing with full-depth decoding), then measures on held-out problems: exact-match accuracy and mean layers
+addition (once, under ``--run``), calibrates on 256 held-out problems that the evaluation
+never sees (``--calibrate-on train``: training problems): the exit window from the
+teacher-forced settled layers at the positions that predict answer tokens, the threshold
+from decoding the problems' prompts with exits, the smallest whose answers equal full
+depth's on ``--agreement`` of them (``--calibrate teacher-forced``: the teacher-forced
+per-token agreement). Then it measures on 200 other held-out problems: exact-match
+accuracy and mean layers
 per generated token with and without exits (batch 64), and the wall time of greedy
 decoding at batch 1 (exits save compute only when every row of a batch has left, so a
 batch of one is where the time shows): whole calls of 6 new tokens, and their decode steps
@@ -12,7 +15,7 @@ alone (a call minus a one-token call). Also the threshold sweep of the calibrati
 
     python bench/early_exit.py                    # -> runs/early_exit
     python bench/early_exit.py --agreement 0.98 --quantiles 0.05 0.95
-    python bench/early_exit.py --calibrate decode  # threshold from decoded agreement
+    python bench/early_exit.py --calibrate teacher-forced --calibrate-on train  # the first calibration
 """
 
 from __future__ import annotations
@@ -40,14 +43,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default="runs/early_exit")
     ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0, help="the training run's seed")
     ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--calibration", type=int, default=256, help="training problems to calibrate on")
+    ap.add_argument("--calibration", type=int, default=256, help="problems to calibrate on")
+    ap.add_argument("--calibrate-on", choices=("train", "held-out"), default="held-out",
+                    help="calibration problems: training ones, or held-out ones disjoint from the evaluated set")
     ap.add_argument("--eval", type=int, default=200, help="held-out problems")
     ap.add_argument("--timed", type=int, default=24, help="held-out problems decoded one at a time for wall time")
     ap.add_argument("--agreement", type=float, default=0.99)
     ap.add_argument("--quantiles", type=float, nargs=2, default=(0.1, 0.9))
     ap.add_argument("--proxy-vocab", type=int, default=16)
-    ap.add_argument("--calibrate", choices=("teacher-forced", "decode"), default="teacher-forced",
+    ap.add_argument("--calibrate", choices=("teacher-forced", "decode"), default="decode",
                     help="how the threshold is chosen: teacher-forced agreement per answer token, or "
                          "decoded answers equal to full depth's (sequence level)")
     ap.add_argument("--json", default=None)
@@ -70,11 +76,22 @@ def main() -> None:
     if not (run / "model").exists():
         train(load_config("quickstart", [f"model.n_layers={args.layers}", "data.source.carry_slip=0",
                                          f"trainer.steps={args.steps}", f"trainer.out_dir={run}",
+                                         f"trainer.seed={args.seed}",
                                          "trainer.progress=false"]))
     model = jaxlm.load_checkpoint(run / "model")
     cfg = model.config
     tok = model.tokenizer
-    cal_ex = [task.example(i, "train") for i in range(args.calibration)]
+    held = [task.example(i, "eval") for i in range(args.eval)]
+    if args.calibrate_on == "train":
+        cal_ex = [task.example(i, "train") for i in range(args.calibration)]
+    else:  # held-out problems the evaluation never sees
+        evaluated, cal_ex, i = {e["prompt"] for e in held}, [], args.eval
+        while len(cal_ex) < args.calibration:
+            e = task.example(i, "eval")
+            i += 1
+            if e["prompt"] not in evaluated:
+                evaluated.add(e["prompt"])
+                cal_ex.append(e)
     pairs = encode_pairs(tok, [e["prompt"] for e in cal_ex], [e["completion"] for e in cal_ex], append_eos=True)
     cal = calibrate_exit_window(model, pairs.tokens, pairs.valid, score_mask=answer_positions(pairs),
                                 quantiles=tuple(args.quantiles), agreement=args.agreement, proxy_vocab=args.proxy_vocab)
@@ -90,7 +107,6 @@ def main() -> None:
         print(f"threshold by decoding: {w.threshold} (teacher-forced: {teacher_forced.window.threshold}); decoded "
               f"answers equal to full depth {cal.agreement:.3f}, layers per decoded token {cal.mean_layers:.2f}")
 
-    held = [task.example(i, "eval") for i in range(args.eval)]
     rows = {}
     for name, kw in (("full depth", {}), ("WAVE", {"early_exit": w})):
         acc = task_accuracy(model, held, task.verify, tokenizer=tok, max_new_tokens=6, generate_kwargs=kw)
@@ -136,7 +152,8 @@ def main() -> None:
     for s in cal.sweep:
         print(f"  {s['threshold']:<6g}: agreement {s['agreement']:.3f}, layers {s['mean_layers']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"window": vars(w), "calibrate": args.calibrate, "rows": rows,
+        Path(args.json).write_text(json.dumps({"window": vars(w), "calibrate": args.calibrate,
+                                               "calibrate_on": args.calibrate_on, "rows": rows,
                                                "sweep": cal.sweep}, indent=2))
 
 

@@ -165,8 +165,9 @@ def test_bad_windows_fail_naming_the_field(model):
 @pytest.mark.slow  # trains a 6-layer model for 1000 steps (about 5 minutes on 2 cores); the exactness tests above run by default
 def test_calibrated_window_saves_layers_at_equal_accuracy(tmp_path):
     """WAVE's claim in miniature on the quickstart model (6 layers, 2-digit addition), as
-    `bench/early_exit.py` measures it: the window calibrated on training problems cuts the
-    layers per decoded token while held-out exact match stays within one point of the full
+    `bench/early_exit.py` measures it: the window and threshold calibrated on held-out problems
+    (the threshold by decoding them, `calibrate_threshold_by_decoding`) cut the layers per
+    decoded token while exact match on other held-out problems stays within one point of the full
     model. The bench runs in its own process with XLA's default optimisation (this suite
     compiles at level 0 for speed), so it trains the model the documented numbers come from."""
     import json
