@@ -101,7 +101,9 @@ def neuron_contributions(model, tokens, mask, direction, layer: int) -> jax.Arra
 def head_contributions(model, tokens, mask, direction, layer: int) -> jax.Array:
     """Direct per-head projections ``[B, N]``: head ``h``'s channels of ``attn_ctx`` through its
     rows of ``o_proj``, dotted with ``v``; they sum to ``<attn_out, v>`` (o_proj is linear and
-    bias-free), and equal `head_importance` read at ``attn_out`` of the same layer."""
+    bias-free), and equal `head_importance` read at ``attn_out`` of the same layer for float
+    projections (under QAT, o_proj's input quantizer scales depend on every head, so masking
+    one head is not linear and the two differ)."""
     c = model.config
     layer = _check_layer("layer", layer, c.n_layers)
     v = _direction_at(direction, layer, c)

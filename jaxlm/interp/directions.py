@@ -32,7 +32,8 @@ from jaxlm.models.taps import COLLECTABLE
 
 #: Derived sites `capture` computes from collected ones: name -> (needed taps, what it is).
 DERIVED_SITES = {"resid_mid": (("hidden", "mlp_out"), "residual after attention, before the MLP [B, T, D]")}
-CAPTURE_SITES = tuple(sorted((set(COLLECTABLE) - {"attn_probs"}) | set(DERIVED_SITES)))
+#: (``mlp_beta``, MeGan's gate slopes, needs a condition text, which `capture` does not take)
+CAPTURE_SITES = tuple(sorted((set(COLLECTABLE) - {"attn_probs", "mlp_beta"}) | set(DERIVED_SITES)))
 
 
 def last_token_index(mask: jax.Array) -> jax.Array:
@@ -177,7 +178,9 @@ def pca_directions(acts, labels, groups=None, *, n_classes: int | None = None) -
     (centred by construction: they sum to zero over classes in every group), returned once
     per class ``[E, L, D]`` with its sign aligned to that class's mean-difference direction
     (``<pc, v_e> >= 0``). With two classes the rows are ``+pc`` and ``-pc``; with more the
-    axis is shared and only the sign differs, so it is mainly a two-class tool. A
+    axis is shared and only the sign differs, so it is mainly a two-class tool. A class
+    whose mean difference vanishes (identical activations, or differences that cancel over
+    groups) has no direction: its row is zero, as `mean_difference_directions` gives. A
     variance-based alternative to `mean_difference_directions`, not in the paper."""
     cells = _class_cells(acts, labels, groups, n_classes)
     G, E, L, D = cells.shape
@@ -186,7 +189,12 @@ def pca_directions(acts, labels, groups=None, *, n_classes: int | None = None) -
     pc = vt[:, 0]  # [L, D], unit
     c = _group_centred(cells).mean(axis=0)
     mean_diff = c - c.mean(axis=0, keepdims=True)  # [E, L, D]
-    sign = jnp.where(jnp.einsum("eld,ld->el", mean_diff, pc) < 0, -1.0, 1.0)
+    dot = jnp.einsum("eld,ld->el", mean_diff, pc)
+    scale = jnp.max(jnp.linalg.norm(centred, axis=-1), axis=0)  # [L]: the cells' size, per layer
+    none = jnp.linalg.norm(mean_diff, axis=-1) <= 1e-6 * scale[None]  # [E, L]
+    sign = jnp.where(none, 0.0, jnp.where(dot < 0, -1.0, 1.0))
+    if E == 2:  # exactly +pc and -pc (or both zero)
+        sign = jnp.stack([sign[0], -sign[0]])
     out = sign[..., None] * pc[None]
     chex.assert_shape(out, (E, L, D))
     return out

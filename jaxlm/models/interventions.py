@@ -53,6 +53,11 @@ class Intervention:
         v = jnp.take(self.vector, layer, axis=0).astype(jnp.float32)
         on = jnp.take(self.layers, layer, axis=0)
         x = value.astype(jnp.float32)
+        feature = x.shape[2:]  # a site's values are [B, T, ...features]
+        fits = v.shape == x.shape or (v.ndim <= len(feature) and v.shape == feature[len(feature) - v.ndim:])
+        if self.kind in ("add", "ablate") and not fits:  # it would broadcast the site, or fail to
+            raise ValueError(f"a {self.kind!r} intervention at site {self.site!r}: its per-layer vector "
+                             f"{tuple(v.shape)} does not fit the site's values {tuple(feature)} (per position)")
         if self.kind == "add":
             delta = self.alpha * v
             if self.rms_scale:
@@ -64,6 +69,9 @@ class Intervention:
             new = x - self.alpha * jnp.sum(x * v, axis=-1, keepdims=True) * v
         else:  # scale_heads
             n = v.shape[-1]
+            if v.ndim != 1 or x.shape[-1] % n:
+                raise ValueError(f"scale_heads at site {self.site!r}: a [layers, heads] scale of {n} heads does not "
+                                 f"split the site's width {x.shape[-1]}")
             heads = x.reshape(*x.shape[:-1], n, x.shape[-1] // n)
             new = (heads * v[..., None]).reshape(x.shape)
         pos = self._positions(x.shape)
@@ -98,14 +106,19 @@ def layer_mask(layers, n_layers: int) -> jax.Array:
         raise ValueError(f"n_layers={n_layers!r} is invalid: must be a positive int")
     if layers is None:
         return jnp.ones((n_layers,), bool)
-    layers = [int(i) for i in np.atleast_1d(layers)]
+    arr = np.atleast_1d(np.asarray(layers))
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"layers={layers!r} is invalid: layer indices (ints), not a boolean mask or floats")
+    layers = [int(i) for i in arr]
     bad = [i for i in layers if not 0 <= i < n_layers]
     if bad:
         raise ValueError(f"layers={bad} are out of range: the model has layers 0..{n_layers - 1}")
     return jnp.zeros((n_layers,), bool).at[jnp.asarray(layers, jnp.int32)].set(True)
 
 
-def check_interventions(interventions, n_layers: int) -> tuple[Intervention, ...]:
+def check_interventions(interventions, n_layers: int, n_heads: int | None = None) -> tuple[Intervention, ...]:
+    """The interventions as a tuple, each built for ``n_layers`` layers (and a head scale for
+    ``n_heads`` heads), or an error naming the one that is not."""
     if isinstance(interventions, Intervention):
         interventions = (interventions,)
     interventions = tuple(interventions or ())
@@ -117,4 +130,7 @@ def check_interventions(interventions, n_layers: int) -> tuple[Intervention, ...
                 f"interventions[{i}] (site {iv.site!r}) is built for {iv.vector.shape[0]} layers, "
                 f"the model has {n_layers}"
             )
+        if iv.kind == "scale_heads" and n_heads is not None and iv.vector.shape[1:] != (n_heads,):
+            raise ValueError(f"interventions[{i}] scales {iv.vector.shape[1:]} heads per layer; the model has "
+                             f"n_heads={n_heads} (head_scale must be [{n_heads}] or [{n_layers}, {n_heads}])")
     return interventions

@@ -212,7 +212,7 @@ class Transformer(nnx.Module):
             x = embeds.astype(c.compute_dtype)
         aux = {
             "meta": self._meta_inputs(condition),
-            "interventions": check_interventions(interventions, c.n_layers),
+            "interventions": check_interventions(interventions, c.n_layers, c.n_heads),
         }
         k_all = v_all = None
         if cache is not None:

@@ -122,6 +122,26 @@ def test_pca_matches_numpy_and_is_sign_aligned():
     np.testing.assert_allclose(np.linalg.norm(three, axis=-1), 1.0, atol=1e-5)
 
 
+def test_pca_of_a_class_without_a_mean_difference_is_zero():
+    """Identical activations, or class differences that cancel over groups: no direction
+    (zeros, as the mean difference gives), not an arbitrary unit axis; two classes give
+    exactly +pc and -pc."""
+    same = np.ones((2, 8, 4), np.float32)  # [L, N, D]
+    labels = np.array([0, 1] * 4)
+    np.testing.assert_array_equal(np.asarray(pca_directions(same, labels)), 0.0)
+    rng = np.random.default_rng(0)
+    acts = rng.normal(size=(2, 8, 4)).astype(np.float32)
+    out = np.asarray(pca_directions(acts, labels))
+    np.testing.assert_array_equal(out[0], -out[1])
+    assert np.abs(out).max() > 0.1
+    # group 0 has class 1 above class 0 by d, group 1 below by d: the mean difference cancels
+    d = np.array([1.0, 2.0, 0.0, 0.0], np.float32)
+    base = rng.normal(size=(2, 1, 4)).astype(np.float32)
+    acts = np.concatenate([base, base + d, base + d, base], axis=1)
+    out = np.asarray(pca_directions(acts, np.array([0, 1, 0, 1]), np.array([0, 0, 1, 1])))
+    np.testing.assert_array_equal(out, 0.0)
+
+
 def test_bad_inputs_are_named():
     acts, labels, groups = _data(E=2, G=3)
     with pytest.raises(ValueError, match="acts must be"):

@@ -166,6 +166,25 @@ def test_bad_interventions_are_named():
     model = jaxlm.build_model(ModelConfig.tiny(n_layers=3), seed=0)
     with pytest.raises(ValueError, match="built for 2 layers, the model has 3"):
         model(jnp.ones((1, 3), jnp.int32), interventions=(steer("hidden", jnp.ones(64), alpha=1.0, n_layers=2),))
+    with pytest.raises(ValueError, match="not a boolean mask"):
+        steer("hidden", jnp.ones(4), alpha=1.0, n_layers=3, layers=np.array([False, True, True]))
+
+
+def test_interventions_of_the_wrong_shape_are_refused(model, tokens):
+    """A direction or head scale that does not fit the site would broadcast it silently (a
+    [3, D] direction on a 2-layer model steered position t with row t; a head scale of
+    n_kv_heads entries zeroed heads in pairs; a [heads, H] key direction under MQA grew the
+    keys to query width)."""
+    L, N = model.config.n_layers, model.config.n_heads
+    with pytest.raises(ValueError, match=r"per-layer vector \(3, 64\) does not fit"):
+        model(tokens, interventions=(steer("hidden", jnp.ones((3, 64)), alpha=1.0, n_layers=L, per_layer=False),))
+    for bad in (N // 2, 2 * N):
+        with pytest.raises(ValueError, match=f"scales \\({bad},\\) heads per layer; the model has n_heads={N}"):
+            model(tokens, interventions=(mask_heads(jnp.ones(bad), n_layers=L),))
+    mqa = jaxlm.build_model(ModelConfig.tiny(n_kv_heads=1), seed=0)
+    direction = jnp.ones((mqa.config.n_heads, mqa.config.head_dim))
+    with pytest.raises(ValueError, match="does not fit the site's values"):
+        mqa(tokens, interventions=(steer("k", direction, alpha=1.0, n_layers=mqa.config.n_layers, per_layer=False),))
 
 
 def test_kv_fake_quant_quantizes_the_cached_keys_and_values(model, tokens):
