@@ -17,6 +17,7 @@ from typing import Any, Literal
 from jaxlm.agents.tasks import AgentTaskConfig
 from jaxlm.data.audiovisual import AVTaskConfig
 from jaxlm.data.pipeline import DataConfig
+from jaxlm.inference.diffusion.sampler import check_schedule
 from jaxlm.models.config import ModelConfig
 from trainers.distill.config import DistillConfig
 from trainers.losses import TOKEN_WEIGHTS
@@ -533,6 +534,12 @@ class ExperimentConfig:
                                                     or self.model.delete_token_id is None):
                 raise ValueError("algorithm.eval_edit_rounds needs model.next_token_head=True and "
                                  "model.delete_token_id")
+            n = self.trainer.eval_max_new_tokens  # the held-out sampler's schedule, checked before training
+            try:
+                check_schedule(n, self.algorithm.eval_block_length, self.algorithm.eval_steps or n)
+            except ValueError as e:
+                raise ValueError(f"algorithm.eval_steps={self.algorithm.eval_steps} / algorithm.eval_block_length="
+                                 f"{self.algorithm.eval_block_length} with trainer.eval_max_new_tokens={n}: {e}") from None
         elif self.model.mode == "diffusion":
             raise ValueError(f"model.mode='diffusion' is trained with algorithm=DiffusionConfig(), not "
                              f"{self.algorithm.name!r}")

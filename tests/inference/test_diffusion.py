@@ -194,7 +194,8 @@ def test_partial_update_with_rho_one_recomputes_every_response_token(model, cach
     _, none = fw.dllm_cache_forward(model, x2, valid, caches, 3, prompt_len=P, transfer_ratio=0.0)
     for name in ("attn", "mlp"):
         np.testing.assert_array_equal(none[name][1:], caches[name][1:])
-    np.testing.assert_array_equal(none["v"][1:, :, :P], caches["v"][1:, :, :P])  # prompt values kept
+    # and its values too: at rho = 0 the reference skips the partial update altogether
+    np.testing.assert_array_equal(none["v"][1:], caches["v"][1:])
 
 
 def test_partial_update_recomputes_the_least_similar_tokens(model, cached_state):
@@ -217,6 +218,102 @@ def test_partial_update_recomputes_the_least_similar_tokens(model, cached_state)
     expected = np.argsort(cos, axis=-1, kind="stable")[:, :k]
     for b in range(3):
         assert set(np.flatnonzero(changed[0, b])) == set(expected[b])
+
+
+def _reference_dllm_cache_step(model, tokens, cache, mode, rho, P):
+    """One forward of dLLM-Cache as `cache_hook_LLaDA.py` (maomaocun/dLLM-cache) orders it, for
+    one unpadded row, written from the hook: the first layer and mode 0 recompute everything;
+    a response refresh (mode 1) recomputes the response over the cached prompt K/V; otherwise,
+    for 0 < rho <= 1, every response value is replaced and the int(G rho) tokens whose values
+    moved most get new keys, and then the prompt (mode 2) and those tokens query the updated
+    K/V together. ``cache``: per layer, a dict updated in place."""
+    from jaxlm.models.taps import Taps
+
+    no_taps = Taps(frozenset())
+    T = tokens.shape[0]
+    G = T - P
+    x = fw.embed(model, jnp.asarray(tokens[None], jnp.int32))
+    pos = jnp.arange(T)[None]
+
+    def project(block, h, p):
+        return block.attn.project(block.attn_norm(h), p, no_taps)
+
+    def attend(block, q, k, v):
+        n = q.shape[1]
+        ctx, _ = block.attn.attend(q, k.astype(q.dtype), v.astype(q.dtype), jnp.ones((1, 1, n, k.shape[2]), bool),
+                                   need_probs=False)
+        return block.attn.o_proj(ctx.reshape(1, n, -1))
+
+    def mlp(block, h):
+        return block.mlp(block.mlp_norm(h), no_taps, {"meta": None})
+
+    for i, block in enumerate(fw.blocks(model)):
+        c = cache[i]
+        gen, prompt = mode in (0, 1) or i == 0, mode in (0, 2) or i == 0
+        if gen and prompt:
+            q, k, v = project(block, x, pos)
+            a = attend(block, q, k, v)
+            m = mlp(block, x + a)
+            c.update(kP=k[:, :, :P], vP=v[:, :, :P], kG=k[:, :, P:], vG=v[:, :, P:], aP=a[:, :P], aG=a[:, P:],
+                     mP=m[:, :P], mG=m[:, P:])
+            x = x + a + m
+            continue
+        chosen = np.zeros(0, int)
+        if not gen and 0 < rho <= 1:
+            qg, kg, vg = project(block, x[:, P:], pos[:, P:])
+            old = np.asarray(c["vG"]).transpose(0, 2, 1, 3).reshape(G, -1)
+            new = np.asarray(vg).transpose(0, 2, 1, 3).reshape(G, -1)
+            cos = (old * new).sum(-1) / np.maximum(np.linalg.norm(old, axis=-1) * np.linalg.norm(new, axis=-1), 1e-8)
+            chosen = np.argsort(cos, kind="stable")[:int(G * rho)]
+            c["kG"], c["vG"] = c["kG"].at[:, :, chosen].set(kg[:, :, chosen]), vg
+        if gen:
+            qg, kg, vg = project(block, x[:, P:], pos[:, P:])
+            c.update(kG=kg, vG=vg, aG=attend(block, qg, jnp.concatenate([c["kP"], kg], 2),
+                                             jnp.concatenate([c["vP"], vg], 2)))
+        elif prompt:
+            qp, kp, vp = project(block, x[:, :P], pos[:, :P])
+            c.update(kP=kp, vP=vp)
+            k, v = jnp.concatenate([kp, c["kG"]], 2), jnp.concatenate([vp, c["vG"]], 2)
+            a = attend(block, jnp.concatenate([qp, qg[:, chosen]], 1) if len(chosen) else qp, k, v)
+            c["aP"] = a[:, :P]
+            if len(chosen):
+                c["aG"] = c["aG"].at[:, chosen].set(a[:, P:])
+        elif len(chosen):
+            k, v = jnp.concatenate([c["kP"], c["kG"]], 2), jnp.concatenate([c["vP"], c["vG"]], 2)
+            c["aG"] = c["aG"].at[:, chosen].set(attend(block, qg[:, chosen], k, v))
+        x1 = x + jnp.concatenate([c["aP"], c["aG"]], 1)
+        if gen:
+            c["mG"] = mlp(block, x1[:, P:])
+        if prompt:
+            c["mP"] = mlp(block, x1[:, :P])
+        if not gen and len(chosen):
+            c["mG"] = c["mG"].at[:, chosen].set(mlp(block, x1[:, P:][:, chosen]))
+        x = x1 + jnp.concatenate([c["mP"], c["mG"]], 1)
+    return np.asarray(model.unembed(model.final_norm(x[:, P:])))[0]
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.25, 0.5])
+def test_dllm_cache_steps_equal_the_reference_hook(rho):
+    """Four layers (with two, the last layer's prompt outputs never reach the logits), the
+    schedule K_p = 2, K_r = 3 through every mode, one token committed per step."""
+    model = build_model(diffusion_config(init_std=0.3, n_layers=4), seed=1)
+    P, G = 6, 8
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.integers(3, 200, P), np.full(G, MASK)])
+    schedule = DLLMCache(2, 3, rho)
+    reference, ours = [{} for _ in range(4)], None
+    valid = jnp.ones((1, P + G), bool)
+    for step in range(7):
+        mode = int(schedule.mode(step))
+        want = _reference_dllm_cache_step(model, x, reference, mode, rho, P)
+        tokens = jnp.asarray(x[None], jnp.int32)
+        if mode == 0:
+            got, ours = fw.full_forward(model, tokens, valid, start=P, collect=True)
+        else:
+            got, ours = fw.dllm_cache_forward(model, tokens, valid, ours, mode, prompt_len=P, transfer_ratio=rho)
+        np.testing.assert_allclose(np.asarray(got)[0], want, atol=2e-5, err_msg=f"step {step}, mode {mode}")
+        x[P + (step * 5) % G] = rng.integers(3, 200)
+    assert {int(schedule.mode(s)) for s in range(7)} == {0, 1, 2, 3}
 
 
 def test_dllm_cache_flops_follow_the_refresh_schedule(model, baseline):
@@ -372,3 +469,11 @@ def test_bucket_padding_shrinks_to_fit_the_context(model):
     prompt = [[1 + i % 200 for i in range(room - 1)]]  # padded to a multiple of 8 it would not fit
     got = diffusion_generate(model, prompt, gen_length=8, steps=8)
     np.testing.assert_array_equal(got.tokens, diffusion_generate(model, prompt, gen_length=8, steps=8, bucket=1).tokens)
+
+
+def test_logits_eos_inf_bans_eos_and_needs_an_eos_id(model):
+    out = diffusion_generate(model, PROMPTS, gen_length=8, steps=8, logits_eos_inf=True)
+    assert not (np.asarray(out.tokens) == model.tokenizer.eos_id).any()
+    bare = build_model(diffusion_config(init_std=0.3), seed=1)  # no tokenizer: no EOS id is known
+    with pytest.raises(ValueError, match="logits_eos_inf=True bans EOS, but no tokenizer with an EOS id"):
+        diffusion_generate(bare, [[1, 20, 21]], gen_length=8, steps=8, logits_eos_inf=True)

@@ -140,3 +140,10 @@ def test_config_errors(tmp_path):
         dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack=True))
     with pytest.raises(ValueError, match="algorithm.eps"):
         DiffusionConfig(eps=0.0)
+    # the held-out sampler's schedule is checked before training, not at the final evaluation
+    for algo, match in ((DiffusionConfig(objective="sft", eval_block_length=3), "not divisible by block_length=3"),
+                        (DiffusionConfig(objective="sft", eval_steps=32), "at most one step per token"),
+                        (DiffusionConfig(objective="sft", eval_steps=3, eval_block_length=4),
+                         "steps=3 is not divisible by the number of blocks")):
+        with pytest.raises(ValueError, match=f"eval_max_new_tokens=8: .*{match}"):
+            dataclasses.replace(cfg, algorithm=algo)

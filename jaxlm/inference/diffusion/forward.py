@@ -153,7 +153,10 @@ def dllm_cache_forward(model, tokens, valid, caches, mode, *, prompt_len: int, t
     x = embed(model, tokens)
     all_slots = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     gen_slots, prompt_slots = all_slots[:, P:], all_slots[:, :P]
-    k_top = max(int(G * transfer_ratio), 0) if mode != 1 else 0
+    # the adaptive partial update runs only for 0 < ratio <= 1 (at ratio 0 the response's
+    # values stay as of its last refresh); it may choose no token when G * ratio < 1
+    transfer = mode != 1 and 0 < transfer_ratio <= 1
+    k_top = int(G * transfer_ratio) if transfer else 0
     new = {name: [] for name in caches}
     for i, block in enumerate(blocks(model)):
         k, v, attn, mlp = (caches[name][i] for name in ("k", "v", "attn", "mlp"))
@@ -162,16 +165,8 @@ def dllm_cache_forward(model, tokens, valid, caches, mode, *, prompt_len: int, t
             attn, mlp, x = a, m, x + a + m
         else:
             x_p, x_g = x[:, :P], x[:, P:]
-            if mode == 2:
-                a, m, k, v = layer_queries(block, x_p, pos[:, :P], prompt_slots, k, v, valid)
-                attn, mlp = attn.at[:, :P].set(a), mlp.at[:, :P].set(m)
-                x_p = x_p + a + m
-            else:  # the prompt's outputs come from the cache (nothing reads them downstream)
-                x_p = x_p + attn[:, :P] + mlp[:, :P]
-            if mode == 1:
-                a, m, k, v = layer_queries(block, x_g, pos[:, P:], gen_slots, k, v, valid)
-                attn, mlp = attn.at[:, P:].set(a), mlp.at[:, P:].set(m)
-            else:  # adaptive partial update
+            chosen = None
+            if transfer:  # adaptive partial update: every response value first, then chosen tokens
                 h = block.attn_norm(x_g)
                 c = block.attn.config
                 v_new = block.attn.v_proj(h).reshape(B, G, c.n_kv_heads, c.v_head_dim).astype(v.dtype)
@@ -182,10 +177,24 @@ def dllm_cache_forward(model, tokens, valid, caches, mode, *, prompt_len: int, t
                 v = v.at[:, P:].set(v_new)
                 if k_top:
                     chosen = jnp.argsort(sim, axis=-1, stable=True)[:, :k_top]  # least similar first
-                    slots = P + chosen.astype(jnp.int32)
-                    a, m, k, v = layer_queries(block, _gather(x_g, chosen), _gather(pos[:, P:], chosen), slots,
-                                               k, v, valid)
+            if mode == 1:
+                x_p = x_p + attn[:, :P] + mlp[:, :P]  # the prompt's outputs from the cache
+                a, m, k, v = layer_queries(block, x_g, pos[:, P:], gen_slots, k, v, valid)
+                attn, mlp = attn.at[:, P:].set(a), mlp.at[:, P:].set(m)
+            else:
+                # the queries: the prompt (mode 2) and the chosen response tokens, in one pass over
+                # the keys/values as updated (the reference's order: values, then the queries)
+                xs, ps, ss = ([x_p], [pos[:, :P]], [prompt_slots]) if mode == 2 else ([], [], [])
+                if chosen is not None:
+                    xs.append(_gather(x_g, chosen))
+                    ps.append(_gather(pos[:, P:], chosen))
+                    ss.append(P + chosen.astype(jnp.int32))
+                if xs:
+                    slots = jnp.concatenate(ss, axis=1)
+                    a, m, k, v = layer_queries(block, jnp.concatenate(xs, axis=1), jnp.concatenate(ps, axis=1),
+                                               slots, k, v, valid)
                     attn, mlp = _scatter(attn, slots, a), _scatter(mlp, slots, m)
+                x_p = x_p + attn[:, :P] + mlp[:, :P]
             x_g = x_g + attn[:, P:] + mlp[:, P:]
             x = jnp.concatenate([x_p, x_g], axis=1)
         for name, value in zip(("k", "v", "attn", "mlp"), (k, v, attn, mlp)):
@@ -230,7 +239,7 @@ def dllm_cache_flops(c, batch: int, length: int, prompt_len: int, mode: int, tra
         rest += P * _token_flops(c) + _attention_flops(c, P, T)
     if mode == 1:
         rest += G * _token_flops(c) + _attention_flops(c, G, T)
-    else:
+    elif 0 < transfer_ratio <= 1:  # the values of every response token, then the chosen ones
         k = int(G * transfer_ratio)
         rest += G * 2.0 * c.d_model * c.v_dim + k * _token_flops(c) + _attention_flops(c, k, T)
     return batch * (first + (c.n_layers - 1) * rest + head_flops(c, G))

@@ -305,6 +305,29 @@ def check_diffusion_model(model) -> None:
         )
 
 
+def check_schedule(gen_length, block_length, steps) -> tuple[int, int, int | None]:
+    """``(gen_length, block_length, steps per block)`` of LLaDA's semi-autoregressive schedule
+    (``block_length`` None: one block; ``steps`` None: no fixed step count), or a ValueError
+    naming what does not divide: ``gen_length`` into blocks, ``steps`` over the blocks, or more
+    than one step per token."""
+    gen_length = _positive_int("gen_length", gen_length)
+    block_length = gen_length if block_length is None else _positive_int("block_length", block_length)
+    if gen_length % block_length:
+        raise ValueError(f"gen_length={gen_length} is not divisible by block_length={block_length}")
+    if steps is None:
+        return gen_length, block_length, None
+    n_blocks = gen_length // block_length
+    steps = _positive_int("steps", steps)
+    if steps % n_blocks:
+        raise ValueError(f"steps={steps} is not divisible by the number of blocks gen_length/block_length = "
+                         f"{n_blocks}")
+    steps_per_block = steps // n_blocks
+    if steps_per_block > block_length:
+        raise ValueError(f"steps={steps} gives {steps_per_block} steps per block of {block_length} tokens: "
+                         f"at most one step per token (steps <= gen_length={gen_length})")
+    return gen_length, block_length, steps_per_block
+
+
 def diffusion_generate(
     model,
     prompts: Sequence[Sequence[int]] | Sequence[str] | str,
@@ -353,23 +376,11 @@ def diffusion_generate(
     check_diffusion_model(model)
     config = model.config
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    gen_length = _positive_int("gen_length", gen_length)
-    block_length = gen_length if block_length is None else _positive_int("block_length", block_length)
-    if gen_length % block_length:
-        raise ValueError(f"gen_length={gen_length} is not divisible by block_length={block_length}")
+    fixed = threshold is None and slow_fast is None
+    if fixed and steps is None:
+        raise ValueError("steps is required with the fixed schedule (set steps, threshold= or slow_fast=)")
+    gen_length, block_length, steps_per_block = check_schedule(gen_length, block_length, steps if fixed else None)
     n_blocks = gen_length // block_length
-    steps_per_block = None
-    if threshold is None and slow_fast is None:
-        if steps is None:
-            raise ValueError("steps is required with the fixed schedule (set steps, threshold= or slow_fast=)")
-        steps = _positive_int("steps", steps)
-        if steps % n_blocks:
-            raise ValueError(f"steps={steps} is not divisible by the number of blocks gen_length/block_length = "
-                             f"{n_blocks}")
-        steps_per_block = steps // n_blocks
-        if steps_per_block > block_length:
-            raise ValueError(f"steps={steps} gives {steps_per_block} steps per block of {block_length} tokens: "
-                             f"at most one step per token (steps <= gen_length={gen_length})")
     if threshold is not None and (isinstance(threshold, bool) or not 0 <= float(threshold) <= 1):
         raise ValueError(f"threshold={threshold!r} is invalid: must be in [0, 1]")
     if threshold is not None and slow_fast is not None:
@@ -397,7 +408,10 @@ def diffusion_generate(
             raise ValueError(f"prompt {i} has ids {bad[:5]} outside [0, vocab_size={config.vocab_size}) or equal "
                              f"to mask_token_id={config.mask_token_id}")
     eos = getattr(tokenizer, "eos_id", None)
-    banned = _token_ids(banned_tokens, "banned_tokens") + ((int(eos),) if logits_eos_inf and eos is not None else ())
+    if logits_eos_inf and eos is None:
+        raise ValueError("logits_eos_inf=True bans EOS, but no tokenizer with an EOS id is known: pass tokenizer= "
+                         "(or ban the id with banned_tokens=)")
+    banned = _token_ids(banned_tokens, "banned_tokens") + ((int(eos),) if logits_eos_inf else ())
     for t in banned:
         if not 0 <= t < config.vocab_size:
             raise ValueError(f"banned_tokens has {t}, outside [0, vocab_size={config.vocab_size})")
