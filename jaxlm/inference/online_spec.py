@@ -346,7 +346,9 @@ class ChunkReport:
     """Tokens the verify rounds produced per round: mean accepted drafts + 1 (each row's
     first token comes from the prefill, not from a round, and is not counted)."""
     accept_rate: float
-    """Accepted drafts / proposed drafts over the chunk's rounds."""
+    """Accepted drafts / proposed drafts over the rounds that ran to their end: each row's last
+    round is left out, since a stop token or the token limit may cut it short (drafts the
+    target accepted but no longer needed would count as rejected)."""
     serve_seconds: float
     tokens_per_second: float
     adapt_seconds: float = 0.0
@@ -443,10 +445,16 @@ def serve_stream(target, draft, chunks: Iterable[Sequence[Any]], config: OnlineS
             results.append(_take_rows(r, n_real))
         generated = sum(int(np.sum(r.lengths)) for r in results)
         rounds = sum(int(np.sum(r.verify_rounds)) for r in results)
-        accepted = sum(int(np.sum(np.maximum(np.asarray(r.accepted_lengths), 0))) for r in results)
+        accepted, complete = 0, 0
+        for r in results:
+            acc, n_rounds = np.asarray(r.accepted_lengths), np.asarray(r.verify_rounds)
+            full = np.arange(acc.shape[1])[None, :] < (n_rounds - 1)[:, None]  # every round but each row's last
+            accepted += int(np.sum(np.where(full, acc, 0)))
+            complete += int(np.sum(np.maximum(n_rounds - 1, 0)))
         report = ChunkReport(
             index=t, prompts=len(token_lists), generated_tokens=generated, verify_rounds=rounds,
-            tokens_per_round=(generated - len(token_lists)) / max(rounds, 1), accept_rate=accepted / max(rounds * config.num_draft_tokens, 1),
+            tokens_per_round=(generated - len(token_lists)) / max(rounds, 1),
+            accept_rate=accepted / complete / config.num_draft_tokens if complete else float("nan"),
             serve_seconds=seconds, tokens_per_second=generated / max(seconds, 1e-12),
             completions=[c for r in results for c in r.completions()] if keep_completions else None,
         )

@@ -294,3 +294,7 @@ def test_tokens_per_round_is_mean_accepted_plus_one_with_a_perfect_draft():
     rep = serve_stream(target, target, chunked([[1, 5, 6], [1, 7]], 2), cfg, stop_tokens=())
     (ch,) = rep.chunks
     assert ch.accept_rate == 1.0 and ch.tokens_per_round == 4.0 and rep.mean("tokens_per_round") == 4.0
+    # a last round cut short by the token limit (8 = 1 + 4 + 3): its needless drafts are not rejections
+    cut = serve_stream(target, target, chunked([[1, 5, 6], [1, 7]], 2),
+                       dataclasses.replace(cfg, max_new_tokens=8), stop_tokens=())
+    assert cut.chunks[0].accept_rate == 1.0
