@@ -380,7 +380,6 @@ def diffusion_generate(
     if fixed and steps is None:
         raise ValueError("steps is required with the fixed schedule (set steps, threshold= or slow_fast=)")
     gen_length, block_length, steps_per_block = check_schedule(gen_length, block_length, steps if fixed else None)
-    n_blocks = gen_length // block_length
     if threshold is not None and (isinstance(threshold, bool) or not 0 <= float(threshold) <= 1):
         raise ValueError(f"threshold={threshold!r} is invalid: must be in [0, 1]")
     if threshold is not None and slow_fast is not None:
