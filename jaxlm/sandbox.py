@@ -46,8 +46,12 @@ def _inside(path):
     return p == _ROOT or p.startswith(_ROOT + _os.sep)
 
 def _stop(what):
-    _os.write(2, ("sandbox violation: " + what + "\n").encode())
-    _os._exit(%(exit)d)
+    try:  # a closed or full stderr must not turn the stop into a catchable error
+        _os.write(2, ("sandbox violation: " + what + "\n").encode())
+    except BaseException:
+        pass
+    finally:
+        _os._exit(%(exit)d)
 
 _PATH_EVENTS = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.symlink",
                 "os.link", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "os.replace"}
@@ -74,7 +78,7 @@ del _hook
 ''' % {"exit": VIOLATION_EXIT}
 
 _CALLER = r'''
-import json as _json, signal as _signal, sys as _sys, traceback as _tb
+import json as _json, signal as _signal, sys as _sys, time as _time, traceback as _tb
 
 class _TimeUp(BaseException):
     pass
@@ -85,7 +89,11 @@ def _alarm(signum, frame):
 _signal.signal(_signal.SIGALRM, _alarm)
 _spec = _json.loads(_sys.stdin.read())
 _namespace = {"__name__": "candidate"}
-_out = []
+def _report(result):  # each call's result as soon as it is known: a process that dies keeps them
+    _sys.stdout.flush()
+    _sys.stdout.write(@MARK@ + _json.dumps(result) + "\n")
+    _sys.stdout.flush()
+
 try:
     exec(compile(open("program.py").read(), "program.py", "exec"), _namespace)
     _fn = _namespace.get(_spec["function"])
@@ -96,23 +104,27 @@ except BaseException as _e:
     _fn, _missing = None, "the program failed to load: %s: %s" % (type(_e).__name__, _e)
 for _arg in _spec["inputs"]:
     if _fn is None:
-        _out.append({"ok": False, "error": _missing})
+        _report({"ok": False, "error": _missing})
         continue
+    _start = _time.monotonic()
     try:
-        _signal.setitimer(_signal.ITIMER_REAL, _spec["timeout_s"])
+        # the alarm repeats until the call ends: a candidate that catches one meets the next
+        _signal.setitimer(_signal.ITIMER_REAL, _spec["timeout_s"], 0.05)
         _value = _fn(*_arg)
         _signal.setitimer(_signal.ITIMER_REAL, 0)
-        _out.append({"ok": True, "value": repr(_value)})
+        if _time.monotonic() - _start > _spec["timeout_s"]:  # it caught every alarm and returned late
+            _report({"ok": False, "error": "timeout"})
+        else:
+            _report({"ok": True, "value": repr(_value)})
     except _TimeUp:
-        _out.append({"ok": False, "error": "timeout"})
+        _signal.setitimer(_signal.ITIMER_REAL, 0)
+        _report({"ok": False, "error": "timeout"})
     except MemoryError:
         _signal.setitimer(_signal.ITIMER_REAL, 0)
-        _out.append({"ok": False, "error": "memory"})
+        _report({"ok": False, "error": "memory"})
     except BaseException as _e:
         _signal.setitimer(_signal.ITIMER_REAL, 0)
-        _out.append({"ok": False, "error": "%s: %s" % (type(_e).__name__, str(_e)[:200])})
-_sys.stdout.flush()
-_sys.stdout.write(@MARK@ + _json.dumps(_out))
+        _report({"ok": False, "error": "%s: %s" % (type(_e).__name__, str(_e)[:200])})
 '''.replace("@MARK@", repr(_RESULT_MARK))
 
 
@@ -129,9 +141,13 @@ class Limits:
     output_chars: int = 100_000
 
     def __post_init__(self):
-        for name in ("timeout_s", "cpu_s", "memory_mb", "file_mb", "open_files", "output_chars"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"Limits.{name}={getattr(self, name)} must be > 0")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"Limits.timeout_s={t!r} is invalid: must be a finite number of seconds > 0")
+        for name in ("cpu_s", "memory_mb", "file_mb", "open_files", "output_chars"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"Limits.{name}={v!r} is invalid: must be an int > 0 (a resource limit)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +182,9 @@ def _limit(limits: Limits) -> str:
 def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str, str] | None,
          *, results_mark: str | None = None) -> RunResult:
     """Run ``script`` beside ``program.py``. Output is read as UTF-8 with undecodable bytes
-    replaced; stdout keeps its first ``limits.output_chars`` characters, plus everything from
-    the last ``results_mark`` on (where a caller's results follow the program's own output)."""
+    replaced; stdout keeps its first ``limits.output_chars`` characters (up to the first
+    ``results_mark``), then every line that starts with ``results_mark`` (a caller's results,
+    one per line, among the program's own output)."""
     work = tempfile.mkdtemp(prefix="jaxlm-sandbox-")
     try:
         with open(os.path.join(work, "program.py"), "w") as f:
@@ -198,9 +215,9 @@ def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str,
             full = out_f.read()  # at most Limits.file_mb
             out = full[:limits.output_chars]
             if results_mark is not None and results_mark in full:
-                results = full[full.rindex(results_mark):]
-                if not out.endswith(results):
-                    out += results
+                # every result line (a mark, its JSON, a newline), however much the program printed
+                results = "".join(results_mark + seg.split("\n", 1)[0] + "\n" for seg in full.split(results_mark)[1:])
+                out = out.split(results_mark, 1)[0] + results
             err_f.seek(0)
             err = err_f.read()[-limits.output_chars:]
         if timed_out:
@@ -258,12 +275,15 @@ def call_function(program: str, function: str, inputs: list, *, call_timeout_s: 
     spec = json.dumps({"function": function, "inputs": list(inputs), "timeout_s": float(call_timeout_s)})
     run = _run(textwrap.dedent(_CALLER), program, spec, limits, None, results_mark=_RESULT_MARK)
     reported: list = []
-    if _RESULT_MARK in run.stdout:
+    for segment in run.stdout.split(_RESULT_MARK)[1:]:
         try:
-            reported = json.loads(run.stdout.rsplit(_RESULT_MARK, 1)[1])
+            r = json.loads(segment.split("\n", 1)[0])
         except json.JSONDecodeError:
-            reported = []
-    if run.status != "ok" or len(reported) != len(inputs):
-        why = run.status if run.status != "ok" else "the program's results were unreadable"
-        return [CallResult(False, error=why) for _ in inputs], run
-    return [CallResult(r["ok"], r.get("value"), r.get("error")) for r in reported], run
+            break
+        if not isinstance(r, dict) or not isinstance(r.get("ok"), bool):
+            break
+        reported.append(CallResult(r["ok"], r.get("value"), r.get("error")))
+    if len(reported) > len(inputs) or (run.status == "ok" and len(reported) != len(inputs)):
+        return [CallResult(False, error="the program's results were unreadable") for _ in inputs], run
+    # a process that died (memory, violation, the overall timeout) keeps the calls it reported
+    return reported + [CallResult(False, error=run.status) for _ in inputs[len(reported):]], run

@@ -33,13 +33,16 @@ def test_a_well_behaved_program_runs():
     ("try:\n    open('/tmp/jaxlm-sandbox-escape.txt', 'w')\nexcept BaseException:\n    pass\nprint('hid it')",
      "violation"),
     ("raise SystemExit(3)", "error"),
+    # a closed stderr must not turn the stop into an error the program can catch
+    ("import os\nos.close(2)\ntry:\n    open('/tmp/jaxlm-sandbox-escape.txt', 'w')\nexcept BaseException:\n"
+     "    pass\nprint('hid it')", "violation"),
 ])
 def test_misbehaving_programs_are_stopped(program, status):
     r = run_python(program, limits=FAST)
     assert r.status == status, r
     assert not r.ok
     if status == "violation":
-        assert r.returncode == VIOLATION_EXIT and "sandbox violation" in r.stderr
+        assert r.returncode == VIOLATION_EXIT and ("sandbox violation" in r.stderr or "os.close(2)" in program)
     assert not os.path.exists("/tmp/jaxlm-sandbox-escape.txt")
 
 
@@ -70,6 +73,27 @@ def test_a_dead_process_fails_every_call():
     assert "SyntaxError" in results[0].error
     with pytest.raises(ValueError, match="timeout_s"):
         Limits(timeout_s=0)
+    # a float resource limit failed every run in setrlimit; an infinite timeout removed the limit
+    for bad, match in ((dict(cpu_s=2.5), "cpu_s=2.5"), (dict(memory_mb=256.0), "memory_mb=256.0"),
+                       (dict(timeout_s=float("inf")), "timeout_s=inf"), (dict(timeout_s=float("nan")), "nan")):
+        with pytest.raises(ValueError, match=match):
+            Limits(**bad)
+
+
+def test_a_caught_timeout_is_still_a_timeout_and_finished_calls_survive_a_death():
+    """A candidate whose bare ``except`` catches the per-call alarm is stopped by the next one
+    (or reported a timeout if it returns late); calls reported before the process died keep
+    their results."""
+    program = ("import time\n"
+               "def f(x):\n    try:\n        time.sleep(x)\n    except:\n        return None\n    return x\n")
+    results, run = call_function(program, "f", [[0], [2], [0]], call_timeout_s=0.3, limits=FAST)
+    assert run.ok and [(r.ok, r.value, r.error) for r in results] == [(True, "0", None), (False, None, "timeout"),
+                                                                     (True, "0", None)]
+    program = "def f(x):\n    if x == 2:\n        open('/etc/jaxlm-escape', 'w')\n    return x\n"
+    results, run = call_function(program, "f", [[1], [2], [3]], limits=FAST)
+    assert run.status == "violation"
+    assert [(r.ok, r.value, r.error) for r in results] == [(True, "1", None), (False, None, "violation"),
+                                                           (False, None, "violation")]
 
 
 def test_undecodable_output_is_replaced_not_raised():

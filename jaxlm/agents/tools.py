@@ -167,8 +167,9 @@ class ToolResult:
         return self.error is None
 
 
-class ToolTimeout(Exception):
-    """A tool ran past its timeout."""
+class ToolTimeout(BaseException):
+    """A tool ran past its timeout (a BaseException: a tool's own ``except Exception`` does
+    not swallow it)."""
 
 
 MAX_TIMEOUT_S = 1e6
@@ -192,8 +193,12 @@ def _with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
         previous_timer = (0.0, 0.0)
         start = time.monotonic()
         try:
-            previous_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            return fn()
+            # the alarm repeats until the call ends, so a tool that catches one is stopped by the next
+            previous_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s, 0.05)
+            value = fn()
+            if time.monotonic() - start > timeout_s:  # it caught every alarm and still returned late
+                raise ToolTimeout()
+            return value
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous_handler)
@@ -268,6 +273,7 @@ class Toolbox:
         t0 = time.perf_counter()
 
         def failed(msg: str) -> ToolResult:
+            msg = self._cut(msg)  # an error is an observation too: the same limit
             return ToolResult(str(name), f"error: {msg}", msg, time.perf_counter() - t0)
 
         t = self.tools.get(name) if isinstance(name, str) else None
@@ -286,7 +292,9 @@ class Toolbox:
             return failed(f"{t.name} did not finish within {timeout:g} s")
         except Exception as e:  # the tool's own failure is the observation
             return failed(f"{t.name} raised {type(e).__name__}: {e}")
-        text = _as_text(value)
+        return ToolResult(t.name, self._cut(_as_text(value)), None, time.perf_counter() - t0)
+
+    def _cut(self, text: str) -> str:
         if len(text) > self.max_chars:
             text = text[: self.max_chars] + f"\n[cut: {len(text) - self.max_chars} more characters]"
-        return ToolResult(t.name, text, None, time.perf_counter() - t0)
+        return text

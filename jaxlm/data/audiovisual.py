@@ -54,6 +54,10 @@ class AVTaskConfig:
         bad = [q for q in self.questions if q not in QUESTIONS]
         if not self.questions or bad:
             raise ValueError(f"AVTaskConfig.questions={self.questions!r}: each must be one of {QUESTIONS}")
+        if self.patch < 2:  # a 1-pixel patch has one value: the shapes' textures are indistinguishable
+            raise ValueError(f"AVTaskConfig.patch={self.patch} must be >= 2 (the 'look:' shapes differ in texture)")
+        if "move:" in self.questions and self.frames < 2:
+            raise ValueError(f"AVTaskConfig.frames={self.frames} must be >= 2 to ask 'move:' (one frame shows no motion)")
 
     @property
     def patch_dim(self) -> int:

@@ -80,13 +80,20 @@ def test_a_tool_that_raises_is_reported():
     assert r.error == "boom raised KeyError: 'missing thing'"
 
 
-@pytest.mark.parametrize("body", ["sleep", "spin"])
+@pytest.mark.parametrize("body", ["sleep", "spin", "retry"])
 def test_a_tool_that_hangs_is_stopped_at_its_timeout(body):
     @tool(timeout_s=0.3)
     def hang() -> str:
         """Never returns."""
         if body == "sleep":
             time.sleep(60)
+        if body == "retry":  # a retry loop whose ``except Exception`` would swallow a timeout
+            for _ in range(600):
+                try:
+                    time.sleep(0.1)
+                except Exception:
+                    continue
+            return "finished"
         while True:
             pass
     t0 = time.perf_counter()
@@ -121,6 +128,14 @@ def test_long_results_are_cut_and_non_strings_serialised():
     box = Toolbox([big, data], max_chars=20)
     assert box.call("big", {}).content == "x" * 20 + "\n[cut: 30 more characters]"
     assert box.call("data", {}).content == '{"a": [1, 2]}'
+
+    @tool
+    def loud() -> str:
+        """Fails at length."""
+        raise ValueError("y" * 100)
+    # an error is an observation too: the same cut
+    for r in (box.call("loud", {}), box.call("z" * 200, {})):
+        assert not r.ok and len(r.error) <= 20 + len("\n[cut: 1000 more characters]") and "[cut: " in r.error
 
 
 def test_duplicate_names_and_bad_limits_fail():

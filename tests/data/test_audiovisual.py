@@ -43,3 +43,8 @@ def test_bad_config_names_the_field():
         AVTaskConfig(grid=2, frames=4)
     with pytest.raises(ValueError, match="questions"):
         AVTaskConfig(questions=("color:",))
+    with pytest.raises(ValueError, match="AVTaskConfig.patch=1 must be >= 2"):
+        AVTaskConfig(patch=1)
+    with pytest.raises(ValueError, match="AVTaskConfig.frames=1 must be >= 2 to ask 'move:'"):
+        AVTaskConfig(frames=1, questions=("move:",))
+    AVTaskConfig(frames=1, questions=("look:",))  # no motion asked: one frame is enough
