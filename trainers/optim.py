@@ -133,7 +133,8 @@ def decay_mask(params) -> Any:
     ``k_shift_trainable``)."""
     def matrix(p, name: str) -> bool:
         parts = name.split(".")
-        stacked = len(parts) > 1 and parts[0] == "layers" and not parts[1].isdigit()  # scan_layers: [L, ...]
+        # scan_layers: "layers.<param>" is [L, ...], at the top or under a prefix ("lm.layers..." in omni models)
+        stacked = any(a == "layers" and not b.isdigit() for a, b in zip(parts, parts[1:]))
         return p.ndim - stacked >= 2 and not name.endswith(("rope_inv_freq", "k_shift"))
 
     return jax.tree.map(matrix, params, param_names(params))

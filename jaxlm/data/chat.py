@@ -57,9 +57,12 @@ class ChatTemplateError(ValueError):
 
 
 def render_tool_call(call: dict) -> str:
-    """A tool call in the built-in format: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``."""
+    """A tool call in the built-in format: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+    (``</`` inside the JSON written ``<\\/``, valid JSON for the same string, so an argument
+    holding ``</tool_call>`` cannot end the call early)."""
     fn = call.get("function", call)
-    return "<tool_call>" + json.dumps({"name": fn["name"], "arguments": fn.get("arguments", {})}) + "</tool_call>"
+    body = json.dumps({"name": fn["name"], "arguments": fn.get("arguments", {})}).replace("</", "<\\/")
+    return "<tool_call>" + body + "</tool_call>"
 
 
 def builtin_segments(messages: Sequence[dict], *, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:

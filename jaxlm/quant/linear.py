@@ -5,6 +5,7 @@ elsewhere, chosen by `jaxlm.quant.backend` when a function is traced. `linear`
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,9 @@ def _forward(x2, w: QArray, mode: str):
     kw = dict(element=fmt.element, block=fmt.block, scale_kind=fmt.scale_kind, alpha=fmt.alpha)
     if mode == "reference":
         return w4a16.reference(x2, w.codes, w.scales, w.global_scale.reshape(()), **kw)
-    return w4a16.w4a16_matmul(x2, w.codes, w.scales, w.global_scale.reshape(()), interpret=(mode == "interpret"), **kw)
+    # the K tile holds whole blocks of any group size (an INT4 group of 48 or 512 does not divide 256)
+    return w4a16.w4a16_matmul(x2, w.codes, w.scales, w.global_scale.reshape(()), interpret=(mode == "interpret"),
+                              bk=math.lcm(256, fmt.block), **kw)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -48,3 +48,11 @@ def test_good_and_bad_calls_together():
     good = "<tool_call>" + json.dumps({"name": "a", "arguments": {}}) + "</tool_call>"
     r = parse_reply(good + "<tool_call>oops</tool_call>")
     assert r.calls == (ToolCall("a", {}),) and len(r.errors) == 1 and "tool call 1" in r.errors[0]
+
+
+def test_a_rendered_call_whose_argument_holds_the_closing_tag_parses_back():
+    from jaxlm.data.chat import render_tool_call
+
+    call = {"name": "run_python", "arguments": {"code": 'print("</tool_call>")', "n": 1}}
+    reply = parse_reply("before " + render_tool_call(call) + " after")
+    assert reply.errors == () and [(c.name, c.arguments) for c in reply.calls] == [(call["name"], call["arguments"])]

@@ -88,6 +88,29 @@ def test_dfa_is_trim_minimal_and_accepts_what_re_accepts(pattern):
         assert dfa.matches(text.encode("latin-1")) == bool(re.fullmatch(pattern, text)), text
 
 
+@pytest.mark.parametrize("pattern, texts", [
+    ("a{ 2}", ["a{ 2}", "aa"]), ("a{1_0}", ["a{1_0}", "a" * 10]), ("a{+3}", ["a{+3}", "aaa"]),  # literal text in re
+    ("a{,3}", ["", "aaa", "aaaa"]), ("a{,}", ["", "aaaa"]), ("x{}", ["x{}", "x"]),
+])
+def test_repetition_counts_are_read_as_python_re_reads_them(pattern, texts):
+    dfa = to_dfa(parse_regex(pattern))
+    for text in texts:
+        assert dfa.matches(text.encode()) == bool(re.fullmatch(pattern, text)), (pattern, text)
+
+
+@pytest.mark.parametrize("pattern", [r"\x+f", r"\u+0041", r"\x0_1", r"\u{ 41}"])
+def test_malformed_hex_escapes_are_errors(pattern):
+    from jaxlm.inference.grammar.automaton import GrammarError
+
+    with pytest.raises(GrammarError, match="invalid hexadecimal escape"):
+        parse_regex(pattern)
+
+
+def test_an_integer_enum_beyond_float_range_compiles():
+    dfa = to_dfa(parse_json_schema({"type": "integer", "enum": [10**400, 3]}, any_whitespace=False))
+    assert dfa.matches(str(10**400).encode()) and dfa.matches(b"3") and not dfa.matches(b"4")
+
+
 def test_json_schema_dfa_is_trim_and_minimal():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
               "required": ["a"]}
@@ -159,3 +182,20 @@ def test_group_outcomes_checks_the_pairs_not_the_hash(monkeypatch):
     assert T._group_outcomes(3, token, start, state) is None
     state = np.array([3, 2, 3, 2, 3, 1])
     assert T._group_outcomes(3, token, np.array([0, 4, 0, 4, 0, 4]), state) is None
+
+
+def test_string_length_counts_a_surrogate_pair_as_one_character():
+    """minLength / maxLength count code points after decoding (jsonschema): an escaped
+    surrogate pair is one character; lone surrogate escapes are left out of length-bounded
+    strings rather than counted either way."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    texts = ['"\\ud83d\\ude00"', '"ab"', '"\\u00e9x"', '"\\n"', '"\\uD7FFa"', '"\\u0041\\ud83d\\ude00"']
+    for lo, hi in ((0, 1), (2, 2), (1, 2)):
+        schema = {"type": "string", "minLength": lo, "maxLength": hi}
+        dfa = to_dfa(parse_json_schema(schema, any_whitespace=False))
+        for text in texts:
+            assert dfa.matches(text.encode()) == jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), \
+                (schema, text)
+        assert not dfa.matches(b'"\\ud83d"')  # a lone surrogate escape

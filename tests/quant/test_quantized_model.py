@@ -109,3 +109,18 @@ def test_backend_names_are_checked():
     with pytest.raises(ValueError, match="backend 'gpu' is invalid"):
         Q.set_backend("gpu")
     assert Q.resolved_backend() in ("reference", "kernel")
+
+
+@pytest.mark.parametrize("group", [48, 96, 512])
+def test_kernel_path_takes_groups_that_do_not_divide_256(group):
+    """An INT4 group of 48 or 512 (any even group is a valid format) through the W4A16 kernel
+    (interpret mode): the K tile holds whole groups, and the result is dequantize-then-matmul."""
+    from jaxlm.quant.linear import quantized_linear
+
+    rng = np.random.default_rng(0)
+    w = Q.quantize(jnp.asarray(rng.normal(size=(1536, 24)), jnp.float32), Q.int4(group), axis=0)
+    x = jnp.asarray(rng.normal(size=(5, 1536)), jnp.float32)
+    want = x @ Q.dequantize(w)
+    for mode in ("reference", "interpret"):
+        with Q.backend(mode):
+            np.testing.assert_allclose(np.asarray(quantized_linear(x, w)), np.asarray(want), rtol=1e-4, atol=1e-3)

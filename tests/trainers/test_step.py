@@ -363,12 +363,14 @@ def test_weight_decay_mask_is_the_same_with_stacked_layers():
     [L] axis (`scan_layers`): norm scales and biases are never decayed."""
     from trainers.optim import decay_mask, param_names
 
-    def decayed(scan):
+    def decayed(scan, prefix=None):
         model = jaxlm.build_model(jaxlm.ModelConfig.tiny(scan_layers=scan, qkv_bias=True, qk_norm=True))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        params = params if prefix is None else {prefix: params}  # an omni model holds its LM under "lm"
         names, mask = jax.tree.leaves(param_names(params)), jax.tree.leaves(decay_mask(params))
-        return {".".join(p for p in n.split(".") if not p.isdigit()) for n, m in zip(names, mask) if m}
+        cut = 0 if prefix is None else len(prefix) + 1
+        return {".".join(p for p in n[cut:].split(".") if not p.isdigit()) for n, m in zip(names, mask) if m}
 
     stacked, separate = decayed(True), decayed(False)
-    assert stacked == separate
+    assert stacked == separate == decayed(True, "lm") == decayed(False, "lm")
     assert all(n.endswith(("kernel", "embed", "embedding")) for n in stacked), stacked

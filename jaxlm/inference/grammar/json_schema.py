@@ -74,6 +74,16 @@ HEX = chars((0x30, 0x39), (0x41, 0x46), (0x61, 0x66))
 ESCAPE = seq(literal("\\"), alt(chars(*((ord(c), ord(c)) for c in "\"\\/bfnrt")), seq(literal("u"), HEX, HEX, HEX, HEX)))
 STRING_CHAR = chars((0x20, 0x21), (0x23, 0x5B), (0x5D, 0x10FFFF))  # not control, '"' or '\'
 STRING = seq(literal('"'), star(alt(STRING_CHAR, ESCAPE)), literal('"'))
+# one character of a length-bounded string, as JSON Schema counts them (code points after
+# decoding): a raw character, an escape of a non-surrogate, or a surrogate pair's two escapes
+_NOT_D = chars((0x30, 0x39), (0x41, 0x43), (0x45, 0x46), (0x61, 0x63), (0x65, 0x66))
+_D = chars((0x44, 0x44), (0x64, 0x64))
+_U = literal("\\u")
+_BMP_ESCAPE = seq(_U, alt(seq(_NOT_D, HEX), seq(_D, chars((0x30, 0x37)))), HEX, HEX)
+_PAIR_ESCAPE = seq(_U, _D, chars((0x38, 0x39), (0x41, 0x42), (0x61, 0x62)), HEX, HEX,
+                   _U, _D, chars((0x43, 0x46), (0x63, 0x66)), HEX, HEX)
+COUNTED_CHAR = alt(STRING_CHAR, seq(literal("\\"), chars(*((ord(c), ord(c)) for c in "\"\\/bfnrt"))),
+                   _BMP_ESCAPE, _PAIR_ESCAPE)
 BOOLEAN = alt(literal("true"), literal("false"))
 NULL = literal("null")
 
@@ -81,7 +91,8 @@ NULL = literal("null")
 def _has_type(value: Any, t: str) -> bool:
     """Whether a JSON value is an instance of JSON-schema type ``t``."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return {"integer": number and float(value).is_integer(), "number": number, "string": isinstance(value, str),
+    integer = number and (isinstance(value, int) or value.is_integer())  # float() of 10**400 overflows
+    return {"integer": integer, "number": number, "string": isinstance(value, str),
             "boolean": isinstance(value, bool), "null": value is None, "array": isinstance(value, list),
             "object": isinstance(value, dict)}.get(t, False)
 
@@ -196,7 +207,9 @@ class _Builder:
                     raise GrammarError(f"JSON schema {where}: {name!r} must be an integer >= 0, got {v!r}")
             if hi is not None and hi < lo:
                 return NOTHING
-            return seq(literal('"'), Repeat(alt(STRING_CHAR, ESCAPE), lo, hi), literal('"'))
+            # lone surrogate escapes are left out: whether one counts alone or in a pair is not
+            # something a character count can leave ambiguous
+            return seq(literal('"'), Repeat(COUNTED_CHAR, lo, hi), literal('"'))
         return STRING
 
     def array(self, s: dict, where: str, depth: int):

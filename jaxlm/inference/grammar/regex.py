@@ -11,6 +11,8 @@ other anchors raise `GrammarError` naming the construct and its position.
 
 from __future__ import annotations
 
+import re
+
 from jaxlm.inference.grammar.automaton import (
     MAX_CODE_POINT,
     Alt,
@@ -97,17 +99,15 @@ class _Parser:
         if j < 0:
             return None
         body = self.p[self.i + 1:j]
-        parts = body.split(",")
-        try:
-            if len(parts) == 1:
-                lo = hi = int(parts[0])
-            elif len(parts) == 2:
-                lo = int(parts[0])
-                hi = int(parts[1]) if parts[1].strip() else None
-            else:
-                return None
-        except ValueError:
-            self.error(f"invalid repetition {{{body}}}")
+        # digits only, as Python's re reads a repetition ({n}, {m,n}, {m,}, {,n}); anything else
+        # ("{ 2}", "{1_0}", "{+3}") is literal text there, not a count int() would accept
+        if re.fullmatch(r"[0-9]+", body):
+            lo = hi = int(body)
+        elif re.fullmatch(r"[0-9]*,[0-9]*", body):
+            first, second = body.split(",")
+            lo, hi = int(first or 0), int(second) if second else None
+        else:
+            return None
         if lo < 0 or (hi is not None and hi < lo):
             self.error(f"invalid repetition {{{body}}}")
         if max(lo, hi or 0) > MAX_REPEAT:
@@ -154,10 +154,9 @@ class _Parser:
             text, self.i = self.p[self.i + 1:j], j + 1
         else:
             text, self.i = self.p[self.i:self.i + n], self.i + n
-        try:
-            value = int(text, 16)
-        except ValueError:
+        if not re.fullmatch(r"[0-9A-Fa-f]+", text):  # int(text, 16) also takes "+f", "0_1", " f"
             self.error(f"invalid hexadecimal escape {text!r}")
+        value = int(text, 16)
         if value > MAX_CODE_POINT or (n is not None and len(text) != n):
             self.error(f"invalid hexadecimal escape {text!r}")
         return value
