@@ -69,15 +69,19 @@ def make_mesh(
 
 
 def logical_to_spec(
-    axes: Sequence[str | None] | None, rules: Mapping[str, object] = LOGICAL_RULES, mesh: Mesh | None = None
+    axes: Sequence[str | None] | None, rules: Mapping[str, object] = LOGICAL_RULES, mesh: Mesh | None = None,
+    shape: Sequence[int] | None = None,
 ) -> PartitionSpec:
     """Logical names -> PartitionSpec; a mesh axis is used at most once per array and
-    axes of size 1 in ``mesh`` are dropped."""
+    axes of size 1 in ``mesh`` are dropped. With ``shape`` (and ``mesh``) each dimension keeps
+    those of its mesh axes that still divide it, in the rule's order, and only the kept ones
+    are used up (a vocabulary of 32004 over tensor x fsdp = 2 x 4 keeps ``tensor``, and an
+    axis a dimension could not take stays free for the next dimension)."""
     if axes is None:
         return PartitionSpec()
     used: set[str] = set()
     out = []
-    for name in axes:
+    for k, name in enumerate(axes):
         target = rules.get(name) if name is not None else None
         if name is not None and name not in rules:
             raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
@@ -85,6 +89,13 @@ def logical_to_spec(
         targets = tuple(
             t for t in targets if t not in used and (mesh is None or mesh.shape[t] > 1)
         )
+        if shape is not None and mesh is not None:
+            kept, size = [], 1
+            for t in targets:
+                if shape[k] % (size * mesh.shape[t]) == 0:
+                    kept.append(t)
+                    size *= mesh.shape[t]
+            targets = tuple(kept)
         used.update(targets)
         out.append(None if not targets else targets[0] if len(targets) == 1 else targets)
     return PartitionSpec(*out)
@@ -101,7 +112,7 @@ def _fits(shape, spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
 
 
 def param_sharding(shape, axes, mesh: Mesh, rules: Mapping[str, object] = LOGICAL_RULES) -> NamedSharding:
-    return NamedSharding(mesh, _fits(shape, logical_to_spec(axes, rules, mesh), mesh))
+    return NamedSharding(mesh, _fits(shape, logical_to_spec(axes, rules, mesh, shape), mesh))
 
 
 def model_shardings(model: nnx.Module, mesh: Mesh, rules: Mapping[str, object] = LOGICAL_RULES):
