@@ -5,8 +5,8 @@ environment, and POSIX resource limits: address space (``memory_mb``), CPU secon
 size and open files; a wall-clock timeout kills its whole process group. Inside the child,
 an audit hook (PEP 578) installed before the program runs ends the process at once, with
 exit status `VIOLATION_EXIT`, when the program tries to write, delete, rename or create a
-file outside its directory, start a process, open a network socket or load a C library via
-ctypes. The program is stopped, not merely refused, so catching the error cannot hide it.
+file outside its directory (SQLite databases and FIFOs included), start a process, open a
+network socket or load a C library via ctypes. The program is stopped, not merely refused, so catching the error cannot hide it.
 
 This contains mistakes and naive misuse (infinite loops, memory blow-ups, stray writes);
 it is not a security boundary against a determined adversary (use a container or a VM).
@@ -70,11 +70,33 @@ def _hook(event, args):
         for a in args[:2]:
             if isinstance(a, (str, bytes, _os.PathLike)) and not _inside(a):
                 _stop("%%s on %%r outside the sandbox directory" %% (event, a))
+    elif event == "sqlite3.connect":  # SQLite opens its file itself, with no open event
+        db = args[0] if args else None
+        if isinstance(db, (str, bytes, _os.PathLike)):
+            path = _os.fsdecode(db)
+            if path.startswith("file:"):  # a URI: its path, without the query
+                path = path[5:].split("?")[0].split("#")[0]
+            if path not in (":memory:", "") and not _inside(path):
+                _stop("sqlite3.connect to %%r outside the sandbox directory" %% (db,))
     elif event in _DENIED:
         _stop(event + " is not allowed")
 
 _sys.addaudithook(_hook)
 del _hook
+
+
+def _no_special_files(name):  # os.mkfifo / os.mknod raise no audit event
+    def refuse(path, *args, **kwargs):
+        if kwargs.get("dir_fd") is not None or not _inside(path):
+            _stop("%%s of %%r outside the sandbox directory" %% (name, path))
+        return getattr(_posix, name)(path, *args, **kwargs)
+    return refuse
+
+
+import posix as _posix
+for _name in ("mkfifo", "mknod"):
+    if hasattr(_posix, _name):
+        setattr(_os, _name, _no_special_files(_name))
 ''' % {"exit": VIOLATION_EXIT}
 
 _CALLER = r'''

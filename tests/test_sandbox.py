@@ -18,6 +18,9 @@ def test_a_well_behaved_program_runs():
     r = run_python("open('note.txt', 'w').write('x')\nprint(open('data/in.txt').read())",
                    files={"data/in.txt": "given"}, limits=FAST)
     assert r.ok and r.stdout == "given\n"
+    r = run_python("import sqlite3\nc = sqlite3.connect('notes.db')\nc.execute('create table t (a)')\n"
+                   "print(sqlite3.connect(':memory:').execute('select 2').fetchone()[0])", limits=FAST)
+    assert r.ok and r.stdout == "2\n"  # a database inside its directory, or in memory
 
 
 @pytest.mark.parametrize("program, status", [
@@ -33,6 +36,9 @@ def test_a_well_behaved_program_runs():
     ("try:\n    open('/tmp/jaxlm-sandbox-escape.txt', 'w')\nexcept BaseException:\n    pass\nprint('hid it')",
      "violation"),
     ("raise SystemExit(3)", "error"),
+    ("import sqlite3\nsqlite3.connect('/tmp/jaxlm-sandbox-escape.txt')", "violation"),  # SQLite opens files itself
+    ("import sqlite3\nsqlite3.connect('file:/tmp/jaxlm-sandbox-escape.txt?mode=rwc', uri=True)", "violation"),
+    ("import os\nos.mkfifo('/tmp/jaxlm-sandbox-escape.txt')", "violation"),  # no audit event of its own
     # a closed stderr must not turn the stop into an error the program can catch
     ("import os\nos.close(2)\ntry:\n    open('/tmp/jaxlm-sandbox-escape.txt', 'w')\nexcept BaseException:\n"
      "    pass\nprint('hid it')", "violation"),
