@@ -6,7 +6,8 @@ size and open files; a wall-clock timeout kills its whole process group. Inside 
 an audit hook (PEP 578) installed before the program runs ends the process at once, with
 exit status `VIOLATION_EXIT`, when the program tries to write, delete, rename or create a
 file outside its directory (SQLite databases and FIFOs included), start a process, open a
-network socket or load a C library via ctypes. The program is stopped, not merely refused, so catching the error cannot hide it.
+network socket or load a C library via ctypes. The program is stopped, not merely refused,
+so catching the error cannot hide it.
 
 This contains mistakes and naive misuse (infinite loops, memory blow-ups, stray writes);
 it is not a security boundary against a determined adversary (use a container or a VM).
