@@ -54,7 +54,10 @@ class Intervention:
         on = jnp.take(self.layers, layer, axis=0)
         x = value.astype(jnp.float32)
         feature = x.shape[2:]  # a site's values are [B, T, ...features]
-        fits = v.shape == x.shape or (v.ndim <= len(feature) and v.shape == feature[len(feature) - v.ndim:])
+        # one direction for every position ([...features]), or a full [B|1, T|1, ...features]
+        # array (per row or position: perturbations, per-row noise) that broadcasts to the site
+        full = v.ndim == x.ndim and all(a in (1, b) for a, b in zip(v.shape, x.shape))
+        fits = full or (v.ndim <= len(feature) and v.shape == feature[len(feature) - v.ndim:])
         if self.kind in ("add", "ablate") and not fits:  # it would broadcast the site, or fail to
             raise ValueError(f"a {self.kind!r} intervention at site {self.site!r}: its per-layer vector "
                              f"{tuple(v.shape)} does not fit the site's values {tuple(feature)} (per position)")
