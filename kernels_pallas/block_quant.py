@@ -39,7 +39,7 @@ def _quantize_blocks(y, gscale, *, fmt: str, rule: str):
             v = v * 3.0
         return F.e2m1_encode(v), F.e8m0_encode(e)
     if fmt == "nvfp4":
-        s = F.to_e4m3(amax / (F.E2M1_MAX * gscale))
+        s = F.e4m3_block_scale(amax / (F.E2M1_MAX * gscale))
         denom = s.astype(jnp.float32) * gscale
         safe = jnp.where(denom > 0, denom, 1.0)
         v = jnp.where(denom[..., None] > 0, y / safe[..., None], 0.0)

@@ -188,6 +188,13 @@ def walsh_hadamard(n: int) -> np.ndarray:
     return (h / np.sqrt(n)).astype(np.float32)
 
 
+def e4m3_block_scale(ratio: jax.Array) -> jax.Array:
+    """An NVFP4 block scale ``amax_block / (6 s_g)`` as E4M3: `to_e4m3` (saturating) for a
+    finite ratio, E4M3's NaN for a block holding a NaN or inf, so that block, and only it,
+    decodes to NaN (MXFP4's E8M0 NaN scale does the same)."""
+    return jnp.where(jnp.isfinite(ratio), to_e4m3(ratio).astype(jnp.float32), jnp.nan).astype(jnp.float8_e4m3fn)
+
+
 # --------------------------------------------------- used inside kernels too
 
 

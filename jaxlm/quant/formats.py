@@ -185,10 +185,13 @@ def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2, global_scale=N
         if fmt.two_level and global_scale is not None:
             gscale = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32), gscale.shape)
         elif fmt.two_level:
-            t_amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(-2, -1), keepdims=True)
+            # the tensor scale comes from the finite values, so a NaN or inf spoils only its
+            # own block (as MXFP4's NaN block scale does), not every block of the tensor
+            ax = jnp.abs(x.astype(jnp.float32))
+            t_amax = jnp.max(jnp.where(jnp.isfinite(ax), ax, 0.0), axis=(-2, -1), keepdims=True)
             gscale = jnp.where(t_amax > 0, t_amax / (top * F.E4M3_MAX), 1.0)
         g_blocks = jnp.moveaxis(gscale, axis, -1)  # broadcast over [..., nb]
-        s = F.to_e4m3(amax / (top * g_blocks))
+        s = F.e4m3_block_scale(amax / (top * g_blocks))
         denom = s.astype(jnp.float32) * g_blocks
         v = jnp.where(denom[..., None] > 0, xb / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
         codes = F.ENCODERS[fmt.element](v)

@@ -210,3 +210,26 @@ def test_mxfp4_block_with_nan_or_inf_decodes_to_nan(rule):
     np.testing.assert_array_equal(d[0, 32:], 1.0)
     np.testing.assert_array_equal(d[1, :32], 1.0)
     assert np.isnan(np.asarray(F.e8m0_decode(jnp.asarray([255], jnp.uint8)))).all()
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_nvfp4_non_finite_value_spoils_only_its_block(bad):
+    """The tensor scale is the finite amax / (6 * 448); a block holding a NaN or inf gets
+    E4M3's NaN scale and decodes to NaN; every other block equals the definition on the
+    tensor without the bad value (ml_dtypes E4M3 / E2M1)."""
+    rng = np.random.RandomState(7)
+    w = rng.randn(64, 8).astype(np.float32)
+    w[20, 5] = bad  # block 1 (rows 16..31) of column 5
+    q = Q.quantize(jnp.asarray(w), Q.nvfp4(), axis=-2)
+    d = np.asarray(Q.dequantize(q))
+    bad_block = np.zeros_like(w, bool)
+    bad_block[16:32, 5] = True
+    assert np.isnan(d[bad_block]).all() and np.isfinite(d[~bad_block]).all()
+    finite = np.where(np.isfinite(w), w, 0.0)
+    s_g = np.float32(np.abs(finite).max() / (6 * 448))
+    np.testing.assert_allclose(np.asarray(q.global_scale).reshape(()), s_g, rtol=1e-7)
+    blocks = w.T.reshape(8, 4, 16)
+    s_b = (np.abs(blocks).max(-1) / (6 * s_g)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    codes = np.clip(blocks / (s_b[..., None] * s_g), -6, 6).astype(E2M1).astype(np.float32)
+    ref = (codes * s_b[..., None] * s_g).reshape(8, 64).T
+    np.testing.assert_allclose(d[~bad_block], ref[~bad_block], rtol=1e-6, atol=1e-8)
