@@ -4,7 +4,8 @@ Each run gets a fresh temporary directory as its working directory and home, a m
 environment, and POSIX resource limits: address space (``memory_mb``), CPU seconds, file
 size and open files; a wall-clock timeout kills its whole process group. Inside the child,
 an audit hook (PEP 578) installed before the program runs ends the process at once, with
-exit status `VIOLATION_EXIT`, when the program tries to write, delete, rename or create a
+exit status `VIOLATION_EXIT` (and a word on a pipe only the guard writes to, so a program's
+own ``exit(113)`` is not taken for one), when the program tries to write, delete, rename or create a
 file outside its directory (SQLite databases and FIFOs included), start a process, open a
 network socket or load a C library via ctypes. The program is stopped, not merely refused,
 so catching the error cannot hide it.
@@ -37,18 +38,25 @@ import os as _os, sys as _sys
 _ROOT = _os.path.realpath(_os.getcwd())
 _WRITE = _os.O_WRONLY | _os.O_RDWR | _os.O_CREAT | _os.O_APPEND | _os.O_TRUNC
 
-def _inside(path):
+def _inside(path, dir_fd=None):
     try:
         if isinstance(path, int):
             return True
-        p = _os.path.realpath(_os.fsdecode(path))
+        p = _os.fsdecode(path)
+        if dir_fd is not None and dir_fd >= 0 and not _os.path.isabs(p):  # relative to that directory
+            p = _os.path.join(_os.readlink("/proc/self/fd/%%d" %% dir_fd), p)
+        p = _os.path.realpath(p)
     except Exception:
         return False
     return p == _ROOT or p.startswith(_ROOT + _os.sep)
 
 def _stop(what):
+    try:  # the parent's own channel: only a stop writes there, so an exit status alone is no violation
+        _os.write(@VFD@, what.encode("utf-8", "replace"))
+    except BaseException:
+        pass
     try:  # a closed or full stderr must not turn the stop into a catchable error
-        _os.write(2, ("sandbox violation: " + what + "\n").encode())
+        _os.write(2, ("sandbox violation: " + what + "\n").encode("utf-8", "replace"))
     except BaseException:
         pass
     finally:
@@ -56,6 +64,11 @@ def _stop(what):
 
 _PATH_EVENTS = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.symlink",
                 "os.link", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "os.replace"}
+# where each event's ``dir_fd`` arguments sit (relative paths are resolved against them);
+# os.symlink's first argument is the link's content, resolved against the working directory
+_DIR_FDS = {"os.remove": (1,), "os.rmdir": (1,), "os.mkdir": (2,), "os.chmod": (2,), "os.utime": (3,),
+            "os.chown": (3,), "os.rename": (2, 3), "os.replace": (2, 3), "os.link": (2, 3),
+            "os.symlink": (99, 2)}
 _DENIED = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
            "os.kill", "os.killpg", "socket.connect", "socket.bind", "socket.sendto", "ctypes.dlopen",
            "ctypes.dlsym", "os.startfile", "pty.spawn"}
@@ -68,8 +81,10 @@ def _hook(event, args):
         if writing and not _inside(path):
             _stop("write to %%r outside the sandbox directory" %% (path,))
     elif event in _PATH_EVENTS:
-        for a in args[:2]:
-            if isinstance(a, (str, bytes, _os.PathLike)) and not _inside(a):
+        fds = _DIR_FDS.get(event, ())
+        for i, a in enumerate(args[:2]):
+            fd = args[fds[i]] if i < len(fds) and fds[i] < len(args) else None
+            if isinstance(a, (str, bytes, _os.PathLike)) and not _inside(a, fd if isinstance(fd, int) else None):
                 _stop("%%s on %%r outside the sandbox directory" %% (event, a))
     elif event == "sqlite3.connect":  # SQLite opens its file itself, with no open event
         db = args[0] if args else None
@@ -88,16 +103,23 @@ del _hook
 
 def _no_special_files(name):  # os.mkfifo / os.mknod raise no audit event
     def refuse(path, *args, **kwargs):
-        if kwargs.get("dir_fd") is not None or not _inside(path):
+        if not _inside(path, kwargs.get("dir_fd")):
             _stop("%%s of %%r outside the sandbox directory" %% (name, path))
         return getattr(_posix, name)(path, *args, **kwargs)
     return refuse
+
+
+def _open_at(path, flags, mode=0o777, *, dir_fd=None):  # the "open" event does not carry dir_fd
+    if flags & _WRITE and not _inside(path, dir_fd):
+        _stop("write to %%r outside the sandbox directory" %% (path,))
+    return _posix.open(path, flags, mode, dir_fd=dir_fd)
 
 
 import posix as _posix
 for _name in ("mkfifo", "mknod"):
     if hasattr(_posix, _name):
         setattr(_os, _name, _no_special_files(_name))
+_os.open = _open_at
 ''' % {"exit": VIOLATION_EXIT}
 
 _CALLER = r'''
@@ -224,9 +246,17 @@ def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str,
         # output goes to files in the run's directory, so the file-size limit bounds it too
         with open(os.path.join(work, ".stdout"), "w+", encoding="utf-8", errors="replace") as out_f, \
                 open(os.path.join(work, ".stderr"), "w+", encoding="utf-8", errors="replace") as err_f:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _limit(limits) + _GUARD + script], cwd=work,
-                                    env=env, stdin=subprocess.PIPE, stdout=out_f, stderr=err_f,
-                                    start_new_session=True, text=True)
+            stop_r, stop_w = os.pipe()  # the guard's violation channel (see `_stop`)
+            guard = _GUARD.replace("@VFD@", str(stop_w))
+            try:
+                proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _limit(limits) + guard + script], cwd=work,
+                                        env=env, stdin=subprocess.PIPE, stdout=out_f, stderr=err_f,
+                                        start_new_session=True, text=True, pass_fds=(stop_w,))
+            except BaseException:
+                os.close(stop_r)
+                raise
+            finally:
+                os.close(stop_w)
             timed_out = False
             try:
                 proc.communicate(stdin, timeout=limits.timeout_s)
@@ -243,12 +273,19 @@ def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str,
                 out = out.split(results_mark, 1)[0] + results
             err_f.seek(0)
             err = err_f.read()[-limits.output_chars:]
+            os.set_blocking(stop_r, False)
+            try:
+                stopped = bool(os.read(stop_r, 1))
+            except BlockingIOError:
+                stopped = False
+            finally:
+                os.close(stop_r)
         if timed_out:
             return RunResult("timeout", None, out, err)
         rc = proc.returncode
         if rc == 0:
             status = "ok"
-        elif rc == VIOLATION_EXIT:
+        elif rc == VIOLATION_EXIT and (stopped or "sandbox violation: " in err):  # not a bare exit(113)
             status = "violation"
         elif "MemoryError" in err:
             status = "memory"

@@ -21,6 +21,11 @@ def test_a_well_behaved_program_runs():
     r = run_python("import sqlite3\nc = sqlite3.connect('notes.db')\nc.execute('create table t (a)')\n"
                    "print(sqlite3.connect(':memory:').execute('select 2').fetchone()[0])", limits=FAST)
     assert r.ok and r.stdout == "2\n"  # a database inside its directory, or in memory
+    r = run_python("import os\nd = os.open('.', os.O_RDONLY)\nos.mkdir('sub', dir_fd=d)\n"
+                   "fd = os.open('sub/a.txt', os.O_WRONLY | os.O_CREAT, dir_fd=d)\nos.write(fd, b'in')\n"
+                   "os.close(fd)\ns = os.open('sub', os.O_RDONLY)\nos.rename('a.txt', 'b.txt', src_dir_fd=s, "
+                   "dst_dir_fd=s)\nprint(open('sub/b.txt').read())", limits=FAST)
+    assert r.ok and r.stdout == "in\n"  # directory descriptors inside its directory
 
 
 @pytest.mark.parametrize("program, status", [
@@ -36,6 +41,18 @@ def test_a_well_behaved_program_runs():
     ("try:\n    open('/tmp/jaxlm-sandbox-escape.txt', 'w')\nexcept BaseException:\n    pass\nprint('hid it')",
      "violation"),
     ("raise SystemExit(3)", "error"),
+    ("raise SystemExit(113)", "error"),  # the violation status, but no stop by the guard
+    # paths relative to a directory descriptor outside the sandbox
+    ("import os\nd = os.open('/tmp', os.O_RDONLY)\nos.open('jaxlm-sandbox-escape.txt', os.O_WRONLY | os.O_CREAT, "
+     "dir_fd=d)", "violation"),
+    ("import os\nd = os.open('/tmp', os.O_RDONLY)\nopen('jaxlm-sandbox-escape.txt', 'w', "
+     "opener=lambda p, f: os.open(p, f, dir_fd=d))", "violation"),
+    ("import os\nd = os.open('/tmp', os.O_RDONLY)\nos.mkdir('jaxlm-sandbox-escape.txt', dir_fd=d)", "violation"),
+    ("import os\nopen('a', 'w').close()\nd = os.open('/tmp', os.O_RDONLY)\n"
+     "os.rename('a', 'jaxlm-sandbox-escape.txt', dst_dir_fd=d)", "violation"),
+    ("import os\nd = os.open('/tmp', os.O_RDONLY)\nos.symlink('x', 'jaxlm-sandbox-escape.txt', dir_fd=d)",
+     "violation"),
+    ("import os\nd = os.open('/tmp', os.O_RDONLY)\nos.mkfifo('jaxlm-sandbox-escape.txt', dir_fd=d)", "violation"),
     ("import sqlite3\nsqlite3.connect('/tmp/jaxlm-sandbox-escape.txt')", "violation"),  # SQLite opens files itself
     ("import sqlite3\nsqlite3.connect('file:/tmp/jaxlm-sandbox-escape.txt?mode=rwc', uri=True)", "violation"),
     ("import os\nos.mkfifo('/tmp/jaxlm-sandbox-escape.txt')", "violation"),  # no audit event of its own
