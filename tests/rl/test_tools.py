@@ -42,6 +42,18 @@ def test_tool_calls_parse_from_the_agents_text():
     assert parse_tool_call("42") is None
     assert "not JSON" in parse_tool_call("<tool_call>{oops</tool_call>")["error"]
     assert "error" in parse_tool_call('<tool_call>["kv_get"]</tool_call>')
+    # what a policy may write: an integer over Python's digit limit, nesting past the recursion limit
+    assert "not JSON" in parse_tool_call('<tool_call>{"name": "calculator", "arguments": {"expression": %s}}'
+                                         '</tool_call>' % ("7" * 5000))["error"]
+    assert "not JSON" in parse_tool_call("<tool_call>" + "[" * 100000 + "]" * 100000 + "</tool_call>")["error"]
+
+
+def test_a_result_too_long_to_write_is_an_error_text_not_a_crash():
+    env = ToolEnvironment(ToolProblems())
+    env.reset(0)
+    product = "*".join(["9" * 100] * 50)  # about 5000 digits: past str()'s limit for ints
+    obs, reward, done = env.step(render_tool_call({"name": "calculator", "arguments": {"expression": product}}))
+    assert obs.startswith("error: the result has about 5000 digits") and (reward, done) == (0.0, False)
 
 
 def test_environment_follows_the_protocol_and_scores_the_answer():

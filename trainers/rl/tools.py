@@ -42,7 +42,12 @@ class ToolState:
 
 def calculator(state: ToolState, expression: str = "") -> str:
     value = safe_arithmetic(str(expression))
-    return "error: only integers, + - * and parentheses" if value is None else str(value)
+    if value is None:
+        return "error: only integers, + - * and parentheses"
+    try:
+        return str(value)
+    except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+        return f"error: the result has about {int(abs(value).bit_length() * 0.30103)} digits, too many to write"
 
 
 def kv_get(state: ToolState, key: str = "") -> str:
@@ -74,7 +79,7 @@ def parse_tool_call(text: str) -> dict[str, Any] | None:
         return None
     try:
         call = json.loads(m.group(1))
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an integer over Python's digit limit, deep nesting
         return {"error": "error: the tool call is not JSON"}
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(
             call.get("arguments", {}), dict):
@@ -91,7 +96,7 @@ def run_tool(state: ToolState, call: dict[str, Any]) -> str:
         return f"error: unknown tool {call['name']!r}; tools: {sorted(TOOLS)}"
     try:
         return fn(state, **{str(k): v for k, v in call["arguments"].items()})
-    except TypeError as e:
+    except (TypeError, ValueError, RecursionError) as e:  # the policy's arguments, never a crash of the episode
         return f"error: {e}"
 
 
