@@ -64,3 +64,35 @@ def test_bonus_only_for_verified_rollouts_and_equal_to_full_logit_scores():
                    - _reference_score(model, tok, prompts[i] + cf, answer))
         assert bonus[i] == pytest.approx(want, abs=1e-5)
     assert bonus[0] > 0 or bonus[3] > 0  # the instance exercises a non-zero bonus
+
+
+def test_bonus_scores_under_the_prompt_ids_the_policy_read():
+    """The collector passes each rollout's prompt ids (a chat template may write BOS itself, so
+    re-encoding the rendered prompt with BOS would score under a different prompt)."""
+    cfg = ModelConfig.tiny(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+    model = jaxlm.build_model(cfg, seed=1)
+    tok = ByteTokenizer()
+    graphdef, state = nnx.split(model)
+    prompts = ["<bos>q1:", "<bos>q2:"]  # the rendered text, as a template writing its own BOS gives it
+    read = [[tok.bos_id] + tok.encode("q1:"), [tok.bos_id] + tok.encode("q2:")]  # what the policy read
+    completions = ["<evidence>42</evidence>42", "<evidence>7b</evidence>7b"]
+    examples = [{"prompt": p, "answer": a} for p, a in zip(prompts, ["42", "7b"])]
+    bonus = REWARDS["counterfactual_bonus"](
+        prompts, completions, examples=examples, task=CopyTask(), policy=(graphdef, nnx.to_pure_dict(state)),
+        tokenizer=tok, config=Cfg(), prompt_ids=read,
+    )
+
+    def score(ids, context, answer):
+        full = ids + tok.encode(context) + tok.encode(answer)
+        logits = np.asarray(model(np.asarray([full], np.int32)).logits[0], np.float64)
+        logp = log_softmax(logits[:-1], -1)
+        n = len(tok.encode(answer))
+        return np.exp(np.mean([logp[len(full) - n - 1 + j, full[len(full) - n + j]] for j in range(n)]))
+
+    for i in range(2):
+        context, answer = split_evidence(completions[i])
+        span = context[len("<evidence>"):-len("</evidence>")]
+        cf = "<evidence>" + perturb_span(span, seed=i) + "</evidence>"
+        want = max(0.0, score(read[i], context, answer) - score(read[i], cf, answer))
+        assert bonus[i] == pytest.approx(want, abs=1e-5)
+    assert bonus.max() > 0

@@ -74,8 +74,9 @@ class SingleTurnCollector:
         a, B = self.cfg.algorithm, self.cfg.data.batch_size
         G = a.num_generations
         examples = [self.examples(iteration * B + i) for i in range(B)]
+        prompt_ids = [self.prompt_ids(e) for e in examples]
         rows = sample_rollouts(
-            self.graphdef, params, [self.prompt_ids(e) for e in examples], num_generations=G,
+            self.graphdef, params, prompt_ids, num_generations=G,
             prompt_block=self.prompt_block, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
             top_p=a.top_p, rng=rng, pad_id=self.tokenizer.pad_id, stop_tokens=default_stop_tokens(self.tokenizer),
             prompt_sharding=self.prompt_sharding,
@@ -85,7 +86,8 @@ class SingleTurnCollector:
         prompts = [self.prompt_text(e) for e in examples]
         total, parts = combine_rewards(
             self.reward_fns, a.reward_weights, [p for p in prompts for _ in range(G)], texts,
-            examples=flat_examples, group=np.repeat(np.arange(B), G), num_generations=G, task=self.task,
+            examples=flat_examples, prompt_ids=[p for p in prompt_ids for _ in range(G)],
+            group=np.repeat(np.arange(B), G), num_generations=G, task=self.task,
             policy=(self.graphdef, params), tokenizer=self.tokenizer, config=a,
         )
         metrics = {"reward": float(np.nanmean(total)), "completion_len": float(rows["lengths"].mean())}

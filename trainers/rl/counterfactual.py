@@ -59,10 +59,11 @@ def split_evidence(completion: str, tags: tuple[str, str] = DEFAULT_TAGS) -> tup
     return completion[: m.end()], completion[m.end():]
 
 
-def answer_scores(graphdef, params, tokenizer, contexts: list[str], answers: list[str]) -> np.ndarray:
-    """``exp(mean log pi(answer | context))`` per pair, in one batched forward."""
+def answer_scores(graphdef, params, tokenizer, contexts: list[str | list[int]], answers: list[str]) -> np.ndarray:
+    """``exp(mean log pi(answer | context))`` per pair, in one batched forward. A context is
+    text (encoded with BOS) or token ids (used as they are)."""
     model = nnx.merge(graphdef, params)
-    ctx = [tokenizer.encode(c, add_bos=True) for c in contexts]
+    ctx = [list(c) if not isinstance(c, str) else tokenizer.encode(c, add_bos=True) for c in contexts]
     ans = [tokenizer.encode(a) for a in answers]
     seqs = [c + a for c, a in zip(ctx, ans)]
     width = max(map(len, seqs))
@@ -77,7 +78,8 @@ def answer_scores(graphdef, params, tokenizer, contexts: list[str], answers: lis
 
 
 @REWARDS.register("counterfactual_bonus")
-def counterfactual_bonus(prompts, completions, *, examples, task, policy, tokenizer, config=None, **_) -> np.ndarray:
+def counterfactual_bonus(prompts, completions, *, examples, task, policy, tokenizer, config=None, prompt_ids=None,
+                         **_) -> np.ndarray:
     quality = getattr(config, "cf_quality", 1.0)
     tags = getattr(task, "evidence_tags", DEFAULT_TAGS)
     bonus = np.zeros(len(completions), np.float32)
@@ -89,7 +91,11 @@ def counterfactual_bonus(prompts, completions, *, examples, task, policy, tokeni
         context, answer = parts
         m = _evidence_re(tags).search(context)
         cf_context = context[: m.start(1)] + perturb_span(m.group(1), seed=i) + context[m.end(1):]
-        todo.append((i, p + context, p + cf_context, answer))  # exactly what the policy read
+        if prompt_ids is not None:  # the prompt's own ids (a chat template may write BOS itself)
+            ids = list(prompt_ids[i])
+            todo.append((i, ids + tokenizer.encode(context), ids + tokenizer.encode(cf_context), answer))
+        else:
+            todo.append((i, p + context, p + cf_context, answer))
     if todo:
         graphdef, params = policy
         idx, fac, cf, ans = zip(*todo)
