@@ -576,3 +576,24 @@ def test_chat_rows_refuse_a_template_that_rewrites_earlier_turns(chatml):
     with pytest.raises(ValueError, match=r"stream 0: the chat template renders the conversation so far differently "
                                          r"once \['user'\] follow"):
         rows.add_messages(0, [{"role": "user", "content": "3+3?"}], 1)
+
+
+def test_agent_rollout_streams_render_the_episodes_tools_like_transformers(chatml):
+    """The RL agent's streams see the tool specs the agent loop passes, rendered by the chat
+    template as transformers (and the inference policy) render them."""
+    from trainers.rl.agent import StreamPolicy
+
+    tok, hf = chatml
+    ours = HFTokenizer.from_dir(tok._source.parent)
+    ours.set_chat_template(CHATML_TOOLS)
+    tool = {"type": "function", "function": {"name": "calculator", "description": "integer arithmetic",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"expression": {"type": "string"}}}}}
+    conversation = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+3?"}]
+    want = hf_ids(hf, conversation, chat_template=CHATML_TOOLS, add_generation_prompt=True, tools=[tool])
+    policy = StreamPolicy(2, None, None, ours, width=4096, temperature=1.0, top_p=None, rng=None)
+    assert policy.count_tokens(0, conversation, [tool]) == len(want)
+    assert policy.count_tokens(1, conversation, []) == len(hf_ids(hf, conversation, chat_template=CHATML_TOOLS,
+                                                                   add_generation_prompt=True))
+    policy.rows.add_messages(0, conversation, 0)
+    assert policy.rows.tokens[0] == want

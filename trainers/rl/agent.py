@@ -42,15 +42,16 @@ class StreamPolicy:
         self.rng, self.prompt_sharding = rng, prompt_sharding
         self.turns = [0] * n
 
-    def _new(self, i: int, conversation) -> list[dict]:
+    def _new(self, i: int, conversation, tools) -> list[dict]:
+        self.rows.tools[i] = list(tools) if tools else None  # a chat template renders them, as at inference
         return [dict(m) for m in conversation[len(self.rows.messages[i]):]]
 
     def count_tokens(self, episode: int, conversation, tools) -> int:
-        return self.rows.length_with(episode, self._new(episode, conversation))
+        return self.rows.length_with(episode, self._new(episode, conversation, tools))
 
     def act(self, episodes: Sequence[int], conversations, tools, max_new_tokens: int) -> list[str]:
-        for i, conv in zip(episodes, conversations):
-            self.rows.add_messages(i, self._new(i, conv), self.turns[i])
+        for i, conv, t in zip(episodes, conversations, tools):
+            self.rows.add_messages(i, self._new(i, conv, t), self.turns[i])
         self.rng, key = jax.random.split(self.rng)
         ids, logp = sample_turn(self.graphdef, self.params, [self.rows.tokens[i] for i in episodes], width=self.width,
                                 max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,

@@ -93,7 +93,9 @@ class ChatRows(TurnRows):
     (before it when the reply hit ``max_new_tokens`` without a stop token: the context closes
     the turn; the built-in format has none, its next context starts after the reply's line). Where the template writes replies as sampled and the tokenizer splits text at
     turn boundaries, a row equals `jaxlm.data.chat.encode_chat` of the conversation and its
-    ``loss_mask`` the assistant mask. ``template_kwargs``: template variables."""
+    ``loss_mask`` the assistant mask. ``template_kwargs``: template variables; ``tools[i]``:
+    stream ``i``'s tool specs, passed to a chat template as ``tools`` (as
+    `jaxlm.agents.loop.ModelPolicy` renders them)."""
 
     def __init__(self, n: int, tokenizer, *, stop_tokens: Sequence[int] | None = None, **template_kwargs):
         template = getattr(tokenizer, "chat_template", None)
@@ -103,11 +105,15 @@ class ChatRows(TurnRows):
         self._template = template  # None: the built-in format, whose specials carry no text
         self.stop_tokens = tuple(stop_tokens) if stop_tokens is not None else default_stop_tokens(tokenizer)
         self.messages: list[list[dict]] = [[] for _ in range(n)]
+        self.tools: list[list[dict] | None] = [None] * n
         self._held = [""] * n  # the rendered text the stream's tokens stand for
 
-    def _render(self, messages, add_generation_prompt: bool) -> str:
+    def _render(self, i: int, messages, add_generation_prompt: bool) -> str:
+        kw = dict(self.template_kwargs)
+        if self._template is not None and self.tools[i]:
+            kw["tools"] = self.tools[i]
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, **self.template_kwargs)
+                                                  tokenize=False, **kw)
 
     def _check_prefix(self, i: int, rendered: str, what: str) -> None:
         held = self._held[i]
@@ -122,7 +128,7 @@ class ChatRows(TurnRows):
     def add_messages(self, i: int, messages: Sequence[dict], turn: int) -> list[int]:
         """Append ``messages`` and the generation prompt to stream ``i``; returns the ids added."""
         self.messages[i] += [dict(m) for m in messages]
-        target = self._render(self.messages[i], True)
+        target = self._render(i, self.messages[i], True)
         self._check_prefix(i, target, f"{[m.get('role') for m in messages]} follow")
         ids = self.tokenizer.encode(target[len(self._held[i]):])
         self.add_context(i, ids, turn)
@@ -131,7 +137,7 @@ class ChatRows(TurnRows):
 
     def length_with(self, i: int, messages: Sequence[dict]) -> int:
         """The tokens stream ``i`` would hold after ``add_messages(i, messages, ...)``."""
-        target = self._render(self.messages[i] + [dict(m) for m in messages], True)
+        target = self._render(i, self.messages[i] + [dict(m) for m in messages], True)
         self._check_prefix(i, target, f"{[m.get('role') for m in messages]} follow")
         return len(self.tokens[i]) + len(self.tokenizer.encode(target[len(self._held[i]):]))
 
@@ -145,7 +151,7 @@ class ChatRows(TurnRows):
         content = (self.tokenizer.decode(body) if self._template is None
                    else self.tokenizer.decode(body, skip_special_tokens=False))
         self.messages[i].append({"role": "assistant", "content": content})
-        rendered = self._render(self.messages[i], False)
+        rendered = self._render(i, self.messages[i], False)
         self._check_prefix(i, rendered, "the reply is added (the generation prompt does not open it)")
         end_token = None if self._template is None else self._template.end_of_turn(rendered, len(self._held[i]))
         if end_token is None:  # the built-in format closes a message with "\n": held only if sampled
