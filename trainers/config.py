@@ -159,6 +159,9 @@ class TrainerConfig:
         s = self.stop_after
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
             raise ValueError(f"TrainerConfig.stop_after={s!r} is invalid: must be an int >= 1 or None")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            # numpy's and grain's seeding take non-negative integers only
+            raise ValueError(f"TrainerConfig.seed={self.seed!r} is invalid: must be an int >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

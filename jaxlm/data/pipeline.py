@@ -65,6 +65,9 @@ class DataConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"DataConfig.{name}={v!r} is invalid: must be a positive int")
+        v = self.shuffle_seed
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:  # grain's shuffles take seeds >= 0
+            raise ValueError(f"DataConfig.shuffle_seed={v!r} is invalid: must be an int >= 0")
 
 
 class ExampleSource:

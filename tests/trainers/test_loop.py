@@ -91,6 +91,12 @@ def test_out_dir_must_name_a_directory():
         ExperimentConfig(init_from="")
     with pytest.raises(ValueError, match="ExperimentConfig.tokenizer=' '"):
         ExperimentConfig(tokenizer=" ")
+    # numpy and grain seed with non-negative integers: a negative seed failed at the first batch
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=f"TrainerConfig.seed={bad!r} is invalid: must be an int >= 0"):
+            TrainerConfig(seed=bad)
+        with pytest.raises(ValueError, match=f"DataConfig.shuffle_seed={bad!r} is invalid: must be an int >= 0"):
+            DataConfig(shuffle_seed=bad)
 
 
 class _PoisonAt:
