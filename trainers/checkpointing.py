@@ -237,7 +237,11 @@ class TrainCheckpointer:
             digest["data_sha256"] = _json_digest(data_state)
             digest["config_sha256"] = _json_digest(config)
             items[DIGEST_ITEM] = ocp.args.JsonSave(digest)
-        self._mngr.save(step, args=ocp.args.Composite(**items))
+        if not self._mngr.save(step, args=ocp.args.Composite(**items)):
+            # orbax declines a step at or below one it lists: losing the save silently would
+            # leave the run without the checkpoint it believes it has
+            raise RuntimeError(f"checkpoint step {step} was not saved: {self.directory} already holds step "
+                               f"{self.latest_step()}, and orbax saves only newer steps")
 
     def restore(self, step: int, abstract_state) -> tuple[Any, dict[str, Any]]:
         """Restore step ``step`` into ``abstract_state`` (ShapeDtypeStructs with shardings)
@@ -298,8 +302,8 @@ class TrainCheckpointer:
 
         Each checkpoint that fails is logged by path and step and, with ``quarantine``,
         moved to ``<directory>/corrupt/<step>.<time>`` (so the run can save that step
-        again) when its digest showed the same structure as ``abstract_state`` (a
-        checkpoint without a digest that fails to restore stays in place). Raises
+        again) when an older one restores; when none does, only those whose digest showed
+        the same structure as ``abstract_state`` are moved. Raises
         `CheckpointCorruptError` naming every path tried when none verifies, and
         `CheckpointMismatchError` (before trying older steps) when a checkpoint holds
         other arrays than ``abstract_state``: check the config before restoring.
@@ -319,8 +323,8 @@ class TrainCheckpointer:
                 log.error("%s; trying an older checkpoint", e)
                 continue
             if failures:
-                if quarantine:
-                    self._quarantine(damaged)
+                if quarantine:  # every newer failed step: orbax saves no step at or below one it lists
+                    self._quarantine([s for s, _, _ in failures])
                 log.warning("resuming from checkpoint step %d at %s (newer checkpoint(s) %s failed)",
                             step, self.step_path(step), ", ".join(str(s) for s, _, _ in failures))
             return step, state, data

@@ -180,3 +180,33 @@ def test_the_run_config_falls_back_to_an_older_checkpoints_copy(tmp_path, caplog
     with pytest.raises(CheckpointCorruptError, match="step 1"):
         _stored_config(tmp_path, ckpt, 3)
     ckpt.close()
+
+
+@pytest.mark.parametrize("damage", ["unreadable_digest", "empty_step_dir", "no_digest_unreadable"])
+def test_every_failed_newer_step_is_moved_so_later_saves_land(tmp_path, damage):
+    """orbax saves only steps newer than every step it lists: a failed step left in place
+    would make the resumed run's saves of that step and below vanish."""
+    _save_steps(tmp_path, steps=(1, 2, 3))
+    if damage == "unreadable_digest":
+        (tmp_path / "3" / "digest" / "metadata").write_text('{"format": 1, "alg')
+    elif damage == "no_digest_unreadable":
+        shutil.rmtree(tmp_path / "3" / "digest")
+        big = _array_files(tmp_path / "3")[0]
+        big.write_bytes(big.read_bytes()[: big.stat().st_size // 2])
+    else:
+        (tmp_path / "5").mkdir()  # a partial copy of the run directory
+    ckpt = TrainCheckpointer(tmp_path, keep=5)
+    abstract = abstract_like(_state(0))
+    step, state, _ = ckpt.restore_verified(abstract)
+    resumed = 3 if damage == "empty_step_dir" else 2
+    assert step == resumed
+    _assert_tree_equal(state, _state(resumed))
+    assert ckpt.all_steps() == list(range(1, resumed + 1))
+    for s in range(resumed + 1, 6):
+        ckpt.save(s, _state(s), {"position": s}, {})
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2, 3, 4, 5]
+    _assert_tree_equal(ckpt.restore(5, abstract)[0], _state(5))
+    with pytest.raises(RuntimeError, match=rf"checkpoint step 4 was not saved: {tmp_path} already holds step 5"):
+        ckpt.save(4, _state(4), {"position": 4}, {})
+    ckpt.close()
