@@ -553,6 +553,23 @@ def generate(
     )
     if tokenizer is not None:
         result.texts = [tokenizer.decode(c) for c in result.completions()]
+    return _checked(result)
+
+
+def _checked(result: GenerateResult) -> GenerateResult:
+    """Refuse a result holding a token drawn from a distribution with no finite mass: every
+    logit of that step was -inf (the logits processors, the grammar or top-k / top-p masked
+    every token) or NaN. The sampler would return an arbitrary token with a NaN log-prob there
+    (HF's ``generate`` raises in ``torch.multinomial`` for the same reason)."""
+    slp, lengths = np.asarray(result.sampling_logprobs), np.asarray(result.lengths)
+    live = np.arange(slp.shape[1])[None, :] < lengths[:, None]
+    bad = live & ~np.isfinite(slp)
+    if bad.any():
+        row, step = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"generate: row {row}, generated token {step} was drawn from a distribution with no finite mass: every "
+            "next-token logit was -inf (the logits processors, the grammar, or top_k / top_p allowed no token) or NaN "
+            f"({int(bad.any(axis=1).sum())} row(s) affected)")
     return result
 
 
@@ -571,7 +588,7 @@ def _beam_search(model, block, mask, tokenizer, *, num_return_sequences, **kw) -
     )
     if tokenizer is not None:
         result.texts = [tokenizer.decode(c) for c in result.completions()]
-    return result
+    return _checked(result)
 
 
 def _speculative(model, draft, num_draft_tokens, block, mask, rng, tokenizer, *, max_new_tokens,
@@ -589,7 +606,7 @@ def _speculative(model, draft, num_draft_tokens, block, mask, rng, tokenizer, *,
     )
     if tokenizer is not None:
         result.texts = [tokenizer.decode(c) for c in result.completions()]
-    return result
+    return _checked(result)
 
 
 def _early_exit(model, window, block, mask, rng, tokenizer, *, draft, condition, interventions, max_new_tokens,
@@ -609,4 +626,4 @@ def _early_exit(model, window, block, mask, rng, tokenizer, *, draft, condition,
     )
     if tokenizer is not None:
         result.texts = [tokenizer.decode(c) for c in result.completions()]
-    return result
+    return _checked(result)

@@ -205,6 +205,24 @@ def test_user_processor_composes(model):
     assert set(np.unique(np.asarray(result.tokens))) <= {11, 12}
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_step_with_no_allowed_token_is_an_error_not_a_nan_draw(model, temperature):
+    """A processor that masks every token of a live row (here row 1 from its third token on)
+    leaves nothing to draw: an error naming the row and the step, as HF's multinomial raises;
+    rows that ended before that step are not affected."""
+    def ban_row_one_late(logits, state):
+        everything = (jnp.arange(logits.shape[0]) == 1)[:, None] & (state.step >= 2)
+        return jnp.where(everything, -jnp.inf, logits)
+
+    with pytest.raises(ValueError, match="row 1, generated token 2 was drawn from a distribution with no finite "
+                                         "mass"):
+        jaxlm.generate(model, PROMPTS, max_new_tokens=5, temperature=temperature, rng=0,
+                       logits_processors=[ban_row_one_late])
+    ok = jaxlm.generate(model, PROMPTS, max_new_tokens=2, temperature=temperature, rng=0,
+                        logits_processors=[ban_row_one_late])  # ends before the ban
+    assert np.isfinite(np.asarray(ok.sampling_logprobs)).all()
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
