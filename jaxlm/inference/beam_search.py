@@ -22,10 +22,12 @@ The large negative constant ``-1e9`` plays minus infinity where the reference us
 ties and exhausted beams order the same way.
 
 Under a grammar (`jaxlm.inference.grammar`, one per prompt) each beam carries its grammar
-state: tokens the grammar does not allow get log-prob ``-inf`` (after the log-softmax, as a
-logits processor does in the reference, so allowed tokens keep the model's own log-probs),
-the state follows the chosen token, and a candidate whose grammar is complete is finished
-like one that ends in a stop token.
+state: tokens the grammar does not allow get log-prob ``-inf`` (after the log-softmax and
+before the logits processors, as in the sampler, so allowed tokens keep the model's own
+log-probs and a top-k keeps the best allowed ones), the state follows the chosen token, and a
+candidate whose grammar is complete is finished like one that ends in a stop token. As in the
+reference, a candidate that reaches ``max_new_tokens`` is finished too, complete or not: its
+text is then a prefix of a string of the grammar, as a sampled row cut by the budget is.
 """
 
 from __future__ import annotations
@@ -179,13 +181,13 @@ def beam_search_tokens(
         V = s.logits.shape[-1]
         model_lp = jax.nn.log_softmax(s.logits, axis=-1)
         as_rows = lambda x: x.reshape(B * K, *x.shape[2:])  # noqa: E731
-        lp = process(model_lp, BeamRows(
+        # the grammar masks first, as in the sampler: a processor (top-k) then ranks allowed tokens only
+        allowed_lp = model_lp if grammar is None else mask_logits(grammar, s.grammar_state.reshape(-1), model_lp)
+        lp = process(allowed_lp, BeamRows(
             step=t, tokens=as_rows(s.tokens), logprobs=as_rows(s.logprobs),
             sampling_logprobs=as_rows(s.sampling_logprobs), lengths=jnp.full((B * K,), t, jnp.int32),
             done=jnp.zeros((B * K,), bool), prompt_lengths=prompt_lengths, logits=s.logits,
             grammar_state=None if s.grammar_state is None else s.grammar_state.reshape(-1)))
-        if grammar is not None:
-            lp = mask_logits(grammar, s.grammar_state.reshape(-1), lp)
         lp = lp.astype(jnp.float32).reshape(B, K, V)
         total = (lp + s.scores[..., None]).reshape(B, K * V)
         cand_scores, flat = jax.lax.top_k(total, C)  # [B, C], best first

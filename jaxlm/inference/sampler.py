@@ -406,8 +406,10 @@ def generate(
       are scored ``sum log p / len ** length_penalty``; ``early_stopping`` (True, False or
       "never") says when a prompt stops looking for better ones, as in HF ``generate``. The
       result has ``num_return_sequences`` rows per prompt (row ``b * R + r`` is prompt
-      ``b``'s ``r``-th best), with their scores in ``beam_scores``. With ``grammar=`` every
-      hypothesis is in the grammar's language (disallowed tokens get log-prob -inf).
+      ``b``'s ``r``-th best), with their scores in ``beam_scores``. With ``grammar=``
+      disallowed tokens get log-prob -inf before the processors: a hypothesis that ended
+      by completing the grammar or by a stop token is in its language, one cut by
+      ``max_new_tokens`` is a prefix of a string in it (as a sampled row cut there is).
     """
     config = model.config
     if getattr(config, "mode", "causal") == "diffusion":

@@ -199,6 +199,21 @@ def test_grammar_beams_stay_in_the_language(byte_model):
                 assert state >= 0, text
 
 
+def test_grammar_masks_before_a_top_k_processor(byte_model):
+    """TopK ranks the tokens the grammar allows (as in the sampler): beams under a digits-only
+    grammar with TopK(2) find the same strings as without it (here every step keeps at least
+    the two allowed tokens the beams use), never an empty output."""
+    from jaxlm.inference.grammar import compile_regex
+    from jaxlm.inference.logits_processors import TopK
+
+    g = compile_regex(r"[0-9]{3}", byte_model.tokenizer, cache_dir=None)
+    plain = jaxlm.generate(byte_model, ["x", "y"], max_new_tokens=5, num_beams=2, grammar=g)
+    top2 = jaxlm.generate(byte_model, ["x", "y"], max_new_tokens=5, num_beams=2, grammar=g,
+                          logits_processors=[TopK(2)])
+    assert all(g.matches(t) for t in top2.texts) and top2.texts == plain.texts
+    assert np.all(np.asarray(top2.beam_scores) > -1e8)
+
+
 def test_a_processor_reading_the_generated_tokens_sees_each_beam_as_a_row(pair):
     """A state-reading processor (no token generated twice) gets one row of ``state.tokens``
     per row of logits, as when sampling; the beams equal transformers' with the same rule
