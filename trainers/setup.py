@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 import jaxlm
@@ -51,6 +52,24 @@ def initial_model(cfg: ExperimentConfig) -> Transformer:
                 f"model ({want}); make model match the checkpoint's shapes"
             )
     missing = [n for n in expected if n not in base]
+    # a layer the checkpoint does not have is not a variant's parameter: it would start random
+    layer_of = lambda n: (m.group(0) if (m := re.match(r"(.*?\blayers\.\d+\.)", n)) else None)  # noqa: E731
+    have = {layer_of(n) for n in base} - {None}
+    new_layers = sorted({layer_of(n) for n in missing} - {None} - have)
+    if new_layers:
+        raise ConfigError(
+            f"init_from={cfg.init_from!r}: model has layers the checkpoint lacks ({', '.join(x + '*' for x in new_layers[:4])}"
+            f"{', ...' if len(new_layers) > 4 else ''}): make model.n_layers match the checkpoint's")
+    # a tied checkpoint's output layer is its embedding: an untied model starts from that copy
+    untied = {n: n[: -len("lm_head.kernel")] + "embed" for n in missing if n.endswith("lm_head.kernel")}
+    for head, embed in untied.items():
+        if embed not in base or tuple(np.shape(base[embed]))[::-1] != tuple(expected[head].shape):
+            raise ConfigError(f"init_from={cfg.init_from!r}: model has {head!r}, which the checkpoint lacks and "
+                              f"cannot be taken from its embedding {embed!r}")
+        base[head] = base[embed].T
+        log.info("init_from %s: %s starts as the checkpoint's tied output layer (%s transposed)", cfg.init_from,
+                 head, embed)
+    missing = [n for n in missing if n not in untied]
     log.info("weights from %s; %d variant parameter(s) at their initial values", cfg.init_from, len(missing))
     return model_from_flat(cfg.model, {**init_params(cfg.model, missing, seed=cfg.trainer.seed), **base})
 

@@ -147,6 +147,16 @@ def test_init_from_loads_base_weights_into_a_variant(tmp_path):
     np.testing.assert_array_equal(variant(tokens).logits, base(tokens).logits)
     with pytest.raises(ConfigError, match="does not fit model"):
         initial_model(apply_overrides(cfg, ["model.d_model=64", f"init_from={tmp_path / 'base'}"]))
+    # a layer the checkpoint lacks is no variant parameter: refused, not started at random
+    n = base.config.n_layers
+    with pytest.raises(ConfigError, match=rf"model has layers the checkpoint lacks \(layers\.{n}\.\*\)"):
+        initial_model(apply_overrides(cfg, [f"model.n_layers={n + 1}", f"init_from={tmp_path / 'base'}"]))
+    # the tied checkpoint's output layer is its embedding: an untied model starts from that copy
+    tied = jaxlm.build_model(dataclasses.replace(base.config, tie_embeddings=True), seed=4)
+    jaxlm.save_checkpoint(tied, tmp_path / "tied")
+    untied = initial_model(apply_overrides(cfg, ["model.tie_embeddings=false", f"init_from={tmp_path / 'tied'}"]))
+    assert not untied.config.tie_embeddings
+    np.testing.assert_allclose(untied(tokens).logits, tied(tokens).logits, rtol=1e-6, atol=1e-6)
 
 
 def test_a_torn_config_json_falls_back_to_the_checkpoints_copy(tmp_path, caplog):
