@@ -94,14 +94,26 @@ def branched_candidate_logprobs(model, groups: Sequence[Sequence[str]] | Sequenc
     pad = getattr(tok, "pad_id", None) or 0
     graphdef, state = nnx.split(model)
     out = np.zeros((len(groups), G, cand.size), np.float32)
-    order = sorted(range(len(groups)), key=lambda i: (len(heads[i]), max(map(len, tails[i]))))
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
+    limit = model.config.max_seq_len
+    tail_len = [max(map(len, t)) for t in tails]
+    for i, ids in enumerate(encoded):
+        if len(heads[i]) + tail_len[i] > limit:
+            raise ValueError(f"group {i}: a prompt of {max(map(len, ids))} tokens exceeds "
+                             f"ModelConfig.max_seq_len={limit}")
+    order = sorted(range(len(groups)), key=lambda i: (len(heads[i]), tail_len[i]))
+    # batches of up to batch_size groups whose longest prefix + longest suffix fit the model
+    # (one group always does; two that fit alone may not fit together)
+    batches: list[list[int]] = []
+    for i in order:
+        b = batches[-1] if batches else None
+        if (b is None or len(b) == batch_size
+                or max(len(heads[j]) for j in b + [i]) + max(tail_len[j] for j in b + [i]) > limit):
+            batches.append([i])
+        else:
+            b.append(i)
+    for idx in batches:
         rows = len(idx) if len(order) <= batch_size else batch_size
-        P, S = max(len(heads[i]) for i in idx), max(len(t) for i in idx for t in tails[i])
-        limit = model.config.max_seq_len
-        if P + S > limit:
-            raise ValueError(f"a prompt of {P + S} tokens exceeds ModelConfig.max_seq_len={limit}")
+        P, S = max(len(heads[i]) for i in idx), max(tail_len[i] for i in idx)
         if _bucket(P, bucket) + _bucket(S, bucket) <= limit:  # padded shapes, reused across calls
             P, S = _bucket(P, bucket), _bucket(S, bucket)
         P = max(P, 1)

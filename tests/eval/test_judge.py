@@ -88,6 +88,18 @@ def test_branched_scoring_equals_scoring_each_prompt(judge):
         branched_candidate_logprobs(judge, [("a", "b"), ("c",)], cand)
 
 
+def test_branched_groups_that_fit_alone_are_scored_together(judge):
+    """A long shared prefix with short branches and a short prefix with long branches each
+    fit max_seq_len = 128 but not in one padded batch: they go to separate batches."""
+    groups = [("q" * 110 + " A", "q" * 110 + " B"), ("w" + "a" * 100, "w" + "b" * 100)]
+    cand = [65, 66]
+    got = branched_candidate_logprobs(judge, groups, cand, batch_size=4, bucket=8)
+    flat = candidate_logprobs(judge, [p for g in groups for p in g], cand, batch_size=1)
+    np.testing.assert_allclose(got.reshape(-1, 2), flat, atol=3e-5)
+    with pytest.raises(ValueError, match=r"group 1: a prompt of 130 tokens exceeds ModelConfig.max_seq_len=128"):
+        branched_candidate_logprobs(judge, [("a", "b"), ("x" * 129, "y")], cand)
+
+
 @pytest.mark.parametrize("pairwise, match", [
     ("{question} {first} {second} {bogus}", r"has field\(s\) \['\{bogus\}'\] other than"),
     ("{question} {first} {second} {0}", r"has field\(s\) \['\{0\}'\]"),
