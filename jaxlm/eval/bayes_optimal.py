@@ -175,13 +175,15 @@ def mbr(latents: Sequence[Any], d="zero_one", *, weights=None, log_weights=None)
 
 # ---------------------------------------------------------------- response -> latent maps
 # an optional sign (not a hyphen after a word or number: "1-5" is 1 and 5); digits with or
-# without thousands separators ("1,234"), or none before a decimal point (".75"); an optional fraction
-_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
+# without thousands separators ("1,234"), or none before a decimal point (".75"); an optional
+# fraction and an optional exponent ("6.02e23", "2.5E-4")
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:[eE][+-]?\d+(?!\w))?")
 
 
 def number_latent(text: str) -> float | None:
     """The last number in the response (None when there is none): ``"-.5"`` is -0.5,
-    ``"$2,500"`` is 2500 (a comma between digit groups of three is a thousands separator)."""
+    ``"$2,500"`` is 2500 (a comma between digit groups of three is a thousands separator),
+    ``"1.5e3"`` is 1500."""
     found = _NUMBER.findall(text)
     return float(found[-1].replace(",", "")) if found else None
 

@@ -92,6 +92,9 @@ def ltt_threshold(scores, errors, alpha: float, *, delta: float = 0.1, grid=None
         s = np.sort(np.asarray(scores, np.float64).ravel())
         e = np.asarray(errors, np.float64).ravel()[np.argsort(np.asarray(scores, np.float64).ravel(), kind="mergesort")]
         lam = np.sort(np.asarray(grid, np.float64).ravel())
+        if np.isnan(lam).any():
+            raise ValueError(f"grid holds NaN ({int(np.isnan(lam).sum())} of {lam.size} thresholds): thresholds "
+                             "must be numbers")
         kept = np.searchsorted(s, lam, side="right").astype(np.float64)
         err = np.r_[0.0, np.cumsum(e)][kept.astype(int)]
     start = np.flatnonzero(kept >= np.log(delta) / np.log1p(-alpha))

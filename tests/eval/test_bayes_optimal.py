@@ -88,7 +88,10 @@ def test_weights_and_parsers():
     cases = {"x = -.5": -0.5, "answer: .75": 0.75, "The total is 1,234.": 1234.0, "so it costs $2,500": 2500.0,
              "12,345,678.5 units": 12345678.5, "a list 1,2,3": 3.0, "1,2345": 2345.0, "-3": -3.0,
              # a hyphen after a number or word is not a sign
-             "between 1-5": 5.0, "pages 10-12": 12.0, "x=-3": -3.0, "(-2)": -2.0}
+             "between 1-5": 5.0, "pages 10-12": 12.0, "x=-3": -3.0, "(-2)": -2.0,
+             # scientific notation is one number, as float() reads it
+             "6.02e23": 6.02e23, "The answer is 1.5e3.": 1500.0, "2.5E-4": 2.5e-4, "-1e+2 here": -100.0,
+             "1e5x": 5.0}
     assert {t: number_latent(t) for t in cases} == cases
     assert set_latent(" a, b ,,c") == frozenset("abc")
     assert edge_latent("b-a, c-b x") == frozenset({("a", "b"), ("b", "c")})

@@ -86,6 +86,8 @@ def test_learn_then_test_holds_with_probability_one_minus_delta():
     s, e = synthetic(rng, 500)
     grid = np.linspace(0, 1, 11)
     assert ltt_threshold(s, e, alpha, delta=delta, grid=grid) in grid
+    with pytest.raises(ValueError, match="grid holds NaN"):  # a NaN threshold accepted nothing, silently
+        ltt_threshold(s, e, alpha, delta=delta, grid=[0.5, np.nan])
     assert ltt_threshold(s[:5], e[:5], alpha, delta=delta) == -np.inf  # too few to reject anything
 
 
