@@ -41,24 +41,46 @@ def membership_scores(x, k: int, *, weighting: Weighting = "paper", fit=None) ->
         raise ValueError(f"weighting={weighting!r} must be 'paper' or 'whitened'")
     mean = ref.mean(axis=0)
     _, sigma, vt = np.linalg.svd(ref - mean, full_matrices=False)
+    if weighting == "whitened" and k > _rank(sigma, ref.shape):
+        # whitening divides by sigma^2: a direction the centred fit set does not span (sigma at
+        # rounding level, e.g. the N-th one of N points) would dominate every score
+        raise ValueError(f"k={k} exceeds the rank {_rank(sigma, ref.shape)} of the centred fit set (N points span "
+                         "at most N - 1 directions): weighting='whitened' needs k <= that rank")
     proj = (x - mean) @ vt[:k].T
     if weighting == "paper":
         return (proj**2 * sigma[:k]).sum(axis=1) / k
     return (proj**2 / np.maximum(sigma[:k], 1e-12) ** 2).sum(axis=1)
 
 
+def _rank(sigma: np.ndarray, shape: tuple[int, int]) -> int:
+    """Numerical rank: singular values above ``max(N, D) * eps * sigma_max`` (numpy's rule)."""
+    if not sigma.size:
+        return 0
+    return int((sigma > max(shape) * np.finfo(np.float64).eps * sigma[0]).sum())
+
+
 def select_membership(x, labelled: np.ndarray, correct: np.ndarray, *, ks: Sequence[int] | None = None,
                       weighting: Weighting = "paper") -> tuple[int, float, float]:
     """``(k, sign, auroc)``: the ``k`` and orientation whose score ``sign * zeta`` best ranks
-    the labelled rows ``x[labelled]`` by ``correct`` (AUROC; a higher score means "right").
+    the labelled rows ``x[labelled]`` by ``correct`` (AUROC; a higher score means "right");
+    ``labelled``: row indices or a boolean mask over the rows, ``correct`` one per labelled row.
     The scores are computed on all of ``x`` (the unlabeled set). ``ks``: the candidates
     (default 1..10, those up to ``min(N, D)``)."""
     if ks is None:
         shape = np.shape(x)
-        ks = tuple(range(1, min(10, *shape) + 1)) if len(shape) == 2 else (1,)
+        top = min(10, *shape) if len(shape) == 2 else 1
+        if weighting == "whitened" and len(shape) == 2:
+            xx = np.asarray(x, np.float64)
+            top = min(top, max(1, _rank(np.linalg.svd(xx - xx.mean(0), compute_uv=False), xx.shape)))
+        ks = tuple(range(1, top + 1))
     if not len(ks):
         raise ValueError("ks is empty: give at least one subspace dimension k")
     labelled = np.asarray(labelled)
+    if labelled.dtype == bool:  # a mask over the rows of x
+        if labelled.shape != np.shape(x)[:1]:
+            raise ValueError(f"labelled is a boolean mask of shape {labelled.shape}: it must have one entry per row "
+                             f"of x ({np.shape(x)[0]})")
+        labelled = np.flatnonzero(labelled)
     correct = np.asarray(correct, bool)
     if correct.shape != labelled.shape:
         raise ValueError(f"correct {correct.shape} must match labelled {labelled.shape}")

@@ -40,6 +40,25 @@ def test_whitened_scores_of_the_fit_set_sum_to_k():
     """Each whitened direction contributes sum_i <f_i, v_j>^2 / sigma_j^2 = 1 over the fit set."""
     x = np.random.default_rng(0).normal(size=(30, 6))
     assert membership_scores(x, 4, weighting="whitened").sum() == pytest.approx(4.0)
+    # N points span N - 1 centred directions: the N-th has sigma at rounding level, and whitening
+    # by it gave scores of 1e22 and more; k = N is refused there, and the default candidates stop
+    few = np.random.default_rng(2).normal(size=(6, 20))
+    assert membership_scores(few, 5, weighting="whitened").sum() == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="k=6 exceeds the rank 5 of the centred fit set"):
+        membership_scores(few, 6, weighting="whitened")
+    k, _, _ = select_membership(few, np.arange(6), np.array([1, 0, 1, 0, 1, 0], bool), weighting="whitened")
+    assert k <= 5
+
+
+def test_labelled_rows_may_be_a_boolean_mask():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, 5))
+    mask = np.zeros(40, bool)
+    mask[::2] = True
+    correct = rng.random(20) < 0.5
+    assert select_membership(x, mask, correct) == select_membership(x, np.flatnonzero(mask), correct)
+    with pytest.raises(ValueError, match=r"boolean mask of shape \(20,\): it must have one entry per row of x"):
+        select_membership(x, mask[:20], correct[:10])
 
 
 def test_selection_finds_the_separating_direction_and_its_orientation():
