@@ -90,6 +90,8 @@ def wush_block(Uii: np.ndarray, y: np.ndarray, Hb: np.ndarray) -> np.ndarray:
     V, s, _ = np.linalg.svd(y, full_matrices=False)
     s = s / np.sqrt(y.shape[1])
     s = s + 0.01 * s.mean()
+    if not s.max() > 0:  # an all-zero block target (dead input channels): any invertible T serves
+        s = np.ones_like(s)
     return Hb @ np.diag(np.sqrt(s)) @ V.T @ np.linalg.inv(Uii).T
 
 

@@ -161,3 +161,24 @@ def test_quantized_checkpoints_round_trip_exactly(tmp_path):
         back = jaxlm.load_checkpoint(tmp_path / f"q{i}")
         np.testing.assert_array_equal(np.asarray(back(tokens).logits), np.asarray(q(tokens).logits))
         assert back.tokenizer is not None
+
+
+def test_wush_with_an_all_zero_weight_block_is_invertible():
+    """Dead input channels (a block of zero weight rows) give a zero block target: its
+    transform must still be invertible, so the product is exact before quantization and the
+    quantized layer finite (it was NaN), in RTN and in GPTQ mode."""
+    from jaxlm.quant.gptq import gptq_transform_quantize
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 64))
+    H = x.T @ x / 256
+    for dead in (slice(0, 32), slice(32, 64)):
+        W = rng.standard_normal((64, 32)).astype(np.float32)
+        W[dead] = 0.0
+        T = wush_transform(H, W, 32)
+        assert np.isfinite(np.asarray(T)).all()
+        exact = transform_activations(jnp.asarray(x[:4], jnp.float32), T) @ transform_weights(jnp.asarray(W), T)
+        np.testing.assert_allclose(np.asarray(exact), x[:4] @ W, atol=1e-3)
+        assert np.isfinite(np.asarray(w4a4_matmul(jnp.asarray(x[:4], jnp.float32), jnp.asarray(W), T, "mxfp4"))).all()
+        T2, q = gptq_transform_quantize(H, W, "mxfp4", "wush")
+        assert np.isfinite(np.asarray(T2)).all() and np.isfinite(np.asarray(jaxlm.quant.dequantize(q))).all()
