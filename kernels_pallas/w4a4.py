@@ -75,7 +75,14 @@ def _w4a4(xc, xs, xg, wc, ws, wg, *, x_fmt, w_fmt, alpha, bm, bn, bk, interpret,
     x_fmt, w_fmt = dict(x_fmt), dict(w_fmt)
     M, K2 = xc.shape
     K, N = 2 * K2, wc.shape[1]
-    if bk % x_fmt["block"] or bk % w_fmt["block"]:
+    xb, wb = x_fmt["block"], w_fmt["block"]
+    if K % xb or K % wb:
+        raise ValueError(f"K={K} is not divisible by the activation block {xb} and the weight block {wb}")
+    if wc.shape[0] * 2 != K or xs.shape != (M, K // xb) or ws.shape != (K // wb, N):
+        raise ValueError(f"operands do not match: activation codes {xc.shape} / scales {xs.shape} (K={K}, block "
+                         f"{xb}), weight codes {wc.shape} / scales {ws.shape} (block {wb}); expected weight codes "
+                         f"({K // 2}, N), activation scales ({M}, {K // xb}), weight scales ({K // wb}, {N})")
+    if bk % xb or bk % wb:
         raise ValueError(f"bk={bk} must be a multiple of both blocks")
     bm = bm or w4a16.default_bm(M)
     Mp, Np, Kp = (-(-M // bm) * bm), (-(-N // bn) * bn), (-(-K // bk) * bk)

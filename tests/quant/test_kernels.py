@@ -157,6 +157,20 @@ def test_mismatched_operands_are_refused(matmul):
         call(jnp.ones((2, 64), jnp.float32), q, bk=24)
 
 
+def test_w4a4_operands_for_another_k_are_refused():
+    """Activations and a weight of different K (or scales for another block) are an error
+    naming the shapes: the kernel read the padded weight, or half of it, silently."""
+    fmt = dict(element="e2m1", block=32, scale_kind="e8m0")
+    x = Q.quantize(jnp.ones((2, 128), jnp.float32), "mxfp4", axis=-1)
+    for w in (Q.quantize(jnp.ones((64, 8), jnp.float32), "mxfp4", axis=-2),
+              Q.quantize(jnp.ones((256, 8), jnp.float32), "mxfp4", axis=-2)):
+        with pytest.raises(ValueError, match=r"operands do not match: activation codes \(2, 64\)"):
+            w4a4.w4a4_matmul(x.codes, x.scales, 1.0, w.codes, w.scales, 1.0, x_fmt=fmt, w_fmt=fmt, interpret=True)
+    w = Q.quantize(jnp.ones((128, 8), jnp.float32), "mxfp4", axis=-2)
+    with pytest.raises(ValueError, match="operands do not match"):
+        w4a4.w4a4_matmul(x.codes, x.scales[:, :2], 1.0, w.codes, w.scales, 1.0, x_fmt=fmt, w_fmt=fmt, interpret=True)
+
+
 def test_a_rank_zero_low_rank_branch_is_refused():
     q = Q.quantize(jnp.ones((64, 16), jnp.float32), "nvfp4", axis=0)
     args = (jnp.ones((2, 64), jnp.float32), q.codes, q.scales, q.global_scale.reshape(()))
