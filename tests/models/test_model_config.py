@@ -173,3 +173,25 @@ def test_num_params_counts_the_variants_parameters(variant):
     cfg = jaxlm.ModelConfig.tiny(n_layers=3, **variant)
     leaves = jax.tree.leaves(nnx.state(jaxlm.abstract_model(cfg), nnx.Param))
     assert cfg.num_params() == sum(int(np.prod(x.shape)) for x in leaves)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_omitted_config_keys_take_the_transformers_config_class_defaults(family):
+    """A config.json that leaves out num_key_value_heads, head_dim, sliding_window or
+    max_position_embeddings loads as transformers' own config class fills them in (a Mistral
+    config without sliding_window is a 4096 window there, not full attention)."""
+    transformers = pytest.importorskip("transformers")
+    from jaxlm.models.hf.configs import config_from_hf
+    from jaxlm.models.hf.families import FAMILIES
+
+    fam = FAMILIES[family]
+    hf = {"architectures": [fam.architecture], "model_type": fam.model_type, "vocab_size": 300, "hidden_size": 256,
+          "num_hidden_layers": 2, "num_attention_heads": 32, "intermediate_size": 128}
+    ref = transformers.AutoConfig.for_model(fam.model_type, **{k: v for k, v in hf.items() if k != "model_type"})
+    cfg = config_from_hf(dict(hf))
+    assert cfg.n_kv_heads == ref.num_key_value_heads
+    assert cfg.head_dim == (getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads)
+    assert cfg.sliding_window == (getattr(ref, "sliding_window", None) if fam.sliding_window else None)
+    assert cfg.max_seq_len == ref.max_position_embeddings
+    if fam.sliding_window:  # an explicit null is no window, in both
+        assert config_from_hf({**hf, "sliding_window": None}).sliding_window is None

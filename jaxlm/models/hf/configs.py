@@ -84,8 +84,8 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any):
         d_model=d_model,
         n_layers=_field(hf, "num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=_field(hf, "num_key_value_heads", n_heads),
-        head_dim=_field(hf, "head_dim", None) or (d_model // n_heads if n_heads > 0 else None),
+        n_kv_heads=_field(hf, "num_key_value_heads", fam.hf_default("num_key_value_heads") or n_heads),
+        head_dim=_field(hf, "head_dim", fam.hf_default("head_dim")) or (d_model // n_heads if n_heads > 0 else None),
         ffn_dim=_field(hf, "intermediate_size"),
         norm_eps=_field(hf, "rms_norm_eps", 1e-6, kind=float),
         rope_theta=theta,
@@ -93,8 +93,10 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any):
         qkv_bias=fam.qkv_bias,
         qk_norm=fam.qk_norm,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=_field(hf, "sliding_window", None) if fam.sliding_window else None,
-        max_seq_len=_field(hf, "max_position_embeddings", 2048),
+        # a missing key takes the config class's default (Mistral: 4096); an explicit null is no window
+        sliding_window=(_field(hf, "sliding_window", None) if "sliding_window" in hf
+                        else fam.hf_default("sliding_window")) if fam.sliding_window else None,
+        max_seq_len=_field(hf, "max_position_embeddings", fam.hf_default("max_position_embeddings") or 2048),
         family=fam.name,
     )
     fields.update(overrides)

@@ -56,6 +56,11 @@ class Family:
     qkv_bias: bool  # the family's attention has q/k/v biases
     qk_norm: bool
     sliding_window: bool  # the family applies a uniform sliding window
+    # transformers' config-class defaults for keys a config.json may omit (None: computed)
+    hf_defaults: tuple[tuple[str, Any], ...] = ()
+
+    def hf_default(self, key: str) -> Any:
+        return dict(self.hf_defaults).get(key)
 
     def _compile(self, src: int, dst: int):
         out = []
@@ -93,10 +98,14 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {  # keyed by `jaxlm.models.config.HF_FAMILIES`
-    "llama": Family("llama", "LlamaForCausalLM", "llama", _LLAMA_ROWS, False, False, False),
-    "mistral": Family("mistral", "MistralForCausalLM", "mistral", _LLAMA_ROWS, False, False, True),
-    "qwen2": Family("qwen2", "Qwen2ForCausalLM", "qwen2", _LLAMA_ROWS + _QKV_BIAS_ROWS, True, False, False),
-    "qwen3": Family("qwen3", "Qwen3ForCausalLM", "qwen3", _LLAMA_ROWS + _QK_NORM_ROWS, False, True, False),
+    "llama": Family("llama", "LlamaForCausalLM", "llama", _LLAMA_ROWS, False, False, False,
+                    (("max_position_embeddings", 2048),)),
+    "mistral": Family("mistral", "MistralForCausalLM", "mistral", _LLAMA_ROWS, False, False, True,
+                      (("num_key_value_heads", 8), ("sliding_window", 4096), ("max_position_embeddings", 131072))),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", "qwen2", _LLAMA_ROWS + _QKV_BIAS_ROWS, True, False, False,
+                    (("num_key_value_heads", 32), ("max_position_embeddings", 32768))),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", "qwen3", _LLAMA_ROWS + _QK_NORM_ROWS, False, True, False,
+                    (("num_key_value_heads", 32), ("head_dim", 128), ("max_position_embeddings", 32768))),
 }
 ARCHITECTURES: dict[str, str] = {f.architecture: f.name for f in FAMILIES.values()}
 if sorted(FAMILIES) != sorted(HF_FAMILIES):
