@@ -38,8 +38,11 @@ def _token_logprobs_fwd(h, w, targets, chunk):
         hc, tc = args
         logits = _chunk_logits(hc, w)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-        return picked - lse, lse
+        V = logits.shape[-1]
+        picked = jnp.take_along_axis(logits, jnp.clip(tc, 0, V - 1)[:, None], axis=-1)[:, 0]
+        # a target outside [0, V) (an ignore id such as -100, a vocabulary mismatch) has no
+        # log-prob: NaN, never another token's (a negative index would wrap to V + t)
+        return jnp.where((tc >= 0) & (tc < V), picked - lse, jnp.nan), lse
 
     logp, lse = jax.lax.map(one, (_chunks(h, chunk), _chunks(targets, chunk)))
     logp, lse = logp.reshape(-1)[:n], lse.reshape(-1)[:n]
@@ -53,7 +56,8 @@ def _token_logprobs_bwd(chunk, res, g):
     def one(dw, args):
         hc, tc, lc, gc = args
         probs = jnp.exp(_chunk_logits(hc, w) - lc[:, None])
-        dlogits = gc[:, None] * (jax.nn.one_hot(tc, V, dtype=probs.dtype) - probs)
+        valid = (tc >= 0) & (tc < V)
+        dlogits = jnp.where(valid, gc, 0.0)[:, None] * (jax.nn.one_hot(tc, V, dtype=probs.dtype) - probs)
         dh = jnp.dot(dlogits, w.astype(jnp.float32).T).astype(h.dtype)
         dw = dw + jnp.dot(hc.astype(jnp.float32).T, dlogits)
         return dw, dh
@@ -70,7 +74,8 @@ _token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
 
 def token_logprobs(h: jax.Array, w: jax.Array, targets: jax.Array, *, chunk: int = 512) -> jax.Array:
     """``log softmax(h @ w)[targets]`` for ``h [..., D]``, ``w [D, V]``, ``targets [...]``,
-    float32, ``chunk`` rows of logits at a time (forward and backward)."""
+    float32, ``chunk`` rows of logits at a time (forward and backward). A target outside
+    ``[0, V)`` gives NaN (and no gradient): mask such positions with ``jnp.where``."""
     lead = h.shape[:-1]
     out = _token_logprobs(h.reshape(-1, h.shape[-1]), w, targets.reshape(-1).astype(jnp.int32), chunk)
     return out.reshape(lead)

@@ -151,6 +151,23 @@ def test_chunked_token_logprobs_match_log_softmax():
     np.testing.assert_allclose(chunked(h, w), ref(h, w), rtol=1e-5)
     for a, b in zip(jax.grad(chunked, (0, 1))(h, w), jax.grad(ref, (0, 1))(h, w)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # a target outside [0, V) (-1, an ignore id -100, V) is NaN, not another token's log-prob,
+    # and a jnp.where mask leaves the value and the gradient of the valid rows exact
+    bad = t.at[jnp.array([3, 9, 20])].set(jnp.array([-1, -100, 50]))
+    lp = token_logprobs(h, w, bad, chunk=8)
+    assert np.isnan(np.asarray(lp)[[3, 9, 20]]).all() and np.isfinite(np.delete(np.asarray(lp), [3, 9, 20])).all()
+    keep = (bad >= 0) & (bad < 50)
+
+    def masked(h, w):
+        return jnp.sum(jnp.where(keep, c * token_logprobs(h, w, bad, chunk=8), 0.0))
+
+    def masked_ref(h, w):
+        picked = jnp.take_along_axis(jax.nn.log_softmax(h @ w), jnp.clip(bad, 0, 49)[:, None], -1)[:, 0]
+        return jnp.sum(jnp.where(keep, c * picked, 0.0))
+
+    np.testing.assert_allclose(masked(h, w), masked_ref(h, w), rtol=1e-5)
+    for a, b in zip(jax.grad(masked, (0, 1))(h, w), jax.grad(masked_ref, (0, 1))(h, w)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_training_only_the_hypernetwork_keeps_the_base_frozen():
