@@ -65,7 +65,9 @@ class Mixture(Task):
     def domain_of(self, index: int) -> int:
         """The component example ``index`` is drawn from."""
         u = np.random.default_rng([self.seed, index, 0x313]).random()
-        return int(min(np.searchsorted(np.cumsum(self.weights), u, side="right"), len(self.weights) - 1))
+        cdf = np.cumsum(np.asarray(self.weights, np.float64))
+        # normalised, so the last entry is exactly 1 > u: a weight-0 domain (flat step) is never drawn
+        return int(np.searchsorted(cdf / cdf[-1], u, side="right"))
 
     def example(self, index: int, split: str = "train") -> dict[str, Any]:
         d = self.domain_of(index)
