@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from jaxlm.data.tasks import SPLITS, TASKS, Task, _split_of
+from jaxlm.data.tasks import SPLITS, TASKS, Task, _split_of, split_draws
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?", re.ASCII)  # ASCII digits: not "٣٧"
 _BIN_LETTERS = "abcdefghij"
@@ -129,12 +129,14 @@ class LongTailedRegression(Task):
         trained on."""
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is invalid: must be one of {SPLITS}")
-        for attempt in range(1000):
+        tries = split_draws(self.eval_fraction)
+        for attempt in range(tries):
             rng = np.random.default_rng([self.seed, index, attempt, SPLITS.index(split)])
             ex = self._draw_split(rng, split)
             if _split_of(ex["prompt"] + "\x00" + ex["completion"] + "\x00", self.eval_fraction) == split:
                 return ex
-        raise RuntimeError(f"{type(self).__name__}: no {split} example after 1000 draws")
+        raise RuntimeError(f"{type(self).__name__}: no {split} example after {tries} draws (eval_fraction="
+                           f"{self.eval_fraction})")
 
     # -- scoring ----------------------------------------------------------------------
     def bucket(self, example: dict) -> str:

@@ -33,6 +33,12 @@ TASKS: Registry = Registry("task")
 SPLITS = ("train", "eval")
 
 
+def split_draws(eval_fraction: float) -> int:
+    """Draws to try for an example of a split: enough that a split of share ``p`` finds none
+    with probability ``(1 - p)^draws < 1e-12`` (p = 0.002 needs ~14,000)."""
+    return max(1000, int(np.ceil(28 / min(eval_fraction, 1 - eval_fraction))))
+
+
 def _split_of(prompt: str, eval_fraction: float) -> str:
     h = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "little")
     return "eval" if (h % 10_000) < eval_fraction * 10_000 else "train"
@@ -56,18 +62,22 @@ class Task:
     """Fraction of the distinct prompts held out for evaluation (by hash: never trained on)."""
 
     def __post_init__(self):
-        if not 0 < self.eval_fraction < 1:
-            raise ValueError(f"{type(self).__name__}.eval_fraction={self.eval_fraction!r} must be in (0, 1)")
+        # the split hash has a resolution of 1e-4: a smaller fraction would leave a split empty
+        if not 1e-4 <= self.eval_fraction <= 1 - 1e-4:
+            raise ValueError(f"{type(self).__name__}.eval_fraction={self.eval_fraction!r} must be in "
+                             "[0.0001, 0.9999]")
 
     def example(self, index: int, split: str = "train") -> dict[str, Any]:
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is invalid: must be one of {SPLITS}")
-        for attempt in range(1000):
+        tries = split_draws(self.eval_fraction)
+        for attempt in range(tries):
             rng = np.random.default_rng([self.seed, index, attempt, SPLITS.index(split)])
             ex = self._draw(rng)
             if self.split_of(ex) == split:
                 return ex
-        raise RuntimeError(f"{type(self).__name__}: no {split} example after 1000 draws")
+        raise RuntimeError(f"{type(self).__name__}: no {split} example after {tries} draws (eval_fraction="
+                           f"{self.eval_fraction}): the task has too few distinct problems for this split")
 
     def split_of(self, ex: dict[str, Any]) -> str:
         """The split an example belongs to: by a hash of its prompt and completion."""
@@ -263,6 +273,7 @@ class Sorting(Task):
         super().__post_init__()
         if not isinstance(self.length, int) or not 2 <= self.length <= 32:
             raise ValueError(f"sorting.length={self.length!r} must be an int in [2, 32]")
+        _check_int_ranges(self, "sorting", ("max_value", 0, 10**9))
         if not isinstance(self.separator, str):
             raise ValueError(f"sorting.separator={self.separator!r} must be a str")
         if self.separator == "" and self.max_value > 9:
@@ -599,6 +610,8 @@ class MarkovText(Task):
         super().__post_init__()
         if isinstance(self.zipf, bool) or not isinstance(self.zipf, (int, float)) or not self.zipf >= 0:
             raise ValueError(f"MarkovText.zipf={self.zipf!r} must be a number >= 0")
+        _check_int_ranges(self, "MarkovText", ("n_words", 1, 100_000), ("min_words", 1, 10_000))
+        _check_int_ranges(self, "MarkovText", ("fanout", 1, self.n_words), ("max_words", self.min_words, 10_000))
 
     def _chain(self):
         return _markov_chain(self.seed, self.n_words, self.fanout, float(self.zipf))

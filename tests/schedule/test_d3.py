@@ -139,6 +139,11 @@ def test_bad_schedule_config_names_the_field():
         ScheduleConfig(name="topo")
     with pytest.raises(ValueError, match="algorithm.schedule.units=0"):
         ScheduleConfig(units=0)
+    with pytest.raises(ValueError, match="algorithm.schedule.seed=-1 is invalid"):
+        ScheduleConfig(name="random", seed=-1)  # numpy failed at the first refresh, naming no field
+    with pytest.raises(ValueError, match="algorithm.schedule.precondition='no' is invalid"):
+        ScheduleConfig(precondition="no")  # a truthy string turned preconditioning on
+
 
 
 @pytest.mark.parametrize("trainable", ["", r"\.mlp\."])

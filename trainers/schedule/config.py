@@ -43,6 +43,10 @@ class ScheduleConfig:
             re.compile(self.params)
         except re.error as e:
             raise ValueError(f"algorithm.schedule.params={self.params!r} is not a valid regex: {e}") from None
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"algorithm.schedule.seed={self.seed!r} is invalid: must be an int >= 0")
+        if not isinstance(self.precondition, bool):
+            raise ValueError(f"algorithm.schedule.precondition={self.precondition!r} is invalid: must be true or false")
         for k in ("lr", "delta"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
