@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 
 PEAR_VARIANTS = ("sequence", "token", "block")
+#: |log w| never exceeds this, whatever ``clip`` (e^80 ~ 5.5e34: a batch's weight sum stays finite in float32)
+LOG_WEIGHT_LIMIT = 80.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,8 @@ class PEARConfig:
     """Trained tokens per block (block) [INFERRED]."""
     clip: float = 1.0
     """log w is clipped to [-clip, clip] [INFERRED]; with 5.0 the self-normalised weights
-    concentrated on few tokens and SFT collapsed in `bench/pear_claim.py` (docs/benchmarks.md)."""
+    concentrated on few tokens and SFT collapsed in `bench/pear_claim.py` (docs/benchmarks.md).
+    inf: no clipping, up to `LOG_WEIGHT_LIMIT` (80), past which float32 weights overflow."""
     normalize: bool = True
     """Self-normalise over the batch: the loss is sum w CE / sum w (else sum w CE / tokens)."""
     target: Literal["current", "fixed"] = "current"
@@ -129,5 +132,8 @@ def pear_weights(target_logp: jax.Array, batch, valid: jax.Array, cfg: PEARConfi
     if cfg.target == "fixed":
         target_logp = shifted(batch["target_logprobs"])
     ell = jax.lax.stop_gradient(target_logp) - shifted(batch["behavior_logprobs"])
-    log_w = jnp.clip(pear_log_weights(ell, valid, batch["segment_ids"], cfg), -cfg.clip, cfg.clip)
+    # float32's exp overflows past 88.7: without a bound (clip=inf) one long document's weight
+    # became inf and the self-normalised loss inf / inf = NaN
+    bound = min(float(cfg.clip), LOG_WEIGHT_LIMIT)
+    log_w = jnp.clip(pear_log_weights(ell, valid, batch["segment_ids"], cfg), -bound, bound)
     return jnp.where(valid, jnp.exp(log_w), 0.0)

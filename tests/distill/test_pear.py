@@ -97,3 +97,20 @@ def test_gamma_zero_ignores_an_infinite_later_ratio():
     got = np.asarray(pear_log_weights(jnp.asarray(ell), jnp.asarray(valid), jnp.asarray(seg),
                                       PEARConfig(variant="token", gamma=0.0)))
     np.testing.assert_array_equal(got, ell)
+
+
+def test_unclipped_weights_stay_finite_and_self_normalise():
+    """clip=inf on a long document (sum of 119 log-ratios of 1 in the sequence variant): e^119
+    overflowed float32 and the self-normalised loss was inf / inf = NaN. log w is held within
+    80, so the weighted mean equals the float64 one: the heavy document takes all the weight."""
+    B, T = 2, 120
+    beh = np.zeros((B, T), np.float32)
+    beh[0] = -1.0  # row 0: every target 1 nat likelier under pi than under mu
+    batch = {"segment_ids": jnp.ones((B, T), jnp.int32), "behavior_logprobs": jnp.asarray(beh)}
+    valid = np.ones((B, T), bool)
+    valid[:, -1] = False
+    w = np.asarray(pear_weights(jnp.zeros((B, T)), batch, jnp.asarray(valid),
+                                PEARConfig(variant="sequence", clip=float("inf"))), np.float64)
+    assert np.isfinite(w).all() and np.isfinite(w.sum())
+    ce = np.where(np.arange(B)[:, None] == 0, 0.3, 2.0) * valid
+    np.testing.assert_allclose((w * ce).sum() / w.sum(), 0.3, rtol=1e-6)
