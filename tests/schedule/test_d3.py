@@ -121,6 +121,35 @@ def test_a_resumed_scheduler_serves_the_same_batches():
     assert list(np.argsort(losses, kind="stable")) == fresh.order
 
 
+def test_units_are_measured_with_every_field_the_loss_reads():
+    """A loss that reads a batch field beyond tokens/masks/positions (a condition, an attention
+    mask) ranks the units by that loss: the field was dropped from the measured units."""
+    params = {"w": jnp.ones(())}
+
+    def loss_fn(p, batch):  # the unit's loss is its condition's mean: only the condition orders units
+        return p["w"] * jnp.sum(batch["condition"]), jnp.asarray(batch["condition"].size, jnp.float32)
+
+    conditions = [5.0, 1.0, 3.0]
+    class Batches:  # a resumable iterator, as the data pipeline's
+        def __init__(self, items):
+            self.items, self.i = items, 0
+
+        def __next__(self):
+            self.i += 1
+            return self.items[self.i - 1]
+
+        def get_state(self):
+            return self.i
+
+    batches = Batches([{"tokens": np.zeros((4, 3), np.int32), "loss_mask": np.ones((4, 3), bool),
+                     "segment_ids": np.ones((4, 3), np.int32), "positions": np.zeros((4, 3), np.int32),
+                     "condition": np.full((4, 2), c, np.float32)} for c in conditions])
+    sched = UnitScheduler(batches, ScheduleConfig(name="loss", units=3, rows=2), loss_fn, params, adam=(0.95, 1e-8))
+    served = [float(sched.next(params, None)[0]["condition"][0, 0]) for _ in range(3)]
+    assert served == [1.0, 3.0, 5.0]
+    assert sched._measured()["condition"].shape == (3, 2, 2)
+
+
 def test_d3_schedules_a_training_run(tmp_path):
     cfg = ExperimentConfig(
         model=MODEL, data=DATA, optimizer=OptimizerConfig(lr=3e-3, warmup_steps=1),

@@ -118,9 +118,17 @@ class UnitScheduler:
         self.pool = [next(self.iterator) for _ in range(self.cfg.units)]
 
     def _measured(self):
-        rows = self.cfg.rows
-        return {k: jnp.asarray(np.stack([np.asarray(b[k])[:rows] for b in self.pool]))
-                for k in ("tokens", "loss_mask", "segment_ids", "positions")}
+        """The pool's first ``rows`` rows of every field the loss reads (conditions, attention
+        masks and per-token columns included: the units are ranked by the loss trained on)."""
+        rows, B = self.cfg.rows, np.shape(self.pool[0]["tokens"])[0]
+
+        def head(x):
+            x = np.asarray(x)
+            return x[:rows] if x.ndim and x.shape[0] == B else x
+
+        fields = [k for k, v in self.pool[0].items()
+                  if np.asarray(v).dtype.kind in "biuf" and all(k in b for b in self.pool)]
+        return {k: jnp.asarray(np.stack([head(b[k]) for b in self.pool])) for k in fields}
 
     def next(self, params, opt_state) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         info: dict[str, float] = {}
