@@ -54,6 +54,10 @@ class AVTaskConfig:
         bad = [q for q in self.questions if q not in QUESTIONS]
         if not self.questions or bad:
             raise ValueError(f"AVTaskConfig.questions={self.questions!r}: each must be one of {QUESTIONS}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 5:
+            # pitches run from 1 to window/2 - 1 cycles per frame: at window <= 4 every label has pitch 1
+            raise ValueError(f"AVTaskConfig.window={self.window!r} must be an int >= 5 (the 'tone:' labels' "
+                             "pitches must differ and stay below Nyquist)")
         if self.patch < 2:  # a 1-pixel patch has one value: the shapes' textures are indistinguishable
             raise ValueError(f"AVTaskConfig.patch={self.patch} must be >= 2 (the 'look:' shapes differ in texture)")
         if "move:" in self.questions and self.frames < 2:

@@ -171,6 +171,9 @@ class Video:
     frames: np.ndarray
     frame_ticks: int = 1
 
+    def __post_init__(self):
+        _check_ticks("Video", "frame_ticks", self.frame_ticks)
+
 
 @dataclasses.dataclass(frozen=True)
 class Audio:
@@ -178,6 +181,15 @@ class Audio:
 
     frames: np.ndarray
     audio_ticks: int = 1
+
+    def __post_init__(self):
+        _check_ticks("Audio", "audio_ticks", self.audio_ticks)
+
+
+def _check_ticks(owner: str, name: str, v) -> None:
+    """Ticks per frame on the time axis: an int >= 1 (fewer would move positions backwards)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{owner}.{name}={v!r} is invalid: must be an int >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,9 +206,7 @@ class AudioVisual:
 
     def __post_init__(self):
         for name in ("frames_per_chunk", "frame_ticks", "audio_ticks"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"AudioVisual.{name}={v!r} is invalid: must be an int >= 1")
+            _check_ticks("AudioVisual", name, getattr(self, name))
         if not len(self.video):  # the audio is placed inside the video's chunks: there would be none
             raise ValueError("AudioVisual.video has no frames, so its audio would have no chunk to go in; "
                              "give audio alone as Audio(frames)")

@@ -48,3 +48,8 @@ def test_bad_config_names_the_field():
     with pytest.raises(ValueError, match="AVTaskConfig.frames=1 must be >= 2 to ask 'move:'"):
         AVTaskConfig(frames=1, questions=("move:",))
     AVTaskConfig(frames=1, questions=("look:",))  # no motion asked: one frame is enough
+    with pytest.raises(ValueError, match="AVTaskConfig.window=4 must be an int >= 5"):
+        AVTaskConfig(window=4)  # every tone label would have pitch 1
+    cfg = AVTaskConfig(window=5)
+    pitches = [cfg.pitch(k) for k in range(cfg.n_labels)]
+    assert len(set(pitches)) == cfg.n_labels and max(pitches) < cfg.window / 2

@@ -185,6 +185,13 @@ def test_bad_pieces_and_config():
         build_sequence([Video(np.zeros((1, 2, 2, 5)))], TOK, cfg)
     with pytest.raises(TypeError, match="a piece must be"):
         build_sequence([3.5], TOK, cfg)
+    # fewer than one tick per frame moves positions backwards, onto earlier tokens
+    for piece, match in [(lambda: Video(np.zeros((2, 2, 2, 12)), frame_ticks=-1), r"Video.frame_ticks=-1 is invalid"),
+                         (lambda: Audio(np.zeros((3, 6)), audio_ticks=-2), r"Audio.audio_ticks=-2 is invalid"),
+                         (lambda: Video(np.zeros((2, 2, 2, 12)), frame_ticks=1.5), r"Video.frame_ticks=1.5 is invalid"),
+                         (lambda: Audio(np.zeros((3, 6)), audio_ticks=True), r"Audio.audio_ticks=True is invalid")]:
+        with pytest.raises(ValueError, match=match):
+            piece()
     with pytest.raises(ValueError, match="AudioVisual.video has no frames"):  # its audio would be dropped
         AudioVisual(np.zeros((0, 2, 2, 12)), np.zeros((5, 6)))
     with pytest.raises(ValueError, match="AudioVisual.frames_per_chunk=0 is invalid"):
