@@ -34,7 +34,7 @@ _LETTER_PATTERNS = (
     # "answer (is) (:)" then (X), a capital X, or a lower-case x that ends the clause ("answer: b.",
     # not the article in "the answer is a prime")
     re.compile(r"(?i:answer)\s*(?:(?i:is)\s*)?[:=]?\s*(?:\(([A-Za-z])\)|([A-Z])(?![A-Za-z])|([a-z])(?=\s*(?:$|[.,;!?)])))"),
-    re.compile(r"^\s*\(?([A-Z])\)?[.)]?\s*$"), re.compile(r"\(([A-Z])\)"))
+    re.compile(r"^\s*\(?([A-Za-z])\)?[.)]?\s*$"), re.compile(r"\(([A-Z])\)"))  # a whole reply of one letter: any case
 
 
 def parse_choice(text: str, n_options: int) -> int | None:

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +66,46 @@ def _one(body: str, k: int) -> ToolCall | str:
     return ToolCall(call["name"], arguments)
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _calls(text: str):
+    """``(start, body, end)`` of each closed call. A body that is one JSON value followed by
+    the closing tag is read whole, so a ``</tool_call>`` inside a string argument (which
+    templates' ``tojson`` does not escape) does not end the call; otherwise the body runs to
+    the next closing tag."""
+    pos = 0
+    while (start := text.find(OPEN, pos)) >= 0:
+        body_start = start + len(OPEN)
+        end = None
+        value_at = len(text) - len(text[body_start:].lstrip())
+        try:
+            _, value_end = _DECODER.raw_decode(text, value_at)
+            after = len(text) - len(text[value_end:].lstrip())
+            if text.startswith(CLOSE, after):
+                body, end = text[body_start:after], after + len(CLOSE)
+        except (ValueError, RecursionError):
+            pass
+        if end is None:
+            close = text.find(CLOSE, body_start)
+            if close < 0:  # never closed: left in the content, reported by the caller
+                return
+            body, end = text[body_start:close], close + len(CLOSE)
+        yield start, body, end
+        pos = end
+
+
 def parse_reply(text: str) -> Reply:
     """Split ``text`` into content, calls and errors (see the module docstring)."""
     calls: list[ToolCall] = []
     errors: list[str] = []
-    for k, m in enumerate(_CALL.finditer(text)):
-        out = _one(m.group(1), k)
+    pieces, pos = [], 0
+    for k, (start, body, end) in enumerate(_calls(text)):
+        out = _one(body, k)
         (errors.append if isinstance(out, str) else calls.append)(out)
-    rest = _CALL.sub("", text)
+        pieces.append(text[pos:start])
+        pos = end
+    rest = "".join(pieces) + text[pos:]
     if OPEN in rest:
         errors.append(f"a {OPEN} is not closed by {CLOSE}")
         rest = rest[: rest.index(OPEN)]

@@ -204,6 +204,8 @@ def test_multiple_choice_parsing():
     assert parse_choice("The answer is a prime number, so (C).", 4) == 2  # the article is not option A
     assert parse_choice("The answer is a: (B)", 4) == 1
     assert parse_choice("answer: b.", 4) == 1 and parse_choice("ANSWER IS D", 4) == 3
+    # a reply that is one letter, in either case
+    assert [parse_choice(t, 4) for t in ("b", "b)", "(b)", " c. ", "e")] == [1, 1, 1, 2, None]
     ep = multiple_choice_episode("Which is prime?", ["4", "6", "7"], 2)
     assert "(C) 7" in ep.messages[1]["content"] and ep.score("Answer: C") == 1.0 and ep.score("A") == 0.0
     with pytest.raises(ValueError, match="answer=3"):

@@ -56,3 +56,9 @@ def test_a_rendered_call_whose_argument_holds_the_closing_tag_parses_back():
     call = {"name": "run_python", "arguments": {"code": 'print("</tool_call>")', "n": 1}}
     reply = parse_reply("before " + render_tool_call(call) + " after")
     assert reply.errors == () and [(c.name, c.arguments) for c in reply.calls] == [(call["name"], call["arguments"])]
+    # Hermes / Qwen2.5 templates write the call with `tojson`, which does not escape "</": the
+    # JSON value is read whole, so the closing tag inside its string does not end the call
+    raw = '<tool_call>\n{"name": "run_python", "arguments": {"code": "print(\\"</tool_call>\\")"}}\n</tool_call>'
+    reply = parse_reply("Let me run it.\n" + raw + "\nok")
+    assert reply.errors == () and reply.calls == (ToolCall("run_python", {"code": 'print("</tool_call>")'}),)
+    assert reply.content == "Let me run it.\n\nok"
