@@ -126,6 +126,13 @@ def attribute_from_evidence(scene: dict[str, Any], utterance: str) -> str:
     return min(pool, key=lambda c: (abs(scene["pitch"][c] - u["pitch"]), c))
 
 
+def files_system(toolbox: Toolbox) -> str:
+    """The system prompt of a file-backed episode: the task and its own tools, one per line."""
+    return ("Find who speaks the utterance. Tools:\n" + toolbox.describe() + "\nOne tool call per line as "
+            "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>; reply with the speaker's name alone "
+            "when you know it.")
+
+
 def _evidence_tool(name: str, text: str):
     def evidence() -> str:
         return text
@@ -135,7 +142,9 @@ def _evidence_tool(name: str, text: str):
 class SpeakerFiles:
     """Speaker-attribution episodes from a benchmark's jsonl (see the module docstring)."""
 
-    def __init__(self, path: str | Path, system: str = SYSTEM):
+    def __init__(self, path: str | Path, system: str | None = None):
+        """``system``: the episodes' system prompt (None: `files_system` of each row's own
+        evidence tools; the generated task's `SYSTEM` names tools these episodes lack)."""
         self.path, self.system = str(path), system
         self._rows = read_rows(path, {"question": str, "answer": (str, list), "evidence": dict})
 
@@ -144,6 +153,7 @@ class SpeakerFiles:
 
     def episode(self, index: int) -> Episode:
         row = self._rows[index]
-        tools = [_evidence_tool(str(name), str(text)) for name, text in row["evidence"].items()]
-        return question_episode(self.system, row["question"], Toolbox(tools),
+        toolbox = Toolbox([_evidence_tool(str(name), str(text)) for name, text in row["evidence"].items()])
+        system = self.system if self.system is not None else files_system(toolbox)
+        return question_episode(system, row["question"], toolbox,
                                 lambda a, gold=row["answer"]: exact_match(a, gold), {"index": index, "answer": row["answer"]})

@@ -130,6 +130,11 @@ def test_speaker_files_adapter(tmp_path):
     ep = SpeakerFiles(tmp_path / "s.jsonl").episode(0)
     assert ep.toolbox.names() == ["faces", "voice"] and ep.toolbox.call("voice", {}).content == "180 Hz"
     assert ep.score("ana") == 1.0
+    # the prompt names the episode's own tools (the generated task's names transcript(), cast(), ...)
+    system = ep.messages[0]["content"]
+    assert "voice(): The voice evidence" in system and "faces(): The faces evidence" in system
+    assert "transcript" not in system and "utterance)" not in system
+    assert SpeakerFiles(tmp_path / "s.jsonl", system="Custom.").episode(0).messages[0]["content"] == "Custom."
 
 
 SOLVERS = {
