@@ -106,6 +106,23 @@ def test_malformed_hex_escapes_are_errors(pattern):
         parse_regex(pattern)
 
 
+@pytest.mark.parametrize("pattern", [r"x{2}{3}", r"a**", r"a+*", r"a?{2}", r"a???"])
+def test_a_quantifier_after_a_quantifier_is_an_error_as_in_python_re(pattern):
+    from jaxlm.inference.grammar.automaton import GrammarError
+
+    with pytest.raises(re.error, match="multiple repeat"):
+        re.compile(pattern)
+    with pytest.raises(GrammarError, match="multiple repeat"):
+        parse_regex(pattern)
+
+
+@pytest.mark.parametrize("pattern, texts", [(r"a*?b", ["b", "aab"]), (r"a{2}{", ["aa{"]), (r"a{2}x{,2}", ["aax", "aa"])])
+def test_lazy_quantifiers_and_literal_braces_still_parse(pattern, texts):
+    dfa = to_dfa(parse_regex(pattern))
+    for text in texts:
+        assert dfa.matches(text.encode()) == bool(re.fullmatch(pattern, text)), (pattern, text)
+
+
 def test_an_integer_enum_beyond_float_range_compiles():
     dfa = to_dfa(parse_json_schema({"type": "integer", "enum": [10**400, 3]}, any_whitespace=False))
     assert dfa.matches(str(10**400).encode()) and dfa.matches(b"3") and not dfa.matches(b"4")

@@ -73,26 +73,33 @@ class _Parser:
         return items[0] if len(items) == 1 else Seq(tuple(items))
 
     def quantified(self):
-        start = self.i
         atom = self.atom()
-        while self.peek() is not None and self.peek() in "*+?{":
-            c = self.peek()
-            if c == "{":
-                q = self.braces()
-                if q is None:
-                    break
-                lo, hi = q
-            else:
-                self.i += 1
-                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
-            if self.peek() == "?":
-                self.i += 1  # lazy: the same language
-            elif self.peek() == "+":
-                self.error("possessive quantifiers are not supported")
-            atom = Repeat(atom, lo, hi)
-            if start == self.i:
-                break
-        return atom
+        c = self.peek()
+        if c is None or c not in "*+?{":
+            return atom
+        if c == "{":
+            q = self.braces()
+            if q is None:  # not a count: a literal "{", read by the next atom
+                return atom
+            lo, hi = q
+        else:
+            self.i += 1
+            lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+        if self.peek() == "?":
+            self.i += 1  # lazy: the same language
+        elif self.peek() == "+":
+            self.error("possessive quantifiers are not supported")
+        if self.peek() is not None and (self.peek() in "*+?" or (self.peek() == "{" and self._count_follows())):
+            self.error("multiple repeat (a quantifier after a quantifier, as Python's re refuses it)")
+        return Repeat(atom, lo, hi)
+
+    def _count_follows(self) -> bool:
+        """Whether a repetition count ``{...}`` starts here (nothing is consumed)."""
+        at = self.i
+        try:
+            return self.braces() is not None
+        finally:
+            self.i = at
 
     def braces(self):
         j = self.p.find("}", self.i)
