@@ -45,7 +45,8 @@ def token_logprobs(model, examples: list[dict[str, Any]], *, top_k: int = 0, bat
     def scores(state, tokens, seg):
         m = nnx.merge(graphdef, state)
         positions = jnp.where(seg > 0, jnp.arange(tokens.shape[1])[None], 0)
-        logits = m(tokens, positions, mask=segment_mask(seg)).logits.astype(jnp.float32)
+        mask = segment_mask(seg, sliding_window=m.config.sliding_window)  # as training masks the rows
+        logits = m(tokens, positions, mask=mask).logits.astype(jnp.float32)
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)  # position t scores token t + 1
         picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
         out = {"logprobs": jnp.pad(picked, ((0, 0), (1, 0)))}

@@ -44,7 +44,8 @@ def models():
 
 
 def _np_logp(model, batch, tau):
-    logits = model(batch["tokens"], batch["positions"], mask=segment_mask(batch["segment_ids"])).logits
+    mask = segment_mask(batch["segment_ids"], sliding_window=model.config.sliding_window)  # each model's own window
+    logits = model(batch["tokens"], batch["positions"], mask=mask).logits
     z = np.asarray(logits, np.float64) / tau
     z -= z.max(-1, keepdims=True)
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
@@ -212,6 +213,37 @@ def test_offline_topk_equals_the_online_teacher(models, tmp_path):
     np.testing.assert_allclose(float(got["offline"][0]), float(got["online"][0]), rtol=1e-5)
     for k in ("distill", "tpa"):
         np.testing.assert_allclose(float(got["offline"][1][1][k]), float(got["online"][1][1][k]), rtol=1e-5)
+
+
+def test_a_windowed_teacher_attends_with_its_own_window(models, tmp_path):
+    """A sliding-window teacher (Mistral-style) for a full-attention student: the online loss
+    equals the reference with each model's own window, and `jaxlm logprobs` stores the
+    windowed teacher's log-probs (both used the student's / no window)."""
+    from jaxlm.data.files import Files
+    from jaxlm.data.pipeline import DataConfig, train_dataset
+    from trainers.annotate import annotate_file
+
+    s, _, (sg, sp), _ = models
+    t = jaxlm.build_model(TEACHER.replace(sliding_window=4), seed=1, tokenizer=TOK)
+    tg, ts = nnx.split(t)
+    tp = nnx.to_pure_dict(ts)
+    cfg = CONFIGS["forward_kl+ce+tpa"]
+    fn = make_distill_loss_fn(sg, sliding_window=None, distill=cfg, pear=None, teacher_graphdef=tg,
+                              vocab_size=STUDENT.vocab_size)
+    total, (count, _) = jax.jit(fn)(sp, BATCH, tp)
+    want, want_count = np_reference(s, t, BATCH, cfg)
+    assert float(count) == want_count
+    np.testing.assert_allclose(float(total), want, rtol=2e-5)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES))
+    annotate_file(t, data, tmp_path / "scored.jsonl", as_="teacher", top_k=4)
+    batch = next(iter(train_dataset(DataConfig(source=Files(path=str(tmp_path / "scored.jsonl"), eval_fraction=0.0),
+                                               seq_len=40, batch_size=4, pack=True), TOK)))
+    lt = _np_logp(t, {k: jnp.asarray(v) for k, v in batch.items()}, 1.0)
+    targets, valid = _np_valid(batch)
+    stored = np.asarray(batch["teacher_logprobs"])[:, 1:]  # entry t + 1 scores token t + 1
+    ref = np.take_along_axis(lt, targets[..., None], -1)[..., 0][:, :-1]
+    np.testing.assert_allclose(stored[valid[:, :-1]], ref[valid[:, :-1]], atol=2e-5)
 
 
 @pytest.mark.parametrize("mode", ["full", "topk"])

@@ -283,9 +283,12 @@ def make_distill_loss_fn(graphdef, *, sliding_window: int | None, distill: Disti
                            "target": shifted(batch.get("teacher_logprobs", jnp.zeros((B, T)))).reshape(-1)}
                 teacher["rest"] = rest_from_bucket(teacher["bucket"], teacher["idx"], flat_targets, teacher["target"])
             else:
-                t_out = forward(teacher_graphdef, teacher_params, batch, sliding_window=sliding_window, head=False)
+                t_model = nnx.merge(teacher_graphdef, teacher_params)
+                # the teacher's own attention window (a windowed teacher for a full-attention student)
+                t_out = forward(teacher_graphdef, teacher_params, batch, sliding_window=t_model.config.sliding_window,
+                                head=False)
                 th = jax.lax.stop_gradient(t_out.hidden).reshape(B * T, -1)
-                tw = unembedding(nnx.merge(teacher_graphdef, teacher_params))
+                tw = unembedding(t_model)
                 if distill.teacher_logprobs == "full":
                     teacher = {"h": th, "w": tw}
                 else:
