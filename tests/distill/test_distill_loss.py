@@ -333,3 +333,25 @@ def test_transition_alignment_of_a_confident_student_is_finite():
         assert np.isfinite(np.asarray(grad)).all()
     np.testing.assert_allclose(float(log_rest(jnp.asarray([[0.0, -40.0, -41.0]]), jnp.asarray([0]))[0]),
                                np.log(np.exp(-40.0) + np.exp(-41.0)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("K", [4, 20])
+def test_offline_tail_aware_without_tail_weight_is_the_bucket_kl_of_the_stored_k(models, K):
+    """tail_aware with tail_beta = 0 on stored top-K log-probs is forward KL over the K + 1
+    stored bins, whatever K the rows were written with (cfg.top_k = 10 here): it failed for
+    K < 10 and lumped stored head tokens into the tail for K > 10."""
+    _, _, (sg, sp), _ = models
+    V = STUDENT.vocab_size
+    rng = np.random.default_rng(0)
+    B, T = BATCH["tokens"].shape
+    batch = dict(BATCH)
+    batch["teacher_topk_ids"] = jnp.asarray([[rng.choice(V, K, replace=False) for _ in range(T)] for _ in range(B)],
+                                            jnp.int32)
+    batch["teacher_topk_logprobs"] = jnp.asarray(np.log(rng.dirichlet(np.ones(K + 1), size=(B, T))[..., :K]),
+                                                 jnp.float32)
+    got = {}
+    for name, cfg in (("fkl", DistillConfig(teacher_logprobs="offline")),
+                      ("tail", DistillConfig(teacher_logprobs="offline", divergence="tail_aware", tail_beta=0.0))):
+        fn = make_distill_loss_fn(sg, sliding_window=None, distill=cfg, pear=None, vocab_size=V)
+        got[name] = float(jax.jit(fn)(sp, batch, None)[0])
+    np.testing.assert_allclose(got["tail"], got["fkl"], rtol=1e-6)

@@ -205,7 +205,9 @@ def position_terms(h: jax.Array, w: jax.Array, targets: jax.Array, teacher: dict
         else:
             p, p_target = tch["bucket"], tch["target"]
             q_full, q = q, bucketed(q, tch["idx"])
-        kwargs = dict(jsd_beta=cfg.jsd_beta, top_k=cfg.top_k, tail_beta=cfg.tail_beta)
+        # the bins of a top-K / stored teacher are its K head tokens and the bucket: the head is
+        # those K (a stored K can differ from cfg.top_k)
+        kwargs = dict(jsd_beta=cfg.jsd_beta, top_k=cfg.top_k if full else p.shape[-1] - 1, tail_beta=cfg.tail_beta)
         out["div"] = div_fn(p, q, **kwargs)
         if need_fkl:
             out["fkl"] = out["div"] if cfg.divergence == "forward_kl" else forward_kl(p, q)
