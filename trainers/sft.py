@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxlm
+from jaxlm.data.files import DataError
 from jaxlm.data.pipeline import eval_batches, eval_examples, train_dataset
 from jaxlm.eval import task_accuracy
 from jaxlm.sharding import model_shardings, place, to_host
@@ -106,6 +107,7 @@ class SFT:
                                            teacher_graphdef=teacher_graphdef, vocab_size=setup.model.config.vocab_size)
         self._side_input = loss_fn is not None
         self._fields = required_fields(a)
+        self._vocab_size = setup.model.config.vocab_size
         self.scheduler = None
         if a.schedule is not None:
             if jax.process_count() > 1:
@@ -157,6 +159,13 @@ class SFT:
                 f"{' and '.join(self._fields_for(missing))} need(s) the data rows' per-token {missing} columns, which "
                 f"{type(self.cfg.data.source).__name__} rows do not carry: write them with `jaxlm logprobs MODEL "
                 f"--data FILE --out FILE --as {missing[0].split('_')[0]}` and train on data.source=Files(path=...)")
+        if "teacher_topk_ids" in self._fields:
+            V = self._vocab_size
+            top = int(np.max(batch["teacher_topk_ids"], initial=0))
+            if top >= V:  # a gather past the vocabulary is NaN; the scatter backward drops it
+                raise DataError(f"the data rows' teacher_topk_ids hold token id {top}, outside the student's "
+                                f"vocabulary (vocab_size={V}): rewrite them with `jaxlm logprobs` and a teacher that "
+                                "shares the student's vocabulary")
         return batch, info
 
     def _fields_for(self, missing: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,12 @@ def _token_fields(row: dict[str, Any], where: str) -> dict[str, Any]:
             raise DataError(f"{where}: {TOPK_FIELDS[0]!r} and {TOPK_FIELDS[1]!r} differ in shape")
         if any(not float(x).is_integer() or x < 0 for r in ids for x in r):
             raise DataError(f"{where}: {TOPK_FIELDS[0]!r} must hold non-negative token ids")
+        if any(len(set(r)) != len(r) for r in ids):  # the bins would count a token twice
+            raise DataError(f"{where}: {TOPK_FIELDS[0]!r} repeats a token id within a position's K")
+        # log-probs: at most 0, and the K of a position hold at most probability 1 (float32 rounding allowed)
+        if any(x > 1e-6 for r in lps for x in r) or any(sum(math.exp(x) for x in r) > 1 + 1e-4 for r in lps):
+            raise DataError(f"{where}: {TOPK_FIELDS[1]!r} must be log-probabilities (<= 0, each position's K "
+                            "summing to at most probability 1)")
     return out
 
 

@@ -184,3 +184,28 @@ def test_tail_aware_distillation_beats_forward_kl_at_equal_steps(tmp_path, pool,
     assert tail["kl_to_teacher"] < forward["kl_to_teacher"]
     if calibration:
         assert tail["ece"] < forward["ece"] and tail["full_ece"] < forward["full_ece"]
+
+
+def test_stored_topk_columns_outside_the_students_vocabulary_or_not_distributions_are_refused(tmp_path, data_file):
+    """Ids past the student's vocabulary (a gather there is NaN, and the scatter backward drops
+    it), a token repeated within a position's K, and log-probs above 0 are named errors."""
+    rows = read_rows(data_file)
+    n = [len(r["prompt"]) + len(r["completion"]) + 2 for r in rows]  # BOS + bytes + EOS
+
+    def write(name, ids, lps):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({**r, "teacher_topk_ids": [ids] * k, "teacher_topk_logprobs": [lps] * k})
+                                + "\n" for r, k in zip(rows, n)))
+        return path
+
+    algo = SFTConfig(distill=DistillConfig(teacher_logprobs="offline"))
+    far = write("far.jsonl", [3, SMALL.vocab_size + 7], [-1.0, -2.0])
+    with pytest.raises(DataError, match=rf"teacher_topk_ids hold token id {SMALL.vocab_size + 7}, outside the "
+                                        rf"student's vocabulary \(vocab_size={SMALL.vocab_size}\)"):
+        train(_experiment(tmp_path / "run", far, algo, steps=1))
+    with pytest.raises(DataError, match="repeats a token id"):
+        read_rows(write("dup.jsonl", [3, 3], [-1.0, -2.0]))
+    with pytest.raises(DataError, match="must be log-probabilities"):
+        read_rows(write("pos.jsonl", [3, 4], [0.5, -2.0]))
+    with pytest.raises(DataError, match="must be log-probabilities"):
+        read_rows(write("mass.jsonl", [3, 4], [-0.1, -0.2]))  # 0.90 + 0.82 > 1
