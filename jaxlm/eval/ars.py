@@ -35,12 +35,14 @@ from flax import nnx
 
 from jaxlm.eval.scoring import encode_prompts
 from jaxlm.inference.logits_processors import TopP
-from jaxlm.inference.sampler import generate
+from jaxlm.inference.sampler import default_stop_tokens, generate
 from jaxlm.models.interventions import Intervention, layer_mask
 
 
 def _normalize(x):
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+    # rsqrt of the clamped squared norm: a zero row gives 0 with a finite gradient (the norm's
+    # gradient there is 0/0, which turned every weight NaN after one step)
+    return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-24))
 
 
 def ars_loss(W: jax.Array, x: jax.Array, ids: jax.Array, labels: jax.Array, *, tau: float = 0.1,
@@ -169,13 +171,13 @@ def counterfactual_answers(model, prompts: Sequence[str], *, num_variants: int =
             first = np.asarray(jax.random.categorical(jax.random.fold_in(key, 1), scaled))
         else:
             first = np.asarray(jnp.argmax(logits, axis=-1))
-        stop = getattr(tok, "eos_id", None)
+        stops = default_stop_tokens(tok)  # every id that ends an answer (EOS and e.g. <|eot_id|>)
         rest = [None] * len(ids)
-        live = [r for r in range(len(ids)) if first[r] != stop]
+        live = [r for r in range(len(ids)) if int(first[r]) not in stops]
         if live and max_new_tokens > 1:
             cont = generate(model, [ids[r] + [int(first[r])] for r in live], max_new_tokens=max_new_tokens - 1,
                             temperature=temperature, top_p=top_p if temperature > 0 else None,
-                            rng=seed + 13 * v, add_bos=False)
+                            rng=seed + 13 * v, add_bos=False, stop_tokens=stops or None)
             for k, r in enumerate(live):
                 rest[r] = cont.completions()[k]
         for r in range(len(ids)):

@@ -3,6 +3,7 @@ boundary perturbation touches only the first answer token's logits (why the coun
 decode is a perturbed first token then a plain continuation), and zero noise reproduces
 greedy decoding."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -85,3 +86,40 @@ def test_nucleus_of_one_token_samples_the_greedy_answer(model):
     greedy = jaxlm.generate(model, prompts, max_new_tokens=6, temperature=0.0)
     for row, text in zip(got, greedy.texts):
         assert row == [text, text]
+
+
+def test_a_variant_ends_at_any_stop_id_as_generate_does():
+    """A tokenizer listing a second end-of-turn id (Llama 3.1's <|eot_id|> beside EOS): a
+    variant whose first token is that id ends there, as the greedy answer does (it kept
+    decoding past it, so a zero-noise variant disagreed with the greedy answer)."""
+    class TwoStops(ByteTokenizer):
+        stop_ids = (ByteTokenizer().eos_id, 200)
+
+    tok = TwoStops()
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(init_std=0.1, max_seq_len=64), seed=0, tokenizer=tok)
+    V, D = model.config.vocab_size, model.config.d_model
+    for block in model.layers:  # logits depend on the last token only
+        block.attn.o_proj.kernel[...] = jnp.zeros_like(block.attn.o_proj.kernel[...])
+        block.mlp.down_proj.kernel[...] = jnp.zeros_like(block.mlp.down_proj.kernel[...])
+    model.embed[...] = jnp.eye(D)[jnp.arange(V) % D]
+    prompt = "what is y?"
+    last, other = tok.encode(prompt)[-1], tok.encode("h")[0]
+    W = np.zeros((D, V), np.float32)
+    W[:, other] = 0.5
+    W[last % D, 200] = 10.0  # after the prompt: the second stop id
+    model.lm_head.kernel[...] = jnp.asarray(W)
+    greedy = jaxlm.generate(model, [prompt], max_new_tokens=5, temperature=0.0)
+    assert greedy.completions() == [[200]]
+    assert counterfactual_answers(model, [prompt], num_variants=1, noise_scale=0.0, max_new_tokens=5) == [
+        [greedy.texts[0]]]
+
+
+def test_a_zero_embedding_row_keeps_the_fit_finite():
+    """The normalisation's gradient at a zero row was 0/0: one such row made W NaN."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 4)).astype(np.float32)
+    x[3] = 0.0
+    ids, labels = np.repeat(np.arange(3), 4), np.tile([0, 1], 6)
+    grad = jax.grad(ars_loss)(jnp.eye(4), jnp.asarray(x), jnp.asarray(ids), jnp.asarray(labels))
+    assert np.isfinite(np.asarray(grad)).all()
+    np.testing.assert_array_equal(np.asarray(shape_embeddings(jnp.eye(4), jnp.asarray(x[3:4]))), 0.0)
