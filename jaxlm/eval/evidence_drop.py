@@ -127,10 +127,13 @@ def step_evidence(logprobs, entropies, hidden, step_of_token, n_steps: int, *, k
 def evidence_drop(model, prompts: Sequence[str], traces: Sequence[str], *, evidence: str = "logprob",
                   by: str = "line", ema: float | None = None, batch_size: int = 16) -> EvidenceDropResult:
     """Score each (prompt, trace) with the model's own statistics on the trace's tokens. The
-    trace is tokenised step by step (each token then belongs to exactly one step) after the
-    encoded prompt; one forward per batch of traces."""
+    trace is tokenised whole after the encoded prompt, as the model reads it, and each token
+    belongs to the step holding its first character (a tokenizer without character offsets
+    encodes step by step); one forward per batch of traces."""
     if evidence not in EVIDENCE:
         raise ValueError(f"evidence={evidence!r} must be one of {EVIDENCE}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} is invalid: must be an int >= 1")
     if len(prompts) != len(traces):
         raise ValueError(f"{len(prompts)} prompts for {len(traces)} traces")
     tok = model.tokenizer
@@ -139,10 +142,18 @@ def evidence_drop(model, prompts: Sequence[str], traces: Sequence[str], *, evide
     for head, trace in zip(heads, traces):
         steps = segment_steps(trace, by=by)
         ids, owner = list(head), [-1] * len(head)
-        for t, s in enumerate(steps):
-            piece = tok.encode(s)
-            ids += piece
-            owner += [t] * len(piece)
+        if hasattr(tok, "encode_with_offsets"):
+            # splitting the text at the steps would change its tokens (a space or "\n" merged
+            # with the next word, SentencePiece's prefix space on every piece)
+            piece, offsets = tok.encode_with_offsets(trace)
+            ends = np.cumsum([len(s) for s in steps])
+            ids += list(piece)
+            owner += [min(int(np.searchsorted(ends, start, side="right")), len(steps) - 1) for start, _ in offsets]
+        else:
+            for t, s in enumerate(steps):
+                piece = tok.encode(s)
+                ids += piece
+                owner += [t] * len(piece)
         rows.append(ids)
         owners.append(np.asarray(owner[1:]))  # aligned with the statistics of tokens 1..n-1
         n_steps.append(len(steps))

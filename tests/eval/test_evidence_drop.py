@@ -83,3 +83,37 @@ def test_hidden_similarity_reference_skips_empty_steps():
     step3 = hidden[2:].mean(0)
     np.testing.assert_allclose(e, [1.0, cos(hidden[1], hidden[0]), cos(hidden[1], hidden[0]),
                                    cos(step3, (hidden[0] + hidden[1]) / 2)], atol=1e-12)
+
+
+def test_a_subword_trace_is_scored_as_the_model_reads_it():
+    """With a byte-level BPE the trace is scored in its own tokenization (splitting at the
+    steps made " Step" into " " + "Step" at every boundary): the trace tokens' mean log-prob is
+    the one of encode(prompt) + encode(trace), each token in the step of its first character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxlm.data.tokenizers import HFTokenizer
+
+    trace = "Step 1: x = 2. Step 2: y = x + 3. Step 3: answer 5."
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([trace, "Q: what is y?\n"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = HFTokenizer(bpe, bos_id=1, eos_id=2, pad_id=0)
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(vocab_size=tok.vocab_size, init_std=0.3, max_seq_len=128),
+                              seed=0, tokenizer=tok)
+    prompt = "Q: what is y?\n"
+    got = evidence_drop(model, [prompt], [trace], by="marker")
+    head, body = tok.encode(prompt, add_bos=True), tok.encode(trace)
+    assert [tok.decode([t]) for t in body].count(" Step") == 2  # " Step" is one token, not " " + "Step"
+    ids = head + body
+    logp = np.asarray(jax.nn.log_softmax(model(np.asarray([ids], np.int32)).logits[0]))
+    token_lp = np.array([logp[i - 1, ids[i]] for i in range(len(head), len(ids))])
+    assert got.mean_logprob[0] == pytest.approx(token_lp.mean(), abs=2e-5)
+    _, offsets = tok.encode_with_offsets(trace)
+    starts = np.cumsum([0] + [len(s) for s in segment_steps(trace, by="marker")])
+    step = np.searchsorted(starts, [a for a, _ in offsets], side="right") - 1
+    want = [token_lp[step == t].mean() for t in range(len(starts) - 1)]
+    np.testing.assert_allclose(got.evidence[0], want, atol=2e-5)
+    with pytest.raises(ValueError, match="batch_size=0 is invalid"):
+        evidence_drop(model, [prompt], [trace], batch_size=0)
