@@ -88,6 +88,15 @@ class GradientEditConfig:
                 raise ValueError(f"{name}={v!r} is invalid: must be a positive int")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r} is invalid: must be > 0")
+        # any other project value would run plain fine-tuning without a word
+        if self.project not in ("gradient", "update"):
+            raise ValueError(f"project={self.project!r} is invalid: must be 'gradient' or 'update'")
+        if self.merge_weight not in ("samples", "tokens"):
+            raise ValueError(f"merge_weight={self.merge_weight!r} is invalid: must be 'samples' or 'tokens'")
+        for name in ("stop_loss", "recompute_threshold"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{name}={v!r} is invalid: must be a number >= 0")
 
 
 @dataclasses.dataclass

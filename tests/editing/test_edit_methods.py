@@ -102,5 +102,12 @@ def test_requests_file_round_trip_and_errors(tmp_path):
         LocateEditConfig(layers=(2, 1))
     with pytest.raises(ValueError, match="energy=1.5"):
         GradientEditConfig(energy=1.5)
+    # a project value other than gradient / update ran fine-tuning without the projection
+    for kwargs, match in [(dict(project="updates"), "project='updates' is invalid"),
+                          (dict(merge_weight="rows"), "merge_weight='rows' is invalid"),
+                          (dict(stop_loss=-1.0), "stop_loss=-1.0 is invalid"),
+                          (dict(recompute_threshold=float("nan")), "recompute_threshold=nan is invalid")]:
+        with pytest.raises(ValueError, match=match):
+            GradientEditConfig(**kwargs)
     with pytest.raises(ValueError, match="n=500"):
         WORLD.edit_requests(500)
