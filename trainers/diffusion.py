@@ -195,6 +195,20 @@ def pad_answers(batch: dict[str, np.ndarray], eos_id: int, rng: np.random.Genera
     return out
 
 
+def check_special_ids(model_cfg, tokenizer) -> None:
+    """The mask (and delete) id must be none of the tokenizer's BOS / EOS / PAD / stop ids: a
+    clean EOS would read as noise, and the sampler, which never emits the mask id, could never
+    stop."""
+    specials = {name: getattr(tokenizer, f"{name}_id", None) for name in ("bos", "eos", "pad")}
+    specials.update({f"stop id {i}": i for i in getattr(tokenizer, "stop_ids", None) or ()})
+    for field in ("mask_token_id", "delete_token_id"):
+        v = getattr(model_cfg, field, None)
+        clash = [name for name, i in specials.items() if i is not None and v is not None and int(i) == int(v)]
+        if clash:
+            raise ConfigError(f"model.{field}={v} is the tokenizer's {clash[0]} id: give the {field.split('_')[0]} "
+                              "token an id of its own (e.g. one past the tokenizer's vocabulary)")
+
+
 @ALGORITHMS.register("diffusion")
 class Diffusion:
     """Masked-diffusion training on ``cfg.data`` (one optimizer step per harness step)."""
@@ -212,6 +226,7 @@ class Diffusion:
             raise ConfigError("algorithm.pad_answers=True needs a tokenizer with an EOS token")
         if a.objective == "edit" and getattr(setup.tokenizer, "eos_id", None) is None:
             raise ConfigError("algorithm.objective='edit' needs a tokenizer with an EOS token")
+        check_special_ids(cfg.model, setup.tokenizer)
         self._accepted = None
         if a.objective == "edit" and a.edit_target == "nearest":
             source = cfg.data.source

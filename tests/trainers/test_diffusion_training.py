@@ -140,6 +140,20 @@ def test_config_errors(tmp_path):
         dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack=True))
     with pytest.raises(ValueError, match="algorithm.eps"):
         DiffusionConfig(eps=0.0)
+    # a mask id that is the tokenizer's EOS: clean EOS answers would read as noise, and the sampler
+    # (which never emits the mask id) could never stop
+    from trainers.config import ConfigError
+
+    eos = 2  # the byte tokenizer's
+    clash = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mask_token_id=eos),
+                                trainer=dataclasses.replace(cfg.trainer, out_dir=str(tmp_path / "clash")))
+    with pytest.raises(ConfigError, match=f"model.mask_token_id={eos} is the tokenizer's eos id"):
+        train(clash)
+    import jaxlm
+
+    with pytest.raises(ValueError, match=f"EOS id {eos} is the model's mask_token_id"):
+        jaxlm.diffusion_generate(jaxlm.build_model(clash.model, seed=0), [[5, 6]], gen_length=4, steps=4,
+                                 block_length=4, tokenizer=jaxlm.ByteTokenizer())
     # the held-out sampler's schedule is checked before training, not at the final evaluation
     for algo, match in ((DiffusionConfig(objective="sft", eval_block_length=3), "not divisible by block_length=3"),
                         (DiffusionConfig(objective="sft", eval_steps=32), "at most one step per token"),

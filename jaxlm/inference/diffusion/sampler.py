@@ -407,6 +407,9 @@ def diffusion_generate(
             raise ValueError(f"prompt {i} has ids {bad[:5]} outside [0, vocab_size={config.vocab_size}) or equal "
                              f"to mask_token_id={config.mask_token_id}")
     eos = getattr(tokenizer, "eos_id", None)
+    if eos is not None and int(eos) == int(config.mask_token_id):  # the mask id is never emitted: no stop
+        raise ValueError(f"the tokenizer's EOS id {eos} is the model's mask_token_id: the sampler never emits the "
+                         "mask id, so no answer could end; give [MASK] an id of its own")
     if logits_eos_inf and eos is None:
         raise ValueError("logits_eos_inf=True bans EOS, but no tokenizer with an EOS id is known: pass tokenizer= "
                          "(or ban the id with banned_tokens=)")
