@@ -53,6 +53,12 @@ from jaxlm.models.omni import AUDIO, TEXT, VIDEO, OmniSequence
 ESTIMATORS = ("ste", "score_function")
 
 
+def dropped(n: int, ratio: float) -> int:
+    """``floor(n * ratio)`` tokens dropped of ``n``, robust to the ratio's binary rounding
+    (``1 - 0.9`` is 0.0999...98: 10 tokens at retention 0.9 must drop 1, not 0)."""
+    return math.floor(n * ratio + 1e-9)
+
+
 @dataclasses.dataclass(frozen=True)
 class OmniSIFTConfig:
     """``video_ratio`` (r_v) of each frame's patches and ``audio_ratio`` (r_a) of each chunk's
@@ -72,6 +78,10 @@ class OmniSIFTConfig:
                 raise ValueError(f"OmniSIFTConfig.{name}={v!r} must be in [0, 1)")
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"OmniSIFTConfig.estimator={self.estimator!r} must be one of {ESTIMATORS}")
+        for name in ("selector_dim", "selector_heads", "samples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"OmniSIFTConfig.{name}={v!r} must be an int >= 1")
         if self.estimator == "score_function" and self.samples < 2:
             raise ValueError(f"OmniSIFTConfig.samples={self.samples} must be >= 2 (the leave-one-out baseline "
                              "needs another sample)")
@@ -84,7 +94,7 @@ class OmniSIFTConfig:
         """Keep a share ``rho`` in (0, 1] of the video and of the audio tokens."""
         if not 0 < rho <= 1:
             raise ValueError(f"retention rho={rho!r} must be in (0, 1]")
-        return cls(video_ratio=1 - rho, audio_ratio=1 - rho, **kw)
+        return cls(video_ratio=round(1 - rho, 12), audio_ratio=round(1 - rho, 12), **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +108,8 @@ class ClipLayout:
     audio: np.ndarray
     text: np.ndarray
     length: int
+    video_id: int | None = None  # the placeholder ids at the media positions (`check`)
+    audio_id: int | None = None
 
     @classmethod
     def of(cls, seq: OmniSequence, pad: int = 0) -> "ClipLayout":
@@ -119,13 +131,29 @@ class ClipLayout:
         if len({len(p) for p in per}) != 1:
             raise ValueError(f"every chunk must hold the same number of audio tokens, got {[len(p) for p in per]}")
         return cls(frames + pad, chunk_of_frame, np.stack(per) + pad, np.flatnonzero(kind == TEXT) + pad,
-                   len(kind) + pad)
+                   len(kind) + pad, int(seq.tokens[vid[0]]), int(seq.tokens[aud[0]]) if len(aud) else None)
+
+    def check(self, tokens, mask) -> None:
+        """That every row of a batch (``tokens``, ``mask [B, T]``, host arrays) has its media
+        where this layout says: rows left-padded to one width whose text differs after the clip
+        put them elsewhere, and one layout would prune their text."""
+        tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
+        if tokens.shape[1] != self.length:
+            raise ValueError(f"the batch's rows have {tokens.shape[1]} tokens, the layout {self.length}")
+        for name, idx, want in (("video", self.frames, self.video_id), ("audio", self.audio, self.audio_id)):
+            if want is None or not idx.size:
+                continue
+            bad = np.flatnonzero(~((tokens[:, idx.ravel()] == want) & mask[:, idx.ravel()]).all(axis=1))
+            if bad.size:
+                raise ValueError(f"row {int(bad[0])} has no {name} placeholder at the layout's {name} positions: "
+                                 "OmniSIFT's one ClipLayout needs every row's media at the same indices (build "
+                                 "batches of rows with the same text around the clip, or one layout per row)")
 
     def kept_length(self, config: OmniSIFTConfig) -> int:
         F, P = self.frames.shape
         C, A = self.audio.shape
-        return (self.length - F * P - C * A + F * (P - math.floor(P * config.video_ratio))
-                + C * (A - math.floor(A * config.audio_ratio)))
+        return (self.length - F * P - C * A + F * (P - dropped(P, config.video_ratio))
+                + C * (A - dropped(A, config.audio_ratio)))
 
 
 def _cosine(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -158,7 +186,7 @@ def video_keep(video: jax.Array, layout: ClipLayout, config: OmniSIFTConfig) -> 
     """``video [B, F, P, D]`` (each frame's patch embeddings) -> keep mask ``[B, F, P]``:
     spatial pruning of a chunk's first frame, temporal pruning of the later ones."""
     F, P = layout.frames.shape
-    k = math.floor(P * config.video_ratio)
+    k = dropped(P, config.video_ratio)
     keeps = []
     for f in range(F):
         first = f == 0 or layout.chunk_of_frame[f] != layout.chunk_of_frame[f - 1]
@@ -251,16 +279,23 @@ def _keep_mask(B: int, layout: ClipLayout, vkeep: jax.Array, akeep: jax.Array) -
     return keep.at[:, jnp.asarray(layout.frames)].set(vkeep).at[:, jnp.asarray(layout.audio)].set(akeep)
 
 
+def _check_concrete(layout: ClipLayout, tokens, mask) -> None:
+    """`ClipLayout.check` when the batch is known (not traced: under jit, call it on the host)."""
+    if not isinstance(tokens, jax.core.Tracer) and not isinstance(mask, jax.core.Tracer):
+        layout.check(tokens, mask)
+
+
 def compress(selector: AudioSelector, embeds: jax.Array, positions: jax.Array, mask: jax.Array, tokens: jax.Array,
              layout: ClipLayout, config: OmniSIFTConfig) -> Compressed:
     """OmniSIFT on a batch with one `ClipLayout`: ``embeds [B, T, D]`` (the spliced inputs),
     ``positions [B, T, 3]``, ``mask``/``tokens [B, T]`` -> the kept tokens."""
+    _check_concrete(layout, tokens, mask)
     B = embeds.shape[0]
     A = layout.audio.shape[1]
     vkeep, logits = audio_logits(selector, embeds, layout, config)
     scores = jax.nn.sigmoid(logits)
     # keep the highest scores, ranked by their logits (a saturated sigmoid would tie them)
-    akeep = drop_highest(-logits, math.floor(A * config.audio_ratio))
+    akeep = drop_highest(-logits, dropped(A, config.audio_ratio))
     keep = _keep_mask(B, layout, vkeep, akeep)
     scale = jnp.ones(keep.shape, jnp.float32).at[:, jnp.asarray(layout.audio)].set(straight_through(scores, akeep))
     out = _gather(keep, embeds, positions, mask, tokens, layout.kept_length(config), scale)
@@ -310,7 +345,7 @@ def selector_loss(selector: AudioSelector, row_loss: Callable[[Compressed], jax.
     B = embeds.shape[0]
     A = layout.audio.shape[1]
     K = config.samples
-    n_keep = A - math.floor(A * config.audio_ratio)
+    n_keep = A - dropped(A, config.audio_ratio)
     vkeep, logits = audio_logits(selector, embeds, layout, config)
     order = gumbel_top_k(rng, jax.lax.stop_gradient(logits), n_keep, K)  # [K, B, C, n_keep]
     akeep = (order[..., None] == jnp.arange(A)).any(-2)  # [K, B, C, A]
@@ -331,11 +366,12 @@ def random_keep(rng: jax.Array, embeds, positions, mask, tokens, layout: ClipLay
                 ) -> Compressed:
     """The baseline: the same numbers of patches per frame and audio tokens per chunk dropped
     uniformly at random."""
+    _check_concrete(layout, tokens, mask)
     B = embeds.shape[0]
     F, P = layout.frames.shape
     C, A = layout.audio.shape
     kv, ka = jax.random.split(rng)
-    vkeep = drop_highest(jax.random.uniform(kv, (B, F, P)), math.floor(P * config.video_ratio))
-    akeep = drop_highest(jax.random.uniform(ka, (B, C, A)), math.floor(A * config.audio_ratio))
+    vkeep = drop_highest(jax.random.uniform(kv, (B, F, P)), dropped(P, config.video_ratio))
+    akeep = drop_highest(jax.random.uniform(ka, (B, C, A)), dropped(A, config.audio_ratio))
     keep = _keep_mask(B, layout, vkeep, akeep)
     return Compressed(*_gather(keep, embeds, positions, mask, tokens, layout.kept_length(config)), None)

@@ -4,6 +4,7 @@ compression, the kept counts, that only the selector trains, and the score-funct
 estimator (Plackett-Luce probabilities, Gumbel top-k frequencies, unbiased gradient)."""
 
 import itertools
+from fractions import Fraction
 
 import jax
 import jax.flatten_util
@@ -129,8 +130,9 @@ def test_kept_counts_order_and_positions(model, rho):
         kinds = seqs[0].kind[idx]
         F, P = lay.frames.shape
         C, A = lay.audio.shape
-        assert (kinds == 1).sum(1).tolist() == [F * (P - int(P * (1 - rho)))] * 2
-        assert (kinds == 2).sum(1).tolist() == [C * (A - int(A * (1 - rho)))] * 2
+        drop = lambda n: int(n * (1 - Fraction(str(rho))))  # noqa: E731  exact floor(n (1 - rho))
+        assert (kinds == 1).sum(1).tolist() == [F * (P - drop(P))] * 2
+        assert (kinds == 2).sum(1).tolist() == [C * (A - drop(A))] * 2
         assert (kinds == 0).sum(1).tolist() == [len(lay.text)] * 2  # text is never dropped
 
 
@@ -160,6 +162,37 @@ def test_audio_selector_keeps_the_top_scores_and_only_it_trains(model):
     np.testing.assert_array_equal(c.embeds, jnp.take_along_axis(E, c.index[..., None], axis=1))
 
 
+def test_retention_drops_exactly_floor_n_times_one_minus_rho():
+    """1 - 0.9 is 0.0999...98 in binary: 10 tokens at retention 0.9 dropped none (19 of the
+    (rho, n) pairs on this grid were off by one)."""
+    from jaxlm.compress.omnisift import dropped
+
+    for k in range(1, 21):
+        rho = k / 20
+        cfg = OmniSIFTConfig.retention(rho) if rho < 1 else None
+        for n in range(1, 65):
+            want = int(n * (1 - Fraction(str(rho))))
+            if cfg is not None:
+                assert dropped(n, cfg.video_ratio) == want == dropped(n, cfg.audio_ratio), (rho, n)
+
+
+def test_a_batch_whose_rows_have_media_elsewhere_is_refused(model):
+    """Left-padded rows with different text after the clip put their media at other indices:
+    one layout would prune their text silently."""
+    rng = np.random.default_rng(3)
+    seqs = [build_sequence([[TOK.bos_id], "what?", clip(rng), tail], TOK, model.config) for tail in ("a", "longer")]
+    b = batch_sequences(seqs, TOK.pad_id)
+    E = omni_inputs_embeds(model, b["tokens"], b["video"], b["audio"])
+    lay = ClipLayout.of(seqs[0], pad=b["tokens"].shape[1] - len(seqs[0].tokens))
+    cfg = OmniSIFTConfig(video_ratio=0.5, audio_ratio=0.5, selector_dim=16, selector_heads=2)
+    sel = AudioSelector(model.config.lm.d_model, cfg, rngs=nnx.Rngs(0))
+    args = (E, jnp.asarray(b["positions"]), jnp.asarray(b["mask"]), jnp.asarray(b["tokens"]), lay, cfg)
+    with pytest.raises(ValueError, match="row 1 has no video placeholder at the layout's video positions"):
+        compress(sel, *args)
+    with pytest.raises(ValueError, match="row 1 has no video placeholder"):
+        random_keep(jax.random.key(0), *args)
+
+
 def test_layout_needs_an_audio_visual_clip(model):
     seq = build_sequence(["plain text"], TOK, model.config)
     with pytest.raises(ValueError, match="AudioVisual"):
@@ -170,6 +203,11 @@ def test_layout_needs_an_audio_visual_clip(model):
         OmniSIFTConfig(estimator="gumbel")
     with pytest.raises(ValueError, match="samples=1"):
         OmniSIFTConfig(estimator="score_function", samples=1)
+    for kwargs, match in [(dict(selector_heads=0), "selector_heads=0 must be an int >= 1"),
+                          (dict(selector_heads=-4), "selector_heads=-4 must be an int >= 1"),
+                          (dict(estimator="score_function", samples=2.5), "samples=2.5 must be an int >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            OmniSIFTConfig(**kwargs)
 
 
 def sequential_probability(p, order):
