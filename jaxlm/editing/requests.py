@@ -17,6 +17,25 @@ class EncodedPairs:
     key_position: np.ndarray  # int32 [N]: subject's last token (or the prompt's last token)
 
 
+def _split_encoding(tokenizer, prompt: str, target: str, add_bos: bool, i: int):
+    """``(prompt ids, target ids, prompt token offsets or None)`` as the model reads
+    ``prompt + target``. Encoding the two apart is the same for most tokenizers; where it is
+    not (a SentencePiece-style normalizer turns a target's leading space into a token of its
+    own), the whole text is encoded and cut where the target starts."""
+    prompt_ids, target_ids = tokenizer.encode(prompt, add_bos=add_bos), tokenizer.encode(target)
+    if prompt_ids + target_ids == tokenizer.encode(prompt + target, add_bos=add_bos):
+        return prompt_ids, target_ids, None
+    if not hasattr(tokenizer, "encode_with_offsets"):
+        return prompt_ids, target_ids, None  # no character offsets to cut the whole text by
+    ids, offsets = tokenizer.encode_with_offsets(prompt + target)
+    cut = sum(start < len(prompt) for start, _ in offsets)
+    if any(start < len(prompt) < stop for start, stop in offsets):
+        raise ValueError(f"request {i}: a token spans the end of the prompt and the start of the target "
+                         f"({prompt[-10:]!r} + {target[:10]!r}); end the prompt, or start the target, at a word")
+    bos = [tokenizer.bos_id] if add_bos and getattr(tokenizer, "bos_id", None) is not None else []
+    return bos + list(ids[:cut]), list(ids[cut:]), offsets[:cut]
+
+
 def encode_pairs(
     tokenizer,
     prompts: Sequence[str],
@@ -35,8 +54,7 @@ def encode_pairs(
         raise ValueError("no prompts to encode")
     rows = []
     for i, (p, t) in enumerate(zip(prompts, targets)):
-        prompt_ids = tokenizer.encode(p, add_bos=add_bos)
-        target_ids = tokenizer.encode(t)
+        prompt_ids, target_ids, offsets = _split_encoding(tokenizer, p, t, add_bos, i)
         if append_eos and tokenizer.eos_id is not None:
             target_ids = target_ids + [tokenizer.eos_id]
         if not target_ids:
@@ -47,7 +65,11 @@ def encode_pairs(
             at = p.find(subject)
             if at < 0:
                 raise ValueError(f"subject {subject!r} does not occur in prompt {i} ({p!r})")
-            key = len(tokenizer.encode(p[: at + len(subject)], add_bos=add_bos)) - 1
+            end = at + len(subject)
+            if offsets is None:
+                key = len(tokenizer.encode(p[:end], add_bos=add_bos)) - 1
+            else:  # the last token of the whole text that starts inside the subject
+                key = len(prompt_ids) - len(offsets) + sum(start < end for start, _ in offsets) - 1
         rows.append((prompt_ids + target_ids, len(prompt_ids), key))
     T = max(len(r[0]) for r in rows) if seq_len is None else seq_len
     too_long = [i for i, r in enumerate(rows) if len(r[0]) > T]

@@ -111,3 +111,35 @@ def test_requests_file_round_trip_and_errors(tmp_path):
             GradientEditConfig(**kwargs)
     with pytest.raises(ValueError, match="n=500"):
         WORLD.edit_requests(500)
+
+
+def test_targets_with_a_leading_space_encode_as_in_the_whole_text(tmp_path):
+    """A Llama-2 / Mistral style tokenizer.json (normalizer: prepend "▁", spaces to "▁") turns
+    a separately encoded " Paris" into "▁" + "▁Paris": the pair is encoded as the whole text
+    reads, and the subject's key is its last token there."""
+    import json
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    from jaxlm.data.tokenizers import HFTokenizer
+    from jaxlm.editing.requests import encode_pairs
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    bpe.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")  # for training only
+    bpe.train_from_iterator(["Bob lives in Paris", "Ann lives in Tokyo", "The home town of Bob is Paris"] * 50,
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
+    bpe.pre_tokenizer = None
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    tok = HFTokenizer.from_dir(tmp_path)
+    prompts, targets = ["Bob lives in", "The home town of Bob is"], [" Paris", " Tokyo"]
+    enc = encode_pairs(tok, prompts, targets, subjects=["Bob", "Bob"])
+    for r, (p, t) in enumerate(zip(prompts, targets)):
+        whole = tok.encode(p + t, add_bos=True)
+        assert enc.tokens[r][enc.valid[r]].tolist() == whole
+        target = enc.tokens[r][enc.target_mask[r]].tolist()
+        assert target == whole[-len(target):] and len(target) < len(tok.encode(t))  # no stray "▁" token
+        ids, offsets = tok.encode_with_offsets(p + t)
+        end = p.index("Bob") + 3
+        assert enc.key_position[r] == 1 + max(k for k, (a, _) in enumerate(offsets) if a < end)
