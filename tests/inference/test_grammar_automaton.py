@@ -5,6 +5,7 @@ Python's `re` accepts on ASCII patterns, and the token tables group tokens exact
 outcome vectors even when every outcome hash collides (the exact fallback)."""
 
 import itertools
+import json
 import re
 
 import numpy as np
@@ -217,3 +218,28 @@ def test_string_length_counts_a_surrogate_pair_as_one_character():
             assert dfa.matches(text.encode()) == jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), \
                 (schema, text)
         assert not dfa.matches(b'"\\ud83d"')  # a lone surrogate escape
+
+
+@pytest.mark.parametrize("value, text", [(1.0, b"1"), (100.0, b"100"), (-0.0, b"-0"), ({"a": [1.0]}, b'{"a":[1]}'),
+                                         ("\x7f", b'"\\u007f"'), ("\ud83d", b'"\\ud83d"'), (2.5, b"2.5"),
+                                         (1e22, b"1e+22"), ("é", '"é"'.encode())])
+def test_const_values_are_written_as_xgrammar_writes_them(value, text):
+    """Whole-number floats as integers, DEL escaped (XGrammar's texts); a lone surrogate
+    escaped (raw, it is not UTF-8); one string only."""
+    dfa = to_dfa(parse_json_schema({"const": value}, any_whitespace=False))
+    assert dfa.matches(text)
+    assert not dfa.matches(text + b" ") and not dfa.matches(json.dumps(value).encode() + b"0")
+
+
+@pytest.mark.parametrize("schema", ['{"const": 1e400}', '{"enum": [1, -1E999]}', '{"const": NaN}'])
+def test_non_finite_constants_are_errors_not_infinity_literals(schema):
+    from jaxlm.inference.grammar.automaton import GrammarError
+
+    with pytest.raises(GrammarError, match="is not a JSON number"):
+        parse_json_schema(schema)
+
+
+def test_an_array_whose_items_are_false_is_only_the_empty_array():
+    for schema in ({"type": "array", "items": False}, {"type": "array", "maxItems": 0, "items": False}):
+        dfa = to_dfa(parse_json_schema(schema, any_whitespace=False))
+        assert dfa.matches(b"[]") and not dfa.matches(b"[1]")

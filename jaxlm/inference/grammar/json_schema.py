@@ -28,6 +28,8 @@ inside brackets. Any other keyword raises `GrammarError` naming it and where it 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
 
 from jaxlm.inference.grammar.automaton import (
@@ -86,6 +88,33 @@ COUNTED_CHAR = alt(STRING_CHAR, seq(literal("\\"), chars(*((ord(c), ord(c)) for 
                    _BMP_ESCAPE, _PAIR_ESCAPE)
 BOOLEAN = alt(literal("true"), literal("false"))
 NULL = literal("null")
+
+
+_ESCAPED = re.compile("[\x7f\ud800-\udfff]")  # written as \\uXXXX: DEL (as XGrammar), lone surrogates (not UTF-8)
+
+
+def json_text(value: Any, where: str = "#") -> str:
+    """``value`` as compact JSON text, written as XGrammar writes ``enum`` / ``const`` values:
+    a whole-number float as an integer (``1.0`` -> ``1``, ``-0.0`` -> ``-0``), DEL and lone
+    surrogates escaped; a non-finite number (not JSON) is a `GrammarError`."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise GrammarError(f"JSON schema {where}: {value!r} is not a JSON number (a literal past float range, "
+                               "or NaN / Infinity)")
+        if value.is_integer() and abs(value) < 2**53:
+            return "-0" if value == 0 and math.copysign(1.0, value) < 0 else str(int(value))
+        return json.dumps(value)
+    if isinstance(value, str):
+        return _ESCAPED.sub(lambda m: "\\u%04x" % ord(m.group()), json.dumps(value, ensure_ascii=False))
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(json_text(v, where) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(json_text(str(k), where) + ":" + json_text(v, where) for k, v in value.items()) + "}"
+    raise GrammarError(f"JSON schema {where}: {value!r} ({type(value).__name__}) is not a JSON value")
 
 
 def _has_type(value: Any, t: str) -> bool:
@@ -150,7 +179,7 @@ class _Builder:
                 values = [v for v in values if any(_has_type(v, t) for t in types)]
                 if not values:
                     raise GrammarError(f"JSON schema {where}: no {kw!r} value has type {s['type']!r}")
-            return alt(*(literal(json.dumps(v, separators=(",", ":"), ensure_ascii=False)) for v in values))
+            return alt(*(literal(json_text(v, f"{where}.{kw}")) for v in values))
         if "anyOf" in s:
             extra = keys - {"anyOf"}
             if extra:
@@ -217,11 +246,11 @@ class _Builder:
         for name, v in (("minItems", lo), ("maxItems", hi)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise GrammarError(f"JSON schema {where}: {name!r} must be an integer >= 0, got {v!r}")
-        item = self.schema(s.get("items", True), f"{where}.items", depth + 1)
         if hi is not None and hi < lo:
             return NOTHING
-        if hi == 0:
+        if hi == 0 or (s.get("items", True) is False and lo == 0):  # no item allowed: only []
             return seq(literal("["), self.ws, literal("]"))
+        item = self.schema(s.get("items", True), f"{where}.items", depth + 1)
         return self.bracketed("[", item, item, "]", lo == 0, max(lo - 1, 0), None if hi is None else hi - 1)
 
     def any_object(self, depth: int):
@@ -243,7 +272,7 @@ class _Builder:
         missing = [r for r in required if r not in props]
         if missing:
             raise GrammarError(f"JSON schema {where}: required property {missing[0]!r} is not in 'properties'")
-        items = [(seq(literal(json.dumps(k, ensure_ascii=False)), self.key_sep,
+        items = [(seq(literal(json_text(k, where)), self.key_sep,
                       self.schema(v, f"{where}.properties.{k}", depth + 1)), k in required)
                  for k, v in props.items()]
         if not items:
