@@ -34,7 +34,7 @@ def _quantize_blocks(y, gscale, *, fmt: str, rule: str):
     amax = jnp.max(jnp.abs(y), axis=-1)
     if fmt == "mxfp4":
         e = F.e8m0_exponent(amax, rule)
-        v = y * F.pow2(-e)[..., None]
+        v = F.times_pow2(y, -e[..., None])
         if rule == "alpha3":
             v = v * 3.0
         return F.e2m1_encode(v), F.e8m0_encode(e)

@@ -153,6 +153,14 @@ def floor_log2(x: jax.Array) -> jax.Array:
     return p.astype(jnp.int32) - 1
 
 
+def times_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
+    """``x * 2^e`` for int ``e`` in [-254, 254] through two normal factors: ``2^-127`` alone is
+    subnormal, which XLA:CPU flushes to zero (a block of amax >= 2^127 quantized to 0)."""
+    e = jnp.asarray(e).astype(jnp.int32)
+    half = e // 2
+    return x * pow2(half) * pow2(e - half)
+
+
 def pow2(e: jax.Array) -> jax.Array:
     """float32 ``2^e`` for int ``e`` in [-149, 127], exactly, from the bits (XLA:CPU's ``exp2``
     is off by ulps for most exponents, which moves round-to-nearest-even ties)."""

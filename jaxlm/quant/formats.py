@@ -175,7 +175,7 @@ def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2, global_scale=N
     gscale = jnp.ones((*x.shape[:-2], 1, 1), jnp.float32)  # per leading index (stacked layers scan)
     if fmt.element == "e2m1" and fmt.scale_kind == "e8m0":
         e = F.e8m0_exponent(amax, fmt.rule)
-        v = xb * F.pow2(-e)[..., None]
+        v = F.times_pow2(xb, -e[..., None])
         if fmt.rule == "alpha3":
             v = v * 3.0
         codes = F.e2m1_encode(v)
@@ -226,7 +226,11 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     s = F.decode_scales(jnp.moveaxis(q.scales, q.axis, -1), fmt.scale_kind)
     g = jnp.moveaxis(q.global_scale, q.axis, -1)
     out = (vals * s[..., None]).reshape(*vals.shape[:-2], -1) * g * fmt.alpha
-    return jnp.moveaxis(out, -1, q.axis).astype(dtype or q.dtype)
+    dtype = jnp.dtype(dtype or q.dtype)
+    if jnp.issubdtype(dtype, jnp.floating):  # a value rounded up past the dtype's range saturates
+        top = float(jnp.finfo(dtype).max)
+        out = jnp.where(jnp.isnan(out), out, jnp.clip(out, -top, top))
+    return jnp.moveaxis(out, -1, q.axis).astype(dtype)
 
 
 @jax.custom_vjp

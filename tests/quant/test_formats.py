@@ -233,3 +233,17 @@ def test_nvfp4_non_finite_value_spoils_only_its_block(bad):
     codes = np.clip(blocks / (s_b[..., None] * s_g), -6, 6).astype(E2M1).astype(np.float32)
     ref = (codes * s_b[..., None] * s_g).reshape(8, 64).T
     np.testing.assert_allclose(d[~bad_block], ref[~bad_block], rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("rule", ["ocp", "ceil", "alpha3"])
+def test_mxfp4_near_the_dtypes_maximum_saturates(rule):
+    """ceil / alpha3 round values near float16's maximum up to 65536 (inf in float16); a float32
+    block of amax >= 2^127 scaled by the subnormal 2^-127 (flushed to 0 on CPU) became zero.
+    Both now stay finite, of the right sign, within one E2M1 step of the input."""
+    x16 = jnp.asarray([[65504.0, -65504.0] + [1.0] * 30], jnp.float16)
+    d16 = np.asarray(Q.dequantize(Q.quantize(x16, Q.mxfp4(rule), axis=-1)), np.float32)
+    assert np.isfinite(d16).all() and d16[0, 0] >= 49152 and d16[0, 1] <= -49152
+    x32 = jnp.asarray([[3e38, -2e38] + [5e37] * 30], jnp.float32)
+    d32 = np.asarray(Q.dequantize(Q.quantize(x32, Q.mxfp4(rule), axis=-1)))
+    assert np.isfinite(d32).all() and d32[0, 0] >= 2e38 and d32[0, 1] <= -1e38
+    np.testing.assert_allclose(d32[0, 2:], 5e37, rtol=0.5)  # not flushed to zero
