@@ -113,6 +113,8 @@ def transform_quantize(x, transform=None, global_scale=1.0, *, fmt="mxfp4", rule
     M, K = x.shape
     if K % block:
         raise ValueError(f"K={K} is not divisible by the block {block}")
+    if M == 0:  # no rows: a zero-size grid has nothing to run
+        return reference(x, transform, fmt=fmt, rule=rule, global_scale=global_scale, block=block)
     mode, tt = _mode_and_tt(transform, K, block)
     Mp = -(-M // bm) * bm
     xp = jnp.pad(x, ((0, Mp - M), (0, 0)))

@@ -121,6 +121,8 @@ def w4a16_matmul(
     """``x [M, K] @ dequant(codes [K/2, N], scales [K/block, N]) * global_scale * alpha``."""
     M, K = x.shape
     check_operands(x, codes, scales, block=block, bk=bk)
+    if M == 0:  # no rows: a zero-size grid has nothing to run
+        return jnp.zeros((0, codes.shape[1]), out_dtype or x.dtype)
     bm = bm or default_bm(M)
     xp, cp, sp, (M, N) = pad_operands(x, codes, scales, block=block, bm=bm, bn=bn, bk=bk)
     xe, xo = split_even_odd(xp)

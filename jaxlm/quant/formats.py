@@ -188,7 +188,7 @@ def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2, global_scale=N
             # the tensor scale comes from the finite values, so a NaN or inf spoils only its
             # own block (as MXFP4's NaN block scale does), not every block of the tensor
             ax = jnp.abs(x.astype(jnp.float32))
-            t_amax = jnp.max(jnp.where(jnp.isfinite(ax), ax, 0.0), axis=(-2, -1), keepdims=True)
+            t_amax = jnp.max(jnp.where(jnp.isfinite(ax), ax, 0.0), axis=(-2, -1), keepdims=True, initial=0.0)
             gscale = jnp.where(t_amax > 0, t_amax / (top * F.E4M3_MAX), 1.0)
         g_blocks = jnp.moveaxis(gscale, axis, -1)  # broadcast over [..., nb]
         s = F.e4m3_block_scale(amax / (top * g_blocks))
@@ -211,7 +211,7 @@ def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2, global_scale=N
         scales = s
     else:
         raise ValueError(f"unsupported format {fmt}")
-    codes = codes.reshape(*codes.shape[:-2], -1)
+    codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * codes.shape[-1])  # explicit: an empty array has no -1
     packed = jnp.moveaxis(F.pack_nibbles(codes, axis=-1), -1, axis)
     scales = jnp.moveaxis(scales, -1, axis)
     return QArray(packed, scales, gscale, fmt, axis, str(x.dtype))
@@ -222,10 +222,10 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     fmt = q.fmt
     codes = F.unpack_nibbles(jnp.moveaxis(q.codes, q.axis, -1), axis=-1)
     vals = F.DECODERS[fmt.element](codes)
-    vals = vals.reshape(*vals.shape[:-1], -1, fmt.block)
+    vals = vals.reshape(*vals.shape[:-1], vals.shape[-1] // fmt.block, fmt.block)  # explicit: empty arrays
     s = F.decode_scales(jnp.moveaxis(q.scales, q.axis, -1), fmt.scale_kind)
     g = jnp.moveaxis(q.global_scale, q.axis, -1)
-    out = (vals * s[..., None]).reshape(*vals.shape[:-2], -1) * g * fmt.alpha
+    out = (vals * s[..., None]).reshape(*vals.shape[:-2], vals.shape[-2] * fmt.block) * g * fmt.alpha
     dtype = jnp.dtype(dtype or q.dtype)
     if jnp.issubdtype(dtype, jnp.floating):  # a value rounded up past the dtype's range saturates
         top = float(jnp.finfo(dtype).max)

@@ -247,3 +247,12 @@ def test_mxfp4_near_the_dtypes_maximum_saturates(rule):
     d32 = np.asarray(Q.dequantize(Q.quantize(x32, Q.mxfp4(rule), axis=-1)))
     assert np.isfinite(d32).all() and d32[0, 0] >= 2e38 and d32[0, 1] <= -1e38
     np.testing.assert_allclose(d32[0, 2:], 5e37, rtol=0.5)  # not flushed to zero
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "e1m2"])
+def test_empty_arrays_quantize_to_empty_arrays(fmt):
+    """No rows (an empty batch) or no columns: empty codes and scales, and back (a reshape by -1
+    of a zero-size array raised ZeroDivisionError)."""
+    for shape, axis in (((0, 64), -1), ((64, 0), -2), ((64, 0), -1), ((2, 0, 64), -1)):
+        q = Q.quantize(jnp.zeros(shape, jnp.float32), fmt, axis=axis)
+        assert Q.dequantize(q).shape == shape

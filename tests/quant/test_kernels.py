@@ -157,6 +157,16 @@ def test_mismatched_operands_are_refused(matmul):
         call(jnp.ones((2, 64), jnp.float32), q, bk=24)
 
 
+def test_no_rows_give_empty_outputs():
+    """M = 0 (an empty batch) returns empty results (a zero-size grid failed to slice)."""
+    q = Q.quantize(jnp.ones((64, 8), jnp.float32), "mxfp4", axis=0)
+    out = w4a16.w4a16_matmul(jnp.zeros((0, 64), jnp.float32), q.codes, q.scales, q.global_scale.reshape(()),
+                             **_kw(q.fmt), interpret=True)
+    assert out.shape == (0, 8)
+    codes, scales = block_quant.transform_quantize(jnp.zeros((0, 64), jnp.float32), interpret=True)
+    assert codes.shape == (0, 32) and scales.shape == (0, 2)
+
+
 def test_w4a4_operands_for_another_k_are_refused():
     """Activations and a weight of different K (or scales for another block) are an error
     naming the shapes: the kernel read the padded weight, or half of it, silently."""
