@@ -195,3 +195,51 @@ def test_save_hf_refuses_quantized_weights(tmp_path):
     with pytest.raises(UnsupportedConfigError, match="quantized or transformed weight.*save_checkpoint"):
         jaxlm.save_hf(model, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_only_model_safetensors_is_read_beside_other_safetensors_files(good_dir, tmp_path):
+    """Without an index, transformers reads model.safetensors alone: a PEFT adapter, a
+    consolidated.safetensors or a backup copy beside it made every load fail."""
+    path = _copy(good_dir, tmp_path)
+    save_file({"base_model.model.lm_head.lora_A.weight": np.zeros((2, 2), np.float32)},
+              str(path / "adapter_model.safetensors"))
+    (path / "backup.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    want = jaxlm.load_hf(good_dir)
+    got = jaxlm.load_hf(path)
+    tokens = np.asarray([[1, 5, 9]], np.int32)
+    np.testing.assert_array_equal(np.asarray(got(tokens).logits), np.asarray(want(tokens).logits))
+
+
+@pytest.mark.parametrize("edit", [
+    dict(hidden_act="swish"),  # transformers' ACT2FN: SiLU
+    dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "rope_theta": 500000.0}),  # no original_max_position_embeddings: max_position_embeddings
+])
+def test_configs_transformers_completes_load_as_transformers_reads_them(good_dir, tmp_path, edit):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    path = _copy(good_dir, tmp_path, edit_config=lambda c: c.update(edit))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokens = np.asarray([[1, 5, 9, 30]], np.int64)
+    want = ref(torch.as_tensor(tokens)).logits.detach().numpy()
+    np.testing.assert_allclose(np.asarray(jaxlm.load_hf(path)(tokens.astype(np.int32)).logits), want, atol=2e-5)
+
+
+def test_qwen_config_edges_read_as_the_config_classes_read_them():
+    """An explicit null num_key_value_heads is n_heads (a missing key the class default); a
+    use_sliding_window whose max_window_layers covers every layer slides none."""
+    transformers = pytest.importorskip("transformers")
+    from jaxlm.models.hf.configs import config_from_hf
+
+    base = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 128}
+    ref = transformers.Qwen2Config(**{**base, "num_key_value_heads": None})
+    assert config_from_hf({**base, "num_key_value_heads": None}).n_kv_heads == ref.num_key_value_heads == 4
+    base["num_key_value_heads"] = 2
+    ref = transformers.Qwen2Config(**{**base, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2})
+    assert set(ref.layer_types) == {"full_attention"}
+    cfg = config_from_hf({**base, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2})
+    assert cfg.sliding_window is None
+    with pytest.raises(UnsupportedConfigError, match="use_sliding_window=True"):
+        config_from_hf({**base, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1})

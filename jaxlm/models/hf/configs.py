@@ -50,7 +50,9 @@ def _rope_from_hf(hf: dict[str, Any]):
             factor=_field(params, "factor", kind=float, where=where),
             low_freq_factor=_field(params, "low_freq_factor", kind=float, where=where),
             high_freq_factor=_field(params, "high_freq_factor", kind=float, where=where),
-            original_max_len=_field(params, "original_max_position_embeddings", where=where),
+            # as transformers' standardize_rope_params: missing, it is max_position_embeddings
+            original_max_len=_field(params, "original_max_position_embeddings",
+                                    _field(hf, "max_position_embeddings"), where=where),
         )
     raise UnsupportedConfigError(
         f"rope type {kind!r} is not supported; supported: ['default', 'linear', 'llama3']"
@@ -61,7 +63,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any):
     """HF ``config.json`` dict -> `ModelConfig` (``overrides`` win, e.g. dtype)."""
     fam = family_for_architecture(hf.get("architectures"))
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # the same function in transformers' ACT2FN
         raise UnsupportedConfigError(f"hidden_act={act!r} is not supported; jaxlm implements 'silu'")
     if hf.get("mlp_bias"):
         raise UnsupportedConfigError("mlp_bias=True is not supported")
@@ -69,7 +71,11 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any):
         raise UnsupportedConfigError(
             f"attention_bias=True ({fam.architecture}: biases on q/k/v and o) is not supported"
         )
-    if hf.get("use_sliding_window"):
+    layers = hf.get("num_hidden_layers")
+    window_layers = hf.get("max_window_layers")
+    # transformers slides layers i >= max_window_layers: none when it covers every layer
+    none_slide = isinstance(layers, int) and isinstance(window_layers, int) and window_layers >= layers
+    if hf.get("use_sliding_window") and not none_slide:
         raise UnsupportedConfigError(
             f"use_sliding_window=True on {fam.architecture} (per-layer windows) is not supported"
         )
@@ -84,7 +90,9 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any):
         d_model=d_model,
         n_layers=_field(hf, "num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=_field(hf, "num_key_value_heads", fam.hf_default("num_key_value_heads") or n_heads),
+        # an explicit null is n_heads (the config classes' __post_init__); a missing key the class default
+        n_kv_heads=_field(hf, "num_key_value_heads", n_heads if "num_key_value_heads" in hf
+                          else fam.hf_default("num_key_value_heads") or n_heads),
         head_dim=_field(hf, "head_dim", fam.hf_default("head_dim")) or (d_model // n_heads if n_heads > 0 else None),
         ffn_dim=_field(hf, "intermediate_size"),
         norm_eps=_field(hf, "rms_norm_eps", 1e-6, kind=float),

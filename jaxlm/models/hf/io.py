@@ -64,6 +64,8 @@ def _safetensors_files(path: Path) -> list[Path]:
         if missing:
             raise CheckpointError(f"{index} lists shard files that do not exist: {missing}")
         return [path / f for f in files]
+    if (path / "model.safetensors").exists():  # as transformers: other files beside it (a PEFT
+        return [path / "model.safetensors"]  # adapter, consolidated.safetensors, a backup) are not read
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in path.glob("*.bin"))
