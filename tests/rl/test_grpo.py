@@ -166,6 +166,13 @@ def test_shared_prompts_refuses_rows_that_do_not_share_their_prompt(experience):
         ({"qpas_alpha": -1.0}, r"qpas_alpha=-1.0 must be a finite number >= 0"),
         ({"qpas_alpha": float("inf")}, r"qpas_alpha=inf must be a finite number >= 0"),
         ({"qpas_beta": 1.5}, r"qpas_beta=1.5 must be in \[0, 1\]"),
+        # NaN passes "< 0"-style checks; a negative adv_eps flipped the advantages' sign
+        ({"adv_eps": -1.0}, r"adv_eps=-1.0 must be >= 0"),
+        ({"adv_eps": float("nan")}, r"adv_eps=nan is invalid: must be a finite number"),
+        ({"beta": float("nan")}, r"beta=nan is invalid: must be a finite number"),
+        ({"tis_cap": float("nan")}, r"tis_cap=nan is invalid"),
+        ({"dual_clip": float("nan")}, r"dual_clip=nan is invalid"),
+        ({"temperature": float("inf")}, r"temperature=inf is invalid"),
     ],
 )
 def test_bad_grpo_config_names_the_field(override, match):

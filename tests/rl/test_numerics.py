@@ -279,6 +279,10 @@ def test_combined_rewards_skip_nan_and_refuse_infinite_values():
     total, _ = combine_rewards([first, second], [1.0, 0.5], ["p"] * 4, ["c"] * 4)
     np.testing.assert_allclose(total[[0, 1, 3]], [2.0, 1.5, 0.5])
     assert np.isnan(total[2])
+    # a weight-0 function (logged only) does not turn the weighted ones' "no opinion" into 0
+    total, _ = combine_rewards([first, second], [1.0, 0.0], ["p"] * 4, ["c"] * 4)
+    np.testing.assert_allclose(total[[0, 3]], [1.0, 0.5])
+    assert np.isnan(total[1]) and np.isnan(total[2])
 
     def infinite(prompts, completions, **_):
         return np.asarray([np.inf, 0.0, 1.0, 0.0])

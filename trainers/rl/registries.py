@@ -72,6 +72,13 @@ def check_grpo_config(c) -> None:
             raise ValueError(f"GRPOConfig.{name}={v!r} is invalid: must be a positive int")
     if c.num_generations < 2:
         raise ValueError(f"GRPOConfig.num_generations={c.num_generations} must be >= 2 (a group baseline)")
+    # finite numbers: NaN passes every "< 0"-style check below (adv_eps=-1 flipped the advantages' sign)
+    for name in ("temperature", "eps_low", "eps_high", "beta", "adv_eps", "dual_clip", "tis_cap", "top_p"):
+        v = getattr(c, name, 0.0)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise ValueError(f"GRPOConfig.{name}={v!r} is invalid: must be a finite number")
+    if getattr(c, "adv_eps", 0.0) < 0:
+        raise ValueError(f"GRPOConfig.adv_eps={c.adv_eps!r} must be >= 0 (it is added to the group's std)")
     if c.temperature < 0:
         raise ValueError(f"GRPOConfig.temperature={c.temperature!r} must be >= 0")
     if c.top_p is not None and not 0 < c.top_p <= 1:

@@ -51,7 +51,7 @@ def combine_rewards(fns: Sequence[Callable], weights: Sequence[float], prompts, 
         raise ValueError(f"reward function {name!r} returned {float(parts[k, i])} for rollout {i}: rewards must be "
                          "finite numbers (NaN for no opinion)")
     w = np.asarray(weights, np.float32)[:, None]
-    weighted = np.where(np.isnan(parts) | (w == 0), 0.0, w * parts)
-    total = weighted.sum(0)
-    total = np.where(np.isnan(parts).all(0), np.nan, total)
+    silent = np.isnan(parts) | (w == 0)  # no opinion, or a function kept for its metric only
+    total = np.where(silent, 0.0, w * parts).sum(0)
+    total = np.where(silent.all(0), np.nan, total)
     return total, parts
