@@ -90,9 +90,9 @@ MIN_SEGMENT_TOKENS = 32
 def segment_ends(max_new_tokens: int, segments: int) -> tuple[int, ...]:
     """Token counts at which each of ``segments`` decode loops ends: ``max_new_tokens`` split
     into equal parts (the last one ends at ``max_new_tokens``), e.g. ``(32, 64, 96, 128)``."""
-    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+    if isinstance(segments, (bool, np.bool_)) or not isinstance(segments, (int, np.integer)) or segments < 1:
         raise ValueError(f"decode_segments={segments!r} is invalid: must be a positive int or None (automatic)")
-    segments = min(segments, max_new_tokens)
+    segments = min(int(segments), max_new_tokens)
     return tuple(-(-max_new_tokens * (j + 1) // segments) for j in range(segments))
 
 
@@ -438,6 +438,8 @@ def generate(
     if not _is_number(temperature) or not 0 <= temperature < np.inf:
         raise ValueError(f"temperature={temperature!r} is invalid: must be a finite number >= 0 (0 = greedy)")
     temperature = float(temperature)
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):  # True == 1 skipped the filter
+        raise ValueError(f"top_p={top_p!r} is invalid: must be a number in (0, 1] or None")
     bucket = _check_bucket(bucket)
 
     if stop_tokens is None:
@@ -528,6 +530,7 @@ def generate(
                             condition=condition, interventions=interventions, **grammar_kw)
     if decode_segments is not None:
         segment_ends(max_new_tokens, decode_segments)  # validates
+        decode_segments = int(decode_segments)  # a static argument of the compiled loop
         if draft is not None or early_exit is not None:
             raise ValueError("decode_segments= applies to the plain decode loop, not with draft= or early_exit=")
     if early_exit is not None:

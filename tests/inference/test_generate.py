@@ -264,6 +264,8 @@ class _MutableProcessor:  # a plain (unfrozen) dataclass: not hashable
         (dict(prompts=[[1]], bucket=-8), ValueError, "bucket=-8 is invalid"),
         (dict(prompts=[[1]], rng="seed"), TypeError, "pass an int seed or a jax.random key"),
         (dict(prompts=[[1]], temperature=float("nan")), ValueError, "must be a finite number >= 0"),
+        (dict(prompts=[[1]], top_p=True), ValueError, r"top_p=True is invalid"),  # == 1: the filter was skipped
+        (dict(prompts=[[1]], top_p="0.5"), ValueError, r"top_p='0.5' is invalid"),
         (dict(prompts=[[1]], logits_processors=[_MutableProcessor(3)]), TypeError,
          r"logits_processors\[0\] \(_MutableProcessor\) is not hashable"),
     ],
@@ -285,9 +287,10 @@ def test_numpy_scalars_are_accepted(model):
                             stop_tokens=np.array([7]))
     np.testing.assert_array_equal(np.asarray(listed.tokens[0]), np.asarray(got.tokens[0]))
     # integer settings as numpy scalars (what an array's element or a config read from numpy gives)
-    ints = jaxlm.generate(model, [[1, 2]], max_new_tokens=np.int64(3), temperature=0.5, rng=3, top_k=np.int32(5))
+    ints = jaxlm.generate(model, [[1, 2]], max_new_tokens=np.int64(3), temperature=0.5, rng=3, top_k=np.int32(5),
+                          decode_segments=np.int64(2), top_p=np.float32(0.9))
     np.testing.assert_array_equal(np.asarray(ints.tokens), np.asarray(jaxlm.generate(
-        model, [[1, 2]], max_new_tokens=3, temperature=0.5, rng=3, top_k=5).tokens))
+        model, [[1, 2]], max_new_tokens=3, temperature=0.5, rng=3, top_k=5, decode_segments=2, top_p=0.9).tokens))
     beams = jaxlm.generate(model, [[1, 2]], max_new_tokens=np.int64(3), num_beams=np.int64(2),
                            num_return_sequences=np.int64(2))
     assert beams.tokens.shape == (2, 3)
