@@ -86,6 +86,11 @@ def test_iva_on_omni_models_against_numpy_kl(pair):
     assert np.abs(np.asarray(grads)[~np.asarray(sal)]).max() == 0  # only the salient positions align
     with pytest.raises(ValueError, match="target='pixels'"):
         iva_loss(out_t.logits, logits_s, sal, target="pixels")
+    for beta in (1.5, -0.5, 0.0):  # a NaN loss before, where DistillConfig refuses the value
+        with pytest.raises(ValueError, match=f"jsd_beta={beta} is invalid"):
+            iva_loss(out_t.logits, logits_s, sal, divergence="jsd", jsd_beta=beta)
+    with pytest.raises(ValueError, match="divergence='kl' is invalid"):
+        iva_loss(out_t.logits, logits_s, sal, divergence="kl")
 
 
 def test_hidden_state_target_is_mean_squared_error_on_salient_positions():

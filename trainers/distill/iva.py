@@ -60,6 +60,11 @@ def iva_loss(teacher: jax.Array, student: jax.Array, salient: jax.Array, *, targ
     ``DIVERGENCES[divergence]``; ``"hidden"``: hidden states ``[B, T, D]`` by squared error
     (mean over D). 0 when no position is salient."""
     w = salient.astype(jnp.float32)
+    beta = divergence_kw.get("jsd_beta")
+    if beta is not None and not (isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 < beta < 1):
+        raise ValueError(f"iva_loss jsd_beta={beta!r} is invalid: must be in (0, 1), as DistillConfig.jsd_beta")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"iva_loss divergence={divergence!r} is invalid: must be one of {sorted(DIVERGENCES)}")
     if target == "logits":
         div = DIVERGENCES[divergence](jax.nn.log_softmax(teacher.astype(jnp.float32)),
                                       jax.nn.log_softmax(student.astype(jnp.float32)), **divergence_kw)
