@@ -96,12 +96,16 @@ def get_format(name: str | QFormat, **options: Any) -> QFormat:
     spec = name
     if isinstance(name, str) and ":" in name:
         name, _, opts = name.partition(":")
+        given = dict(options)
         for item in filter(None, opts.split(",")):
             key, eq, value = item.partition("=")
             if not eq or not key:
                 raise ValueError(f"format {spec!r}: option {item!r} is not key=value")
-            value = value.strip()
-            options.setdefault(key.strip(), int(value) if value.lstrip("+-").isdigit() else value)
+            key, value = key.strip(), value.strip()
+            if key in options:  # given twice, or also as a keyword: neither may win silently
+                raise ValueError(f"format {spec!r}: option {key!r} is given twice"
+                                 + (f" (also as {key}={given[key]!r})" if key in given else ""))
+            options[key] = int(value) if value.lstrip("+-").isdigit() else value
     if name not in FORMATS:
         raise ValueError(f"unknown quantization format {name!r}; available: {sorted(FORMATS)}")
     try:

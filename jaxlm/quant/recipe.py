@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxlm.quant.formats import QArray, get_format, quantize
@@ -46,13 +47,27 @@ def quantize_params(params, recipe: QuantRecipe = QuantRecipe()):
         name = _name(path)
         if isinstance(leaf, QArray) or not inc.search(name) or (exc and exc.search(name)):
             return leaf
-        return quantize(leaf, fmt, axis=-2)
+        # the model reads only projection kernels ([in, out] matmul weights) as QArrays: the
+        # embedding is gathered by row, norms and biases are vectors
+        if name.split(".")[-1] == "embed" or np.ndim(leaf) < 2:
+            raise ValueError(f"QuantRecipe(include={recipe.include!r}) selects {name!r} {tuple(np.shape(leaf))}, "
+                             "which the model cannot run quantized: select projection kernels only "
+                             f"(the default include is {QuantRecipe.include!r})")
+        try:
+            return quantize(leaf, fmt, axis=-2)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, QArray))
 
 
 def quantize_model(model, recipe: QuantRecipe = QuantRecipe()):
     """A new model whose matching kernels are quantized (the input model is unchanged)."""
+    qat = getattr(getattr(model, "config", None), "qat_format", None)
+    if qat is not None:  # its forward fake-quantizes activations too: a recipe would drop that
+        raise ValueError(f"the model was trained with ModelConfig.qat_format={qat!r}: export it with "
+                         "jaxlm.quant.export_qat (jaxlm quantize --method qat), which keeps its activation "
+                         "quantization; a weight recipe would run it W4A16")
     graphdef, state = nnx.split(model)
     qmodel = nnx.merge(graphdef, quantize_params(nnx.to_pure_dict(state), recipe))
     qmodel.tokenizer = getattr(model, "tokenizer", None)

@@ -124,3 +124,26 @@ def test_kernel_path_takes_groups_that_do_not_divide_256(group):
     for mode in ("reference", "interpret"):
         with Q.backend(mode):
             np.testing.assert_allclose(np.asarray(quantized_linear(x, w)), np.asarray(want), rtol=1e-4, atol=1e-3)
+
+
+def test_recipes_refuse_what_the_model_cannot_run_quantized(model):
+    """The embedding (gathered by row) and vectors (norms, biases) selected by a recipe are
+    refused naming the parameter (a TypeError at the first forward, or an error naming only a
+    shape); a QAT model is refused (its activation quantization would be dropped silently)."""
+    params = nnx.to_pure_dict(nnx.split(model)[1])
+    with pytest.raises(ValueError, match=r"selects 'embed' \(259, 128\), which the model cannot run quantized"):
+        Q.quantize_params(params, Q.QuantRecipe("mxfp4", include=r"^embed$"))
+    with pytest.raises(ValueError, match=r"selects 'final_norm.scale' \(128,\)"):
+        Q.quantize_params(params, Q.QuantRecipe("mxfp4", include=r"norm\.scale$"))
+    qat = jaxlm.build_model(model.config.replace(qat_format="nvfp4"), seed=0)
+    with pytest.raises(ValueError, match="qat_format='nvfp4': export it with jaxlm.quant.export_qat"):
+        Q.quantize_model(qat, Q.QuantRecipe("nvfp4"))
+
+
+def test_a_format_option_given_twice_is_an_error():
+    """`int4:group=32,group=64` kept group 32 silently, and a keyword overrode the string."""
+    assert Q.get_format("int4:group=32,scale=rms").block == 32
+    with pytest.raises(ValueError, match="option 'group' is given twice"):
+        Q.get_format("int4:group=32,group=64")
+    with pytest.raises(ValueError, match=r"option 'group' is given twice \(also as group=32\)"):
+        Q.get_format("int4:group=64", group=32)
