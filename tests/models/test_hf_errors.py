@@ -216,8 +216,8 @@ def test_only_model_safetensors_is_read_beside_other_safetensors_files(good_dir,
                           "rope_theta": 500000.0}),  # no original_max_position_embeddings: max_position_embeddings
 ])
 def test_configs_transformers_completes_load_as_transformers_reads_them(good_dir, tmp_path, edit):
-    import transformers
     import torch
+    import transformers
 
     path = _copy(good_dir, tmp_path, edit_config=lambda c: c.update(edit))
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -230,6 +230,7 @@ def test_qwen_config_edges_read_as_the_config_classes_read_them():
     """An explicit null num_key_value_heads is n_heads (a missing key the class default); a
     use_sliding_window whose max_window_layers covers every layer slides none."""
     import transformers
+
     from jaxlm.models.hf.configs import config_from_hf
 
     base = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 2,

@@ -181,6 +181,7 @@ def test_omitted_config_keys_take_the_transformers_config_class_defaults(family)
     max_position_embeddings loads as transformers' own config class fills them in (a Mistral
     config without sliding_window is a 4096 window there, not full attention)."""
     import transformers
+
     from jaxlm.models.hf.configs import config_from_hf
     from jaxlm.models.hf.families import FAMILIES
 
