@@ -244,3 +244,15 @@ def test_qwen_config_edges_read_as_the_config_classes_read_them():
     assert cfg.sliding_window is None
     with pytest.raises(UnsupportedConfigError, match="use_sliding_window=True"):
         config_from_hf({**base, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1})
+
+
+def test_save_hf_keeps_the_loaded_checkpoints_generation_settings(good_dir, tmp_path):
+    """load_hf -> save_hf into a new directory kept only the special ids of
+    generation_config.json: sampling defaults (do_sample, temperature, top_p, ...) were lost."""
+    (tmp_path / "src").mkdir()
+    src = _copy(good_dir, tmp_path / "src")
+    settings = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_new_tokens": 7}
+    (src / "generation_config.json").write_text(json.dumps({**settings, "eos_token_id": 2}))
+    jaxlm.save_hf(jaxlm.load_hf(src), tmp_path / "dst")
+    saved = json.loads((tmp_path / "dst" / "generation_config.json").read_text())
+    assert {k: saved.get(k) for k in settings} == settings

@@ -245,6 +245,13 @@ def load_hf(
     model = model_from_flat(config, flat, place=place, release=True)
     if tokenizer:
         model.tokenizer = load_tokenizer(path)
+    if (path / GENERATION_CONFIG).is_file():  # its sampling defaults travel to a save_hf of this model
+        try:
+            generation = _read_json(path / GENERATION_CONFIG)
+        except CheckpointError:
+            generation = None
+        if isinstance(generation, dict):
+            model.hf_generation_config = json.dumps(generation, sort_keys=True)  # a str: static and hashable
     return model
 
 
@@ -366,11 +373,12 @@ def save_hf(
             index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-        if special_ids:
+        carried = getattr(model, "hf_generation_config", None)
+        if special_ids or carried:
             try:  # an old generation config's other settings (sampling defaults) are kept
                 generation = _read_json(path / GENERATION_CONFIG)
-            except CheckpointError:
-                generation = {}
+            except CheckpointError:  # none there: the one the model was loaded with, if any
+                generation = json.loads(carried) if carried else {}
             generation = {**generation, **special_ids}
             (staging / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2, sort_keys=True))
         if model.tokenizer is not None:  # the model's own tokenizer replaces the old one's files
