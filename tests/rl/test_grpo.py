@@ -97,6 +97,33 @@ def test_update_is_exact_under_gradient_accumulation(experience):
     assert outs[0][1]["loss"] == pytest.approx(outs[1][1]["loss"], rel=1e-5)
 
 
+def test_per_token_metrics_are_weighted_by_tokens_and_absent_without_tokens(experience):
+    """clip_frac / ratio_mean / kl are means over the iteration's policy tokens (minibatches
+    of unequal token counts weighted by their counts); when the zero-variance filter leaves
+    no token, they and the entropy are not reported (not a misleading 0)."""
+    state, exp = experience
+    cfg = _cfg(lr=1e-30, mu=1, minibatches=2, filter_zero_variance=True)  # params stay put
+    tr = GRPOTrainer(cfg, initial_model(cfg), make_tokenizer("byte"))
+    st = tr.init_state()
+    rewards = np.arange(16, dtype=np.float32).reshape(4, 4) % 3
+    rewards[1] = 0.7  # one constant group: its rows lose their tokens
+    rows, prep = tr.prepare(st, dataclasses.replace(exp, rewards=rewards))
+    m = rows["loss_mask"]
+    assert not m[4:8].any() and m.any() and "entropy" in prep
+    delta = 0.05 * (np.arange(16)[:, None] % 3)
+    rows["old_logp"] = rows["old_logp"] - delta
+    _, metrics = tr.update(st, rows, 0)
+    want = np.exp(np.broadcast_to(delta, m.shape)[m]).mean()
+    assert metrics["ratio_mean"] == pytest.approx(want, rel=1e-5)
+    assert metrics["clip_frac"] == pytest.approx(np.mean(np.broadcast_to(delta, m.shape)[m] > np.log1p(0.2)), abs=1e-6)
+
+    st = tr.init_state()
+    flat, prep = tr.prepare(st, dataclasses.replace(exp, rewards=np.full((4, 4), 0.7, np.float32)))
+    assert not flat["loss_mask"].any() and "entropy" not in prep
+    _, metrics = tr.update(st, flat, 0)
+    assert metrics["finite"] and not {"clip_frac", "ratio_mean", "kl"} & set(metrics)
+
+
 def test_shared_prompt_forward_equals_the_per_row_forward(trainer, experience):
     """Each distinct prompt run once, its keys/values gathered into the rows (a resampled,
     repeated, shuffled selection as Q-PAS draws it): log-probs and parameter gradients equal

@@ -57,6 +57,8 @@ from trainers.step import TrainState, init_state
 log = logging.getLogger(__name__)
 
 _TRAIN_KEYS = ("tokens", "attend", "positions", "loss_mask", "sampler_logp", "old_logp", "advantages", "weights")
+# step metrics that are means over the minibatch's policy tokens
+_PER_TOKEN_METRICS = ("clip_frac", "ratio_mean", "kl")
 
 
 def token_advantages(exp: Experience, advantages: np.ndarray) -> np.ndarray:
@@ -185,7 +187,8 @@ class GRPOTrainer:
             old, ent = to_host(self.logprob_fn(state.params, device_rows))
             rows["old_logp"] = np.where(loss_mask, old, 0.0).astype(np.float32)
             m = rows["loss_mask"]
-            metrics["entropy"] = float((ent * m).sum() / max(m.sum(), 1))
+            if m.any():  # no policy token left (every group filtered): no entropy to report
+                metrics["entropy"] = float((ent * m).sum() / m.sum())
             metrics["sampler_mismatch"] = float(np.abs(old - rows["sampler_logp"])[exp.rows["loss_mask"]].max(initial=0.0))
         if self.reference is not None:
             ref, _ = to_host(self.logprob_fn(self.reference, device_rows))
@@ -219,10 +222,17 @@ class GRPOTrainer:
                 if not bool(m["finite"]):  # the state is left as it was before this minibatch
                     return state, {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "finite": False}
                 steps += 1
+                n = float(m["policy_tokens"])
                 for k, v in m.items():
-                    if k != "finite":
+                    if k in _PER_TOKEN_METRICS:  # token-weighted over the minibatches
+                        metrics_sum[k] = metrics_sum.get(k, 0.0) + float(v) * n
+                    elif k != "finite":
                         metrics_sum[k] = metrics_sum.get(k, 0.0) + float(v)
-        return state, {**{k: v / max(steps, 1) for k, v in metrics_sum.items()}, "finite": True}
+        tokens = metrics_sum.get("policy_tokens", 0.0)
+        out = {k: v / max(steps, 1) for k, v in metrics_sum.items() if k not in _PER_TOKEN_METRICS}
+        if tokens > 0:  # with no policy token (all groups filtered) there is no ratio, KL or clipping
+            out.update({k: metrics_sum[k] / tokens for k in _PER_TOKEN_METRICS if k in metrics_sum})
+        return state, {**out, "finite": True}
 
     def iteration(self, state: TrainState, k: int):
         """Collect, prepare and update once: ``(state, metrics, samples)``; a non-finite loss
