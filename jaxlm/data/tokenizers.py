@@ -108,6 +108,7 @@ class HFTokenizer:
             special_tokens = {k: tokenizer.id_to_token(i) for k, i in named.items() if i is not None}
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+        self._fallback_pad = None if pad_id is not None else self.pad_id
         self._source = source
         self.set_chat_template(chat_template, origin=template_origin)
 
@@ -137,6 +138,11 @@ class HFTokenizer:
             tok, bos_id=_token_id(tok, bos), eos_id=eos_ids[0] if eos_ids else None, pad_id=_token_id(tok, pad),
             source=file, extra_eos_ids=eos_ids[1:],
         )
+
+    @property
+    def pad_named(self) -> bool:
+        """Whether PAD was named (by the files or a later assignment), not EOS's fallback."""
+        return self.pad_id != self._fallback_pad
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -238,8 +244,9 @@ def save_tokenizer(tokenizer, path: str | os.PathLike) -> None:
 
     HF: ``tokenizer.json``, the chat template as ``chat_template.jinja``, and
     ``tokenizer_config.json``: the one of the directory the tokenizer was read from (its
-    other settings kept) with the tokenizer's own special tokens (ids and strings) and
-    without a chat template of its own; byte-level: a ``tokenizer_config.json`` naming
+    other settings kept) with the tokenizer's own special tokens (ids and strings; a BOS or
+    PAD it lacks written as null, so a ``config.json`` id beside it does not bring one back)
+    and without a chat template of its own; byte-level: a ``tokenizer_config.json`` naming
     ``ByteTokenizer``.
     """
     path = Path(path)
@@ -263,10 +270,14 @@ def save_tokenizer(tokenizer, path: str | os.PathLike) -> None:
         config.update(tokenizer.special_tokens)
         for key in ("bos", "eos", "pad"):
             token_id = getattr(tokenizer, f"{key}_id")
+            if key == "pad" and not tokenizer.pad_named:
+                token_id = None  # PAD falls back to EOS again on reading, as before
+            if token_id is None and key != "eos":  # an explicit "none" (a config.json id must not win)
+                config[f"{key}_token"] = None
             config[f"{key}_token_id"] = token_id
             if key == "eos" and tokenizer.extra_eos_ids:  # every stop id, the primary first
                 config["eos_token_id"] = list(tokenizer.stop_ids)
-            if f"{key}_token" in config and token_id is not None:  # a string names the id in use
+            if token_id is not None:  # a string names the id in use (transformers reads the strings)
                 string = tokenizer._tok.id_to_token(token_id)
                 if string is not None:
                     config[f"{key}_token"] = string

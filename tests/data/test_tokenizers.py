@@ -184,3 +184,33 @@ def test_special_tokens_agree_with_transformers(tmp_path, layout):
     want = {k: v for k, v in (("bos_token", "<s>"), ("eos_token", "</s>")) if layout != "bos_null" or k != "bos_token"}
     assert {k: ours.special_tokens.get(k) for k in want} == want
     assert "bos_token" not in ours.special_tokens or layout != "bos_null"
+
+
+def test_a_missing_bos_or_pad_stays_missing_through_a_save(tmp_path):
+    """Qwen2.5's layout: ``"bos_token": null`` and no PAD in tokenizer_config.json beside a
+    config.json that lists both ids. A save writes the nulls, so the copy still has no BOS
+    when a config.json with ids sits next to it (before, the null was dropped and
+    config.json's BOS came back), PAD still falls back to EOS, and transformers reads the
+    same specials from both directories; a PAD assigned after loading is saved."""
+    from transformers import AutoTokenizer
+
+    _train_tokenizer(tmp_path)
+    ids = json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    (tmp_path / "config.json").write_text(ids)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "pad_token": None, "eos_token": "</s>"}))
+    tok = HFTokenizer.from_dir(tmp_path)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.pad_named) == (None, 2, 2, False)
+    (tmp_path / "again").mkdir()
+    save_tokenizer(tok, tmp_path / "again")
+    (tmp_path / "again" / "config.json").write_text(ids)
+    again = HFTokenizer.from_dir(tmp_path / "again")
+    assert (again.bos_id, again.eos_id, again.pad_id, again.pad_named) == (None, 2, 2, False)
+    hf, hf_again = (AutoTokenizer.from_pretrained(str(p)) for p in (tmp_path, tmp_path / "again"))
+    assert (hf_again.bos_token_id, hf_again.eos_token_id, hf_again.pad_token_id) == (
+        hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (None, 2, None)
+    tok.pad_id = 0
+    (tmp_path / "third").mkdir()
+    save_tokenizer(tok, tmp_path / "third")
+    assert HFTokenizer.from_dir(tmp_path / "third").pad_id == 0
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "third")).pad_token_id == 0
