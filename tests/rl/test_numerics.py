@@ -115,6 +115,22 @@ def test_non_constant_groups_match_a_float64_reference():
     np.testing.assert_allclose(ADVANTAGES["rloo"](r), x - (x.sum(1, keepdims=True) - x) / 7, atol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["grpo", "turn_level"])
+def test_eps_zero_gives_zero_for_a_constant_group_and_the_plain_z_score_otherwise(name):
+    """``adv_eps = 0`` is allowed: a constant group's std is 0 and its advantages are 0
+    (not 0/0 = NaN, which made the whole batch's loss NaN); other groups get
+    ``(r - mean) / std`` exactly."""
+    r = np.array([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 1.0], [0.7, 0.7, 0.2, 0.7]], np.float32)
+    if name == "turn_level":
+        r = r[..., None]
+    got = np.asarray(ADVANTAGES[name](r, np.ones(r.shape, bool), eps=0.0))
+    x = r.astype(np.float64)
+    want = (x - x.mean(1, keepdims=True)) / np.where(x.std(1, ddof=1, keepdims=True) > 0,
+                                                    x.std(1, ddof=1, keepdims=True), np.inf)
+    assert np.isfinite(got).all() and np.all(got[0] == 0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_returns_to_go():
     r = np.array([[1.0, 0.0, 2.0, 5.0]], np.float32)
     valid = np.array([[True, True, True, False]])

@@ -49,6 +49,13 @@ def _group_stats(rewards, valid, axis):
     return n, mean, jnp.sqrt(var)
 
 
+def _scaled(centred, std, eps):
+    """``centred / (std + eps)``; 0 where ``std + eps`` is 0 (a constant group at eps = 0,
+    whose centred rewards are exact zeros: 0, not 0/0 = NaN)."""
+    denom = std + eps
+    return jnp.where(denom > 0, centred / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+
 def _check(rewards, valid):
     rewards = jnp.asarray(rewards, jnp.float32)
     valid = jnp.ones(rewards.shape, bool) if valid is None else jnp.asarray(valid, bool)
@@ -66,7 +73,7 @@ def grpo_advantages(rewards, valid=None, *, eps: float = 1e-6, **_) -> jax.Array
     rewards, valid = _check(rewards, valid)
     rewards = _centred(rewards, valid, axis=1)
     n, mean, std = _group_stats(rewards, valid, axis=1)
-    adv = (rewards - mean) / (std + eps)
+    adv = _scaled(rewards - mean, std, eps)
     return jnp.where(valid & (n > 1), adv, 0.0)
 
 
@@ -112,5 +119,5 @@ def turn_level_advantages(rewards, valid=None, *, eps: float = 1e-6, gamma: floa
     n, mean, std = _group_stats(rewards, valid, axis=1)  # pooled over rollouts, per turn index
     adv = rewards - mean
     if scale:
-        adv = adv / (std + eps)
+        adv = _scaled(adv, std, eps)
     return jnp.where(valid & (n > 1), adv, 0.0)
