@@ -154,6 +154,23 @@ def test_registered_rewards_reshape_flat_rollouts_to_groups():
                                np.where(np.isnan(err), -1.0, -np.minimum(err, 1.0)), atol=1e-6)
 
 
+def test_numeric_rewards_read_a_prefixrl_prefix_as_the_start_of_the_answer():
+    """PrefixRL moves the answer's first tokens into the prompt: the numeric rewards parse
+    prefix + completion, as the verifier does (they parsed the completion alone, so with
+    prefix "4" and target 42 the exact completion "2" scored below "5")."""
+    task = LongTailedRegression()
+    exs = [dict(task.example(i, "train"), target=t) for i, t in enumerate((42.0, 17.0))]
+    G = 2
+    prefixed = [dict(e, prefix=str(int(e["target"]))[0]) for e in exs]
+    completions = ["2", "5", "7", "x"]  # after the prefix: 42, 45 | 17, "1x"
+    full = ["42", "45", "17", "1x"]
+    for name in ("ccc", "neg_abs_error", "format", "crps_loo"):
+        got = REWARDS[name](None, completions, **_columns(task, prefixed, G))
+        want = REWARDS[name](None, full, **_columns(task, exs, G))
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    assert REWARDS["neg_abs_error"](None, completions, **_columns(task, prefixed, G))[0] == 0.0
+
+
 def _crps_brute(samples, y):
     """CRPS as the integral of (F(x) - 1[x >= y])^2 over x (F the ensemble's step CDF), on a
     fine grid: the definition, independent of the pairwise formula."""

@@ -109,6 +109,11 @@ def test_judge_reward_is_p_yes_from_the_verdict_logits(saved):
         ids = np.asarray([tok.encode(f"Question: {p}\nAnswer: {c}\nCorrect: ", add_bos=True)], np.int32)
         logits = np.asarray(judge(ids).logits[0, -1], np.float64)
         assert g == pytest.approx(1 / (1 + np.exp(logits[no] - logits[yes])), abs=1e-5)
+    # a PrefixRL example's prefix (in the prompt) is read as the start of the answer
+    cut = [dict(prefix=c[:2]) for c in COMPLETIONS]
+    prefixed = REWARDS["judge"]([p + e["prefix"] for p, e in zip(PROMPTS, cut)], [c[2:] for c in COMPLETIONS],
+                                config=cfg, examples=cut)
+    np.testing.assert_allclose(prefixed, got, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,7 @@ import numpy as np
 
 import jaxlm
 from jaxlm.data.regression import parse_number
-from trainers.rl.rewards import REWARDS
+from trainers.rl.rewards import REWARDS, example_completion
 
 
 def ccc(p, y) -> float:
@@ -118,8 +118,12 @@ def swap_in_ccc_rewards(pred, valid, target, *, invalid_reward: float = -1.0) ->
 
 
 # -- registered rewards (flat lists of B*G rollouts) -------------------------------------
-def _parse(task, completions) -> np.ndarray:
+def _parse(task, completions, examples=None) -> np.ndarray:
+    """The number each answer states; with ``examples``, the answer is a PrefixRL example's
+    prefix + the completion (`example_completion`), as the verifier reads it."""
     parse = getattr(task, "parse", None) or parse_number
+    if examples is not None:
+        completions = [example_completion(e, c) for e, c in zip(examples, completions, strict=True)]
     values = [parse(c) for c in completions]
     return np.asarray([np.nan if v is None else v for v in values], np.float64)
 
@@ -156,7 +160,7 @@ PRED_LIMIT = 1e15
 def _per_group(completions, examples, group, num_generations, task, rewards_fn) -> np.ndarray:
     """Flat rollouts -> ``rewards_fn(pred [B, G], valid [B, G], target [B])`` -> flat float32
     rewards in the rollouts' order."""
-    pred = _parse(task, completions)
+    pred = _parse(task, completions, examples)
     idx = _grouped(group, num_generations, len(completions))
     target = _targets(examples)[idx[:, 0]]
     # |answers| <= PRED_LIMIT keeps the rewards, and their squares in GRPO's float32 group
@@ -168,16 +172,17 @@ def _per_group(completions, examples, group, num_generations, task, rewards_fn) 
 
 
 @REWARDS.register("format")
-def format_reward(prompts, completions, *, task=None, **_) -> np.ndarray:
-    """1 if the completion parses as a number (the task's ``parse``), else 0."""
-    return (~np.isnan(_parse(task, completions))).astype(np.float32)
+def format_reward(prompts, completions, *, task=None, examples=None, **_) -> np.ndarray:
+    """1 if the completion (after a PrefixRL example's prefix) parses as a number (the
+    task's ``parse``), else 0."""
+    return (~np.isnan(_parse(task, completions, examples))).astype(np.float32)
 
 
 @REWARDS.register("neg_abs_error")
 def neg_abs_error_reward(prompts, completions, *, examples, task=None, **_) -> np.ndarray:
     """The point-wise baseline ``-min(|ŷ - y| / scale, 1)``; -1 for an invalid parse."""
     scale = float(getattr(task, "error_scale", 1.0))
-    err = np.abs(_parse(task, completions) - _targets(examples)) / scale
+    err = np.abs(_parse(task, completions, examples) - _targets(examples)) / scale
     return -np.minimum(np.nan_to_num(err, nan=1.0), 1.0).astype(np.float32)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from jaxlm.checkpoint import load_model
 from jaxlm.eval.judge import judge_points
 from trainers.reward_model import directory_stamp
-from trainers.rl.rewards import REWARDS
+from trainers.rl.rewards import REWARDS, example_completion
 
 
 @functools.lru_cache(maxsize=4)
@@ -25,8 +25,9 @@ def _cached_judge(path: str, stamp: tuple[int, int]):
 
 
 @REWARDS.register("judge")
-def judge_reward(prompts, completions, *, config=None, **_) -> np.ndarray:
-    """``P(yes | "Question: {prompt}\\nAnswer: {completion}\\nCorrect: ")`` from the judge."""
+def judge_reward(prompts, completions, *, config=None, examples=None, **_) -> np.ndarray:
+    """``P(yes | "Question: {prompt}\\nAnswer: {completion}\\nCorrect: ")`` from the judge; a
+    PrefixRL example's prefix belongs to the answer, not the question."""
     path = getattr(config, "judge_model", None)
     if path is None:
         raise ValueError("the reward 'judge' needs GRPOConfig.judge_model=<a jaxlm checkpoint or HF directory>")
@@ -34,4 +35,9 @@ def judge_reward(prompts, completions, *, config=None, **_) -> np.ndarray:
     if not Path(path).is_dir():
         raise ValueError(f"GRPOConfig.judge_model={path!r} is not a directory (a jaxlm checkpoint or HF directory)")
     judge = _cached_judge(path, directory_stamp(path))
-    return np.asarray(judge_points(judge, list(prompts), list(completions)).p_yes, np.float32)
+    prompts, completions = list(prompts), list(completions)
+    if examples is not None:
+        prompts = [p[: len(p) - len(e["prefix"])] if e.get("prefix") and p.endswith(e["prefix"]) else p
+                   for e, p in zip(examples, prompts, strict=True)]
+        completions = [example_completion(e, c) for e, c in zip(examples, completions, strict=True)]
+    return np.asarray(judge_points(judge, prompts, completions).p_yes, np.float32)
