@@ -168,6 +168,13 @@ def test_cut_points_and_band_choice_by_hand(monkeypatch):
     chosen, _ = choose_prefixes(None, None, [{"prompt": "q:", "completion": "café"}], {0: [trace]},
                                 fractions=(0.6, 0.8), band_lo=0.2, band_hi=0.8, n=8, spec=spec, rng=None)
     assert seen == [trace[:3]] and chosen[0]["prefix"] == "caf"  # round(0.8 * 5) = 4 splits "é": dropped
+    # a cut whose prefixed prompt overflows the prompt block is no candidate (it crashed the
+    # whole calibration): BOS + "q:" is 3 tokens, block 5 takes prefixes of at most 2
+    seen.clear()
+    chosen, stats = choose_prefixes(None, None, [{"prompt": "q:", "completion": "abcd"}], {0: [TOK.encode("abcd")]},
+                                    fractions=(0.25, 0.5, 0.75), band_lo=0.2, band_hi=0.8, n=8,
+                                    spec=prefix_mod.Sampling(TOK, 5, 8), rng=None)
+    assert seen == [TOK.encode("a"), TOK.encode("ab")] and stats["cuts_over_prompt_block"] == 1
 
 
 def test_config_errors_name_the_field():

@@ -157,10 +157,16 @@ def choose_prefixes(policy, task, problems: Sequence[dict], pool: dict[int, list
     trace (cuts only between characters, `clean_cut`). Each is the problem's example with ``prompt`` = problem prompt + prefix text,
     ``prefix`` (text, scored with the completion), ``prefix_ids``, ``problem_prompt``,
     ``prefix_fraction`` and ``pass_rate``. Returns them and summary statistics. All the
-    candidate (problem, cut) pass rates are estimated in one batched pass."""
+    candidate (problem, cut) pass rates are estimated in one batched pass; a cut whose
+    prefixed prompt does not fit ``spec.prompt_block`` is not a candidate (counted in the
+    statistics as ``cuts_over_prompt_block``)."""
     tok = spec.tokenizer
     cands = [(i, h) for i in sorted(pool) for h in cut_points(len(pool[i][0]), fractions)
              if clean_cut(tok, pool[i][0], h)]
+    # a prefixed prompt must fit the rollouts' prompt block: longer cuts are not candidates
+    lengths = {i: len(_prompt_ids(problems[i], tok)) for i in {i for i, _ in cands}}
+    too_long = sum(lengths[i] + h > spec.prompt_block for i, h in cands)
+    cands = [(i, h) for i, h in cands if lengths[i] + h <= spec.prompt_block]
     prefixes = [pool[i][0][:h] for i, h in cands]
     rates = pass_rates(policy, task, [problems[i] for i, _ in cands], prefixes, n, spec, rng)
     chosen: list[dict] = []
@@ -178,6 +184,7 @@ def choose_prefixes(policy, task, problems: Sequence[dict], pool: dict[int, list
         })
     stats = {
         "problems": float(len(problems)), "with_trace": float(len(pool)), "prefixed": float(len(chosen)),
+        "cuts_over_prompt_block": float(too_long),
         "mean_pass_rate": float(np.mean([c["pass_rate"] for c in chosen])) if chosen else float("nan"),
         "mean_prefix_fraction": (float(np.mean([c["prefix_fraction"] for c in chosen])) if chosen
                                  else float("nan")),
