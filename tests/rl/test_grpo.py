@@ -15,6 +15,7 @@ from jaxlm.models.config import ModelConfig
 from trainers.config import ConfigError, ExperimentConfig, GRPOConfig, OptimizerConfig, TrainerConfig
 from trainers.recipes import load_config
 from trainers.loop import initial_model, make_tokenizer, train
+from trainers.rl.environments import RPSConfig
 from trainers.rl.loop import GRPOTrainer
 
 
@@ -200,6 +201,10 @@ def test_shared_prompts_refuses_rows_that_do_not_share_their_prompt(experience):
         ({"tis_cap": float("nan")}, r"tis_cap=nan is invalid"),
         ({"dual_clip": float("nan")}, r"dual_clip=nan is invalid"),
         ({"temperature": float("inf")}, r"temperature=inf is invalid"),
+        # settings nothing would read, or that train on nothing
+        ({"rewards": ("verifier", "length_penalty"), "reward_weights": (0.0, 0.0)}, "at least one weight"),
+        ({"turn_gamma": 0.9}, r"turn_gamma=0.9 is read only by advantage='turn_level'"),
+        ({"environment": RPSConfig()}, r"environment .* read only by collector='rps_memory'"),
     ],
 )
 def test_bad_grpo_config_names_the_field(override, match):

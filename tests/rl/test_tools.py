@@ -67,8 +67,19 @@ def test_environment_follows_the_protocol_and_scores_the_answer():
     assert env.step(p["answer"]) == ("", 1.0, True)
     env.reset(5)
     assert env.step(p["answer"] + "0")[1] == 0.0
+    env.reset(5)
     env.step(render_tool_call({"name": "calculator", "arguments": {"expression": "1"}}))
     assert env.step(render_tool_call({"name": "calculator", "arguments": {"expression": "1"}}))[2]  # call budget
+    # a finished episode (budget spent, or answered) is not stepped again: an answer scored twice
+    # or a call past the budget would be silent
+    with pytest.raises(RuntimeError, match="finished episode"):
+        env.step(render_tool_call({"name": "calculator", "arguments": {"expression": "1"}}))
+    env.reset(5)
+    env.step(p["answer"])
+    with pytest.raises(RuntimeError, match="finished episode"):
+        env.step(p["answer"])
+    with pytest.raises(RuntimeError, match="finished episode"):
+        ToolEnvironment(ToolProblems()).step(p["answer"])  # before any reset
 
 
 @pytest.mark.parametrize("native", ["environment", "context"])

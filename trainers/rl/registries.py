@@ -62,6 +62,9 @@ def check_grpo_config(c) -> None:
                    or not math.isfinite(w)]
     if bad_weights:
         raise ValueError(f"GRPOConfig.reward_weights={c.reward_weights!r} must be finite numbers")
+    if not any(c.reward_weights):  # every reward logged only: every rollout would be "no opinion"
+        raise ValueError(f"GRPOConfig.reward_weights={c.reward_weights!r}: at least one weight must be non-zero "
+                         "(weight 0 logs a reward without training on it)")
     for name in ("cf_quality", "ccc_invalid_reward"):  # NaN would pass every comparison's negation
         v = getattr(c, name, 0.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -93,6 +96,12 @@ def check_grpo_config(c) -> None:
         raise ValueError(f"GRPOConfig.tis_cap={c.tis_cap!r} must be > 0 (or None)")
     if c.turn_gamma is not None and not 0 <= c.turn_gamma <= 1:
         raise ValueError(f"GRPOConfig.turn_gamma={c.turn_gamma!r} must be in [0, 1]")
+    if c.turn_gamma is not None and c.advantage != "turn_level":
+        raise ValueError(f"GRPOConfig.turn_gamma={c.turn_gamma!r} is read only by advantage='turn_level', "
+                         f"got advantage={c.advantage!r}")
+    if getattr(c, "environment", None) is not None and c.collector != "rps_memory":
+        raise ValueError(f"GRPOConfig.environment (MemoPilot's game) is read only by collector='rps_memory', "
+                         f"got collector={c.collector!r}")
     if not 0 <= c.qpas_quantile < 1:
         raise ValueError(f"GRPOConfig.qpas_quantile={c.qpas_quantile!r} must be in [0, 1)")
     if not 0 <= c.qpas_alpha < float("inf"):  # alpha < 0 would prefer the smallest |A|

@@ -135,20 +135,28 @@ class ToolEnvironment:
     def __init__(self, problems: ToolProblems, max_calls: int = 6):
         self.problems, self.max_calls = problems, max_calls
         self.problem: dict[str, Any] | None = None
+        self.done = True  # no episode until reset
 
     def reset(self, seed: int) -> str:
         self.problem = self.problems.problem(seed)
         self.state = ToolState(store=dict(self.problem["store"]), files=dict(self.problem["files"]))
         self.calls = 0
+        self.done = False
         return self.problem["question"]
 
     def step(self, text: str) -> tuple[str, float, bool]:
+        """``(observation, reward, done)``; stepping a finished episode is an error (its answer
+        was scored, or its tool budget is spent)."""
+        if self.done:
+            raise RuntimeError("step() on a finished episode: call reset(seed) first")
         call = parse_tool_call(text)
         if call is None:  # the final answer
+            self.done = True
             return "", self.problems.verify(self.problem, text), True
         self.calls += 1
         result = run_tool(self.state, call)
-        return result, 0.0, self.calls >= self.max_calls
+        self.done = self.calls >= self.max_calls
+        return result, 0.0, self.done
 
 
 def _messages(question: str, plan, observations, answer: str) -> list[dict[str, Any]]:
