@@ -91,7 +91,7 @@ def check_message(m: Any, where: str) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
         raise DataError(f"{where} must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}")
     out = {"role": m["role"], "content": m["content"]}
-    if "tool_calls" in m:
+    if m.get("tool_calls") is not None:  # null: absent (parquet gives every message the column's keys)
         if m["role"] != "assistant" or not isinstance(m["tool_calls"], list):
             raise DataError(f"{where}: 'tool_calls' is a list on an assistant message")
         out["tool_calls"] = [tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])]

@@ -87,6 +87,26 @@ def test_parquet_rows_and_errors(tmp_path):
         read_rows(tmp_path / "x.csv")
 
 
+def test_parquet_chat_rows_with_tool_calls_read_as_jsonl(tmp_path):
+    """pyarrow gives every message of a column the keys of all of them: the messages without
+    tool calls read back with ``tool_calls: None`` (the file was refused)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"messages": [{"role": "user", "content": "weather in Oslo?"},
+                      {"role": "assistant", "content": "", "tool_calls": [
+                          {"name": "get_weather", "arguments": {"city": "Oslo"}}]},
+                      {"role": "tool", "content": "sunny", "name": "get_weather"},
+                      {"role": "assistant", "content": "Sunny."}]},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    ]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chat.parquet")
+    assert pq.read_table(tmp_path / "chat.parquet").to_pylist()[1]["messages"][0]["tool_calls"] is None
+    assert read_rows(tmp_path / "chat.parquet") == read_rows(tmp_path / "chat.jsonl")
+
+
 def test_chat_rows_train_on_assistant_turns_only():
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                         {"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}]}
