@@ -170,6 +170,10 @@ class GraphLabels(Task):
             raise ValueError(f"graph_labels.rule={self.rule!r} must be 'majority' or 'minority'")
         if self.structure not in ("weaver", "plain"):
             raise ValueError(f"graph_labels.structure={self.structure!r} must be 'weaver' or 'plain'")
+        most = self.n_nodes * (self.n_nodes - 1) // 2 - (self.n_nodes - 1)  # a complete graph beyond its tree
+        if isinstance(self.extra_edges, bool) or not isinstance(self.extra_edges, int) or not 0 <= self.extra_edges <= most:
+            raise ValueError(f"graph_labels.extra_edges={self.extra_edges!r} must be an int in [0, {most}] "
+                             f"(edges beyond a spanning tree of n_nodes={self.n_nodes})")
 
     def _draw(self, rng):
         n = self.n_nodes

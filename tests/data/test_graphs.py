@@ -73,3 +73,12 @@ def test_graph_task_answers_follow_the_rule():
         labels = [ex["texts"][v].split(":")[1] for v in nbrs]
         counts = {lab: labels.count(lab) for lab in set(labels)}
         assert counts[ex["answer"]] == min(counts.values())
+
+
+def test_extra_edges_must_fit_the_graph():
+    """A 3-node graph has 1 edge beyond its spanning tree: more drew edges forever."""
+    ex = GraphLabels(n_nodes=3, extra_edges=1).example(0)
+    assert sorted(ex["edges"]) == [(0, 1), (0, 2), (1, 2)]
+    for bad in (3, -1, 1.5):  # the default 3 on 3 nodes, negative, not an int
+        with pytest.raises(ValueError, match=r"graph_labels.extra_edges=.* must be an int in \[0, 1\]"):
+            GraphLabels(n_nodes=3, extra_edges=bad)
