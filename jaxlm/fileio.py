@@ -699,6 +699,8 @@ def read_json(path: str | os.PathLike, *, what: str = "JSON file") -> Any:
             f"{what} {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}{torn}",
             path=path, line=e.lineno,
         ) from None
+    except (ValueError, RecursionError) as e:  # an integer of over 4300 digits, nesting past the recursion limit
+        raise JSONFileError(f"{what} {path} cannot be read as JSON: {e}", path=path) from None
 
 
 @dataclasses.dataclass
@@ -713,8 +715,8 @@ class JsonlContents:
 def read_jsonl(path: str | os.PathLike, *, what: str = "JSON-lines file", warn: bool = True) -> JsonlContents:
     """Read a JSON-lines file (one JSON value per line; blank lines are skipped).
 
-    A last line that does not parse (a writer was killed mid-line) is dropped, with a
-    warning naming the file and line. A bad line anywhere else raises `JSONFileError`
+    A last line that does not parse and has no newline after it (a writer was killed
+    mid-line) is dropped, with a warning naming the file and line. A bad line anywhere else raises `JSONFileError`
     naming the file and line. A missing file reads as empty.
     """
     path = Path(path)
@@ -733,8 +735,8 @@ def read_jsonl(path: str | os.PathLike, *, what: str = "JSON-lines file", warn: 
         if raw.strip():
             try:
                 records.append(json.loads(raw.decode("utf-8")))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                if i == last_nonblank:
+            except (ValueError, RecursionError) as e:  # JSON and UTF-8 errors, >4300-digit ints, deep nesting
+                if i == last_nonblank and i == len(lines) - 1:  # torn: no newline after it
                     if warn:
                         log.warning("%s %s: dropped a torn last line %d (%d bytes, %s); the writer was "
                                     "probably killed while writing it", what, path, i + 1, len(raw),
@@ -754,7 +756,11 @@ def jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
     """``(line number, line)`` of each non-blank line of a UTF-8 JSON Lines file, split at
     ``\\n`` only (``str.splitlines`` would also split at U+2028, U+2029 and U+0085, which
     ``json.dumps(..., ensure_ascii=False)`` writes raw inside strings)."""
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), 1):
-        line = line.removesuffix("\r")
+    for n, raw in enumerate(Path(path).read_bytes().split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8").removesuffix("\r")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{n}: not UTF-8 text ({raw[e.start:e.start + 4]!r} at character "
+                             f"{e.start}); save the file as UTF-8") from None
         if line.strip():
             yield n, line

@@ -354,3 +354,31 @@ def test_read_jsonl_drops_only_a_torn_last_line(tmp_path, caplog):
     f.write_text('{"step": 1}\n{"step": 2}')  # a complete last line without its newline
     assert read_jsonl(f).records == [{"step": 1}, {"step": 2}]
     assert read_jsonl(tmp_path / "absent.jsonl").records == []
+    # a bad last line *with* its newline was not cut off by a kill: an error, not dropped
+    f.write_text('\ufeff{"step": 1}\n', encoding="utf-8")  # a BOM
+    with pytest.raises(JSONFileError, match=rf"metrics file {f}: line 1 is not valid JSON: Unexpected UTF-8 BOM"):
+        read_jsonl(f, what="metrics file")
+    f.write_text('{"step": 1}\n{"step": 2, "lo\n')
+    with pytest.raises(JSONFileError, match="line 2 is not valid JSON"):
+        read_jsonl(f)
+
+
+def test_json_readers_name_the_file_for_huge_integers_and_deep_nesting(tmp_path):
+    """json.loads raises a bare ValueError for an integer of over 4300 digits and a
+    RecursionError for very deep nesting: the readers name the file (and line)."""
+    from jaxlm.data.files import DataError, read_rows
+    from jaxlm.fileio import jsonl_lines
+
+    for body in ('{"prompt": "a", "completion": "b", "id": ' + "9" * 5000 + "}", "[" * 100_000 + "]" * 100_000):
+        (tmp_path / "x.json").write_text(body)
+        with pytest.raises(JSONFileError, match="x.json cannot be read as JSON"):
+            read_json(tmp_path / "x.json")
+        (tmp_path / "x.jsonl").write_text('{"step": 1}\n' + body + "\n")
+        with pytest.raises(JSONFileError, match="line 2 is not valid JSON"):
+            read_jsonl(tmp_path / "x.jsonl")
+        (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n' + body + "\n")
+        with pytest.raises(DataError, match=r"rows.jsonl:2: cannot be read as JSON"):
+            read_rows(tmp_path / "rows.jsonl")
+    (tmp_path / "r.jsonl").write_bytes(b'{"a": 1}\n{"a": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    with pytest.raises(ValueError, match=r"r.jsonl:2: not UTF-8 text"):
+        list(jsonl_lines(tmp_path / "r.jsonl"))

@@ -37,6 +37,8 @@ def read_pairs(path: str | Path, *, labelled: bool = False) -> list[dict[str, An
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # an integer of over 4300 digits, very deep nesting
+            raise DataError(f"{where}: cannot be read as JSON ({e})") from None
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected an object with {list(FIELDS)}, got {type(row).__name__}")
         bad = [k for k in FIELDS if not isinstance(row.get(k), str)]

@@ -234,6 +234,8 @@ def read_requests(path: str | Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # an integer of over 4300 digits, very deep nesting
+            raise ValueError(f"{path}:{lineno}: cannot be read as JSON ({e})") from None
         out.append(check_request(row, f"{path}:{lineno}"))
     if not out:
         raise ValueError(f"{path}: no edit requests")

@@ -166,6 +166,8 @@ def _jsonl_rows(path: Path):
             yield lineno, json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        except (ValueError, RecursionError) as e:  # an integer of over 4300 digits, very deep nesting
+            raise DataError(f"{path}:{lineno}: cannot be read as JSON ({e})") from None
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
