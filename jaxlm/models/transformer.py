@@ -125,7 +125,11 @@ class Transformer(nnx.Module):
         if self.lm_head is None:
             emb = self.embed[...].astype(h.dtype)
             return jnp.einsum("...d,vd->...v", h, emb, preferred_element_type=jnp.float32)
-        return linear(h, self.lm_head.kernel.get_value()).astype(jnp.float32)
+        kernel = self.lm_head.kernel.get_value()
+        if isinstance(kernel, jax.Array):  # float32 accumulation and output, as the tied head
+            flat = jnp.dot(h.reshape(-1, h.shape[-1]), kernel.astype(h.dtype), preferred_element_type=jnp.float32)
+            return flat.reshape(*h.shape[:-1], kernel.shape[-1])
+        return linear(h, kernel).astype(jnp.float32)
 
     def unembed_next(self, h: jax.Array) -> jax.Array:
         """Final hidden ``[..., D]`` -> the next-token head's logits ``[..., V]`` in float32."""

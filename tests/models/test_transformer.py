@@ -189,3 +189,19 @@ def test_scan_keeps_program_size_independent_of_depth():
     unrolled = program_size(deep) / program_size(small)
     assert scanned < 1.05
     assert unrolled > 3
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_bf16_logits_are_accumulated_and_returned_in_float32(tie):
+    """With bf16 compute the LM head multiplies bf16 hidden states by the bf16-cast head, but
+    sums and returns in float32 (tied or not): the untied head returned bf16-rounded logits
+    (up to ~2e-3 apart at |logit| 0.5), so stored teacher log-probs differed from the
+    distillation loss's own."""
+    cfg = jaxlm.ModelConfig.tiny(vocab_size=300, tie_embeddings=tie, dtype="bfloat16")
+    model = jaxlm.build_model(cfg)
+    out = model(jnp.array([[1, 5, 7, 9, 11, 13]]))
+    head = model.embed[...].T if tie else model.lm_head.kernel.get_value()
+    as64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)  # noqa: E731
+    want = as64(out.hidden) @ as64(jnp.asarray(head).astype(jnp.bfloat16))
+    assert out.logits.dtype == jnp.float32
+    np.testing.assert_allclose(as64(out.logits), want, atol=1e-6)
