@@ -5,6 +5,8 @@ Layout of a checkpoint directory (one orbax composite)::
     path/params/   the parameters (orbax standard format, tensorstore)
     path/config/   the ModelConfig as JSON
     path/tokenizer*.json   the model's tokenizer, when it has one
+    path/generation_config.json   the sampling settings of the HF directory the model was
+                   loaded from (`load_hf`), when it has them, for a later `save_hf`
 
 `load_checkpoint` reads the config first, builds the model's abstract shapes
 with `nnx.eval_shape` (no random weights are materialised) and restores straight
@@ -44,7 +46,7 @@ from jaxlm.fileio import (
     staging_token,
 )
 from jaxlm.models.config import ModelConfig
-from jaxlm.models.hf.io import CheckpointError, load_hf, save_hf
+from jaxlm.models.hf.io import GENERATION_CONFIG, CheckpointError, load_hf, save_hf
 from jaxlm.models.layers.rope import RopeFrequencies
 from jaxlm.models.transformer import Transformer, abstract_model
 from jaxlm.quant.storage import abstract_targets, from_storable, to_storable
@@ -166,6 +168,9 @@ def save_checkpoint(model: Transformer, path: str | os.PathLike, *, overwrite: b
             ckptr.save(staging, ocp.args.Composite(**items), force=True)  # staging is empty
         if model.tokenizer is not None and primary:
             save_tokenizer(model.tokenizer, staging)
+        carried = getattr(model, "hf_generation_config", None)
+        if carried and primary:  # the HF sampling settings travel on to a later save_hf
+            (staging / GENERATION_CONFIG).write_text(carried)
     if token is not None:
         multihost_utils.sync_global_devices(f"jaxlm.save_checkpoint:{path}")
     return path
@@ -274,6 +279,14 @@ def load_checkpoint(
         model = nnx.merge(graphdef, abstract_state)
 
     model.tokenizer = load_tokenizer(path)
+    if (path / GENERATION_CONFIG).is_file():
+        try:
+            generation = json.loads((path / GENERATION_CONFIG).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path / GENERATION_CONFIG} could not be read ({e})") from None
+        if not isinstance(generation, dict):
+            raise CheckpointError(f"{path / GENERATION_CONFIG} holds a JSON {type(generation).__name__}, not an object")
+        model.hf_generation_config = json.dumps(generation, sort_keys=True)
     return model
 
 

@@ -214,6 +214,10 @@ def test_only_model_safetensors_is_read_beside_other_safetensors_files(good_dir,
     dict(hidden_act="swish"),  # transformers' ACT2FN: SiLU
     dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "rope_theta": 500000.0}),  # no original_max_position_embeddings: max_position_embeddings
+    # a top-level original_max_position_embeddings wins over the rope dict's (from_pretrained)
+    dict(original_max_position_embeddings=64,
+         rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "rope_theta": 500000.0, "original_max_position_embeddings": 16}),
 ])
 def test_configs_transformers_completes_load_as_transformers_reads_them(good_dir, tmp_path, edit):
     import torch
@@ -221,7 +225,7 @@ def test_configs_transformers_completes_load_as_transformers_reads_them(good_dir
 
     path = _copy(good_dir, tmp_path, edit_config=lambda c: c.update(edit))
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tokens = np.asarray([[1, 5, 9, 30]], np.int64)
+    tokens = (np.arange(48, dtype=np.int64)[None] * 7) % 31 + 1  # long enough for the RoPE scaling to show
     want = ref(torch.as_tensor(tokens)).logits.detach().numpy()
     np.testing.assert_allclose(np.asarray(jaxlm.load_hf(path)(tokens.astype(np.int32)).logits), want, atol=2e-5)
 
@@ -255,4 +259,9 @@ def test_save_hf_keeps_the_loaded_checkpoints_generation_settings(good_dir, tmp_
     (src / "generation_config.json").write_text(json.dumps({**settings, "eos_token_id": 2}))
     jaxlm.save_hf(jaxlm.load_hf(src), tmp_path / "dst")
     saved = json.loads((tmp_path / "dst" / "generation_config.json").read_text())
+    assert {k: saved.get(k) for k in settings} == settings
+    # through a jaxlm checkpoint (quantize / edit / train write one) and back out to HF
+    jaxlm.save_checkpoint(jaxlm.load_hf(src), tmp_path / "ckpt")
+    jaxlm.save_hf(jaxlm.load_checkpoint(tmp_path / "ckpt"), tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / "generation_config.json").read_text())
     assert {k: saved.get(k) for k in settings} == settings

@@ -50,9 +50,11 @@ def _rope_from_hf(hf: dict[str, Any]):
             factor=_field(params, "factor", kind=float, where=where),
             low_freq_factor=_field(params, "low_freq_factor", kind=float, where=where),
             high_freq_factor=_field(params, "high_freq_factor", kind=float, where=where),
-            # as transformers' standardize_rope_params: missing, it is max_position_embeddings
-            original_max_len=_field(params, "original_max_position_embeddings",
-                                    _field(hf, "max_position_embeddings"), where=where),
+            # as transformers' from_pretrained (standardize_rope_params): a top-level
+            # original_max_position_embeddings wins, then the rope dict's, then max_position_embeddings
+            original_max_len=_field(hf, "original_max_position_embeddings",
+                                    _field(params, "original_max_position_embeddings",
+                                           _field(hf, "max_position_embeddings"), where=where)),
         )
     raise UnsupportedConfigError(
         f"rope type {kind!r} is not supported; supported: ['default', 'linear', 'llama3']"
