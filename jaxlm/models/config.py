@@ -264,6 +264,9 @@ class ModelConfig:
         if isinstance(self.sink_init, bool) or not isinstance(self.sink_init, (int, float)) \
                 or not -math.inf <= self.sink_init < math.inf:
             raise _err("sink_init", self.sink_init, "must be a finite number or -inf (no sink: plain softmax)")
+        if self.graph_rope_pairs is not None and (isinstance(self.graph_rope_pairs, bool)
+                                                  or not isinstance(self.graph_rope_pairs, int)):
+            raise _err("graph_rope_pairs", self.graph_rope_pairs, "must be an int or None")
         if self.graph_rope_pairs is not None and not 0 <= self.graph_rope_pairs <= self.head_dim // 2:
             raise _err("graph_rope_pairs", self.graph_rope_pairs, f"must be in [0, head_dim/2 = {self.head_dim // 2}]")
         if self.graph_rope_band not in ("low", "high"):

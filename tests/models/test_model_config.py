@@ -36,6 +36,8 @@ from jaxlm.models.config import PRESETS, ModelConfig, RopeScaling, preset
         (dict(rope="yarn"), r"rope='yarn' is invalid: must be one of \['default', 'graph', 'mrope', 'none'\]"),
         (dict(affine_bias="both"), r"affine_bias='both' is invalid: must be 'free' or 'coupled'"),
         (dict(graph_rope_pairs=99), r"graph_rope_pairs=99 is invalid: must be in \[0, head_dim/2 = 8\]"),
+        (dict(graph_rope_pairs=2.5), r"graph_rope_pairs=2.5 is invalid: must be an int or None"),
+        (dict(graph_rope_pairs=True), r"graph_rope_pairs=True is invalid: must be an int or None"),
         (dict(family="gpt2"), r"family='gpt2' is invalid: must be one of \['llama', 'mistral', 'qwen2', 'qwen3'\]"),
         (dict(remat="some"), r"remat='some' is invalid"),
         (dict(qk_norm="yes"), r"qk_norm='yes' is invalid: must be a bool"),
