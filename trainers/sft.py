@@ -71,6 +71,18 @@ def load_teacher(path: str, student, tokenizer):
     return teacher
 
 
+def check_eval_budget(examples, tokenizer, max_new_tokens: int, max_seq_len: int) -> None:
+    """The held-out prompts (encoded as `generate` encodes them) plus ``max_new_tokens`` must
+    fit the model, checked before training (not at the first evaluation, after the steps)."""
+    longest, where = max((len(tokenizer.encode(e["prompt"], add_bos=True)) if isinstance(e["prompt"], str)
+                          else len(e["prompt"]), i) for i, e in enumerate(examples))
+    if longest + max_new_tokens > max_seq_len:
+        raise ConfigError(
+            f"held-out example {where}'s prompt has {longest} tokens + trainer.eval_max_new_tokens={max_new_tokens} "
+            f"= {longest + max_new_tokens} > model.max_seq_len={max_seq_len}: lower trainer.eval_max_new_tokens "
+            f"(at most {max_seq_len - longest} here) or set trainer.eval_generate=0")
+
+
 @ALGORITHMS.register("sft")
 class SFT:
     """SFT on ``cfg.data``: one optimizer step per harness step."""
@@ -124,6 +136,8 @@ class SFT:
         self._heldout = eval_batches(cfg.data, setup.tokenizer)
         examples, self._verify = eval_examples(cfg.data)
         self._examples = examples[: t.eval_generate]
+        if self._verify is not None and self._examples:
+            check_eval_budget(self._examples, self.tokenizer, t.eval_max_new_tokens, cfg.model.max_seq_len)
 
     def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> global arrays split over ``data`` x ``fsdp``."""

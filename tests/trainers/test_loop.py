@@ -25,7 +25,7 @@ def tiny_experiment(out_dir, **trainer):
         data=DataConfig(source=Arithmetic(digits=1), seq_len=24, batch_size=8, pack=True, eval_examples=16),
         optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2),
         trainer=TrainerConfig(out_dir=str(out_dir), progress=False, log_every=1, eval_generate=8,
-                              eval_max_new_tokens=3, **{"steps": 8, "save_every": 3, **trainer}),
+                              **{"steps": 8, "save_every": 3, "eval_max_new_tokens": 3, **trainer}),
     )
 
 
@@ -66,6 +66,18 @@ def test_resume_with_a_different_config_is_refused(tmp_path):
     train(tiny_experiment(tmp_path, stop_after=3, steps=6))
     with pytest.raises(ConfigError, match="different config.*optimizer.lr"):
         train(apply_overrides(tiny_experiment(tmp_path, steps=6), ["optimizer.lr=0.5"]))
+
+
+def test_an_eval_budget_past_the_model_is_refused_before_any_step(tmp_path):
+    """Held-out prompt + trainer.eval_max_new_tokens over model.max_seq_len failed at the first
+    evaluation, after training, and the run directory then refused the corrected config."""
+    longest = max(len(jaxlm.data.ByteTokenizer().encode(Arithmetic(digits=1).example(i, "eval")["prompt"], add_bos=True))
+                  for i in range(8))
+    with pytest.raises(ConfigError, match=rf"{longest} tokens \+ trainer.eval_max_new_tokens=60 .* > "
+                                          rf"model.max_seq_len=64.*at most {64 - longest}"):
+        train(tiny_experiment(tmp_path, eval_max_new_tokens=60, eval_every=0))
+    assert not (tmp_path / "config.json").exists() and not (tmp_path / "checkpoints").exists()
+    assert train(tiny_experiment(tmp_path, steps=2, eval_max_new_tokens=64 - longest)).step == 2
 
 
 def test_a_started_run_without_a_checkpoint_is_resumed_only_by_its_config(tmp_path):
