@@ -192,7 +192,8 @@ def _field_hint(config: Any, parts: list[str]) -> Any:
 
 def _is_sequence_field(config: Any, parts: list[str]) -> bool:
     """Field ``parts`` of ``config`` is declared a tuple or list: ``key=a,b`` or ``key='a b'``
-    gives its items (shell-quoted items keep their spaces: ``key="'a b' c"``)."""
+    gives its items (shell-quoted items keep their spaces and commas: ``key="'a b' c"``,
+    ``key="'x, y'"`` is the one item ``x, y``)."""
     hint = _field_hint(config, parts)
     origins = {typing.get_origin(h) for h in (hint, *typing.get_args(hint))}
     return bool(origins & {tuple, list})
@@ -224,7 +225,7 @@ def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> Exper
                 parts = shlex.split(value)
             except ValueError as e:
                 raise ConfigError(f"override {key}={value!r}: {e} (quote items that hold spaces or quotes)") from None
-            if len(parts) == 1 and "," in parts[0]:
+            if len(parts) == 1 and "," in parts[0] and not set(value) & {"'", '"'}:  # a quoted item is one item
                 parts = parts[0].split(",")
             args += [f"--{key}", *parts]
         else:

@@ -32,6 +32,11 @@ def test_tuple_fields_take_comma_or_space_separated_items():
         load_config("diffusion_sort", ["algorithm.edit_fill_per_step=2,x"])
     with pytest.raises(ConfigError, match="questions.*No closing quotation"):
         load_config("omni_av", ["algorithm.task.questions=look: 'tone:"])
+    # a quoted item keeps its commas: one composed condition, not two conditions
+    one = load_config("megan", ["data.source.cond_len=16", "data.source.held_out='reverse, add 3'"])
+    assert one.data.source.held_out == ("reverse, add 3",)
+    two = load_config("megan", ["data.source.cond_len=16", "data.source.held_out='reverse, add 3' 'add 7'"])
+    assert two.data.source.held_out == ("reverse, add 3", "add 7")
 
 
 def test_unknown_key_suggests_closest():
