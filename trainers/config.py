@@ -187,8 +187,10 @@ class SFTConfig:
     """Reorder upcoming batches with the live model (D^3 and baselines, `trainers.schedule`; None: data order)."""
 
     def __post_init__(self):
-        if not self.sem_lambda >= 0:
-            raise ValueError(f"algorithm.sem_lambda={self.sem_lambda!r} is invalid: must be >= 0")
+        for name in ("sem_lambda", "beta_l1"):  # NaN and inf pass a plain ">= 0"
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
+                raise ValueError(f"algorithm.{name}={v!r} is invalid: must be a finite number >= 0")
         if not 0 < self.sem_threshold <= 1:
             raise ValueError(f"algorithm.sem_threshold={self.sem_threshold!r} is invalid: must be in (0, 1]")
         for name, kind in (("distill", DistillConfig), ("pear", PEARConfig), ("schedule", ScheduleConfig)):
@@ -265,11 +267,11 @@ class DiffusionConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ValueError(f"algorithm.{name}={v!r} is invalid: must be a positive int or None")
-        if not self.distill_weight >= 0:
-            raise ValueError(f"algorithm.distill_weight={self.distill_weight!r} is invalid: must be >= 0")
+        if not 0 <= self.distill_weight < math.inf:
+            raise ValueError(f"algorithm.distill_weight={self.distill_weight!r} is invalid: must be a finite number >= 0")
         for name in ("teacher_temperature", "student_temperature"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"algorithm.{name}={getattr(self, name)!r} is invalid: must be > 0")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"algorithm.{name}={getattr(self, name)!r} is invalid: must be a finite number > 0")
         if not 0 <= self.edit_intermediate_ratio <= 1:
             raise ValueError(f"algorithm.edit_intermediate_ratio={self.edit_intermediate_ratio!r} is invalid: "
                              "must be in [0, 1]")

@@ -140,6 +140,10 @@ def test_config_errors(tmp_path):
         dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack=True))
     with pytest.raises(ValueError, match="algorithm.eps"):
         DiffusionConfig(eps=0.0)
+    for field, value in (("distill_weight", float("inf")), ("teacher_temperature", float("inf")),
+                         ("student_temperature", float("nan"))):
+        with pytest.raises(ValueError, match=rf"algorithm.{field}={value!r} is invalid: must be a finite number"):
+            DiffusionConfig(**{field: value})
     # a mask id that is the tokenizer's EOS: clean EOS answers would read as noise, and the sampler
     # (which never emits the mask id) could never stop
     from trainers.config import ConfigError

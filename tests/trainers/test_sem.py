@@ -88,3 +88,7 @@ def test_sem_config_errors():
         SFTConfig(sem_threshold=0.0)
     with pytest.raises(ValueError, match="sem_lambda=-1"):
         SFTConfig(sem_lambda=-1.0)
+    # NaN / inf pass a plain ">= 0"; a negative beta_l1 rewards growing |beta|
+    for field, value in (("sem_lambda", float("inf")), ("beta_l1", -1.0), ("beta_l1", float("nan"))):
+        with pytest.raises(ValueError, match=rf"algorithm.{field}={value!r} is invalid: must be a finite number >= 0"):
+            SFTConfig(**{field: value})
