@@ -92,6 +92,21 @@ def test_extrapolation_is_2r_minus_m(models, flats):
         np.testing.assert_allclose(mixed[k], 0.75 * base[k] + 0.25 * tuned[k], rtol=1e-6, atol=1e-7, err_msg=k)
 
 
+@pytest.mark.parametrize("alpha", [10.0, 50.0, -7.0])
+def test_far_extrapolation_keeps_the_step_exact(alpha):
+    """A small fine-tuning delta (1e-4 relative) pushed far: ``M + a (R - M)`` within an ulp
+    or two of a float64 reference (``(1 - a) M + a R`` lost the step to cancellation: 224 ulp
+    at a = 50)."""
+    rng = np.random.default_rng(0)
+    m = (0.02 * rng.standard_normal((64, 64))).astype(np.float32)
+    r = (m + np.float32(2e-6) * rng.standard_normal(m.shape)).astype(np.float32)
+    got = np.asarray(extrapolate({"w": m}, {"w": r}, alpha)["w"], np.float64)
+    m64, r64 = m.astype(np.float64), r.astype(np.float64)
+    want = m64 + np.float64(np.float32(alpha)) * (r64 - m64)
+    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    assert np.max(np.abs(got - want) / ulp) <= 2
+
+
 def test_blocks_only_leaves_embeddings_norms_and_head_at_tuned(models, flats):
     base, tuned = flats
     out = _np(extrapolate(*models, 2.0, schedule="blocks_only"))
