@@ -143,6 +143,8 @@ def head_importance(model, tokens, mask, direction, layer: int, *, read_site: st
         raise ValueError(f"read_site={read_site!r} is invalid: must be a residual-width site after attention, one of {READ_SITES}")
     v = _direction_at(direction, read_layer, c)
     tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[0] == 0:
+        raise ValueError(f"tokens must be [B, T] with at least one row, got shape {tokens.shape}")
     mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask, bool)
     index = last_token_index(mask)
     graphdef, state = nnx.split(model)

@@ -78,6 +78,8 @@ def capture(model, tokens, mask=None, sites: Sequence[str] | str = ("hidden",), 
     tokens = jnp.asarray(tokens)
     chex.assert_rank(tokens, 2)
     B, T = tokens.shape
+    if B == 0:
+        raise ValueError("tokens holds no rows (B = 0): capture needs at least one prompt")
     mask = jnp.ones((B, T), bool) if mask is None else jnp.asarray(mask, bool)
     if mask.shape != (B, T):
         raise ValueError(f"mask must be [B, T] = {(B, T)} like tokens, got shape {mask.shape}")
@@ -86,7 +88,11 @@ def capture(model, tokens, mask=None, sites: Sequence[str] | str = ("hidden",), 
             raise ValueError(f"position={position!r} is invalid: must be 'last' or a [B] int array")
         index = last_token_index(mask)
     else:
-        index = jnp.asarray(position, jnp.int32)
+        given = jnp.asarray(position)
+        if given.dtype == bool or not jnp.issubdtype(given.dtype, jnp.integer):  # 1.7 was read as 1
+            raise ValueError(f"position must be 'last' or [B] = ({B},) ints, got {given.dtype} values "
+                             f"{np.asarray(position)!r}")
+        index = given.astype(jnp.int32)
         if index.shape != (B,) or not bool(jnp.all((index >= 0) & (index < T))):
             raise ValueError(f"position must be 'last' or [B] = ({B},) ints in [0, {T}), got {np.asarray(position)!r}")
     names = set()

@@ -58,12 +58,20 @@ def _where(where) -> tuple[str, jax.Array | None]:
     return "mask", mask
 
 
+def _check_finite(value, name: str) -> None:
+    """A concrete ``value`` (not traced under jit) must be finite: NaN made every logit NaN."""
+    if not isinstance(value, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(jnp.asarray(value)))):
+        raise ValueError(f"{name} holds a non-finite value ({value if jnp.ndim(value) == 0 else 'NaN or inf'})")
+
+
 def steer(site: str, direction, *, alpha: float, n_layers: int, layers: Sequence[int] | None = None,
           where="all", rms_scale: bool = False, per_layer: bool | None = None) -> Intervention:
     """Add ``alpha * direction`` (``[D]`` or per-layer ``[L, D]``; at a per-head site ``[H]``,
     ``[heads, H]`` or those per layer) at ``site``."""
     check_site(site)
     where, mask = _where(where)
+    _check_finite(alpha, "steer: alpha")
+    _check_finite(direction, "steer: direction")
     return Intervention(
         vector=_per_layer(direction, n_layers, site=site, per_layer=per_layer), alpha=jnp.asarray(alpha, jnp.float32),
         layers=layer_mask(layers, n_layers), mask=mask, site=site, kind="add", where=where,
@@ -77,10 +85,19 @@ def ablate(site: str, direction, *, n_layers: int, layers: Sequence[int] | None 
     (shapes as for `steer`)."""
     check_site(site)
     where, mask = _where(where)
+    _check_finite(strength, "ablate: strength")
+    _check_finite(direction, "ablate: direction")
     d = _per_layer(direction, n_layers, site=site, per_layer=per_layer)
-    d = d / jnp.maximum(jnp.linalg.norm(d, axis=-1, keepdims=True), 1e-12)
+    norms = jnp.linalg.norm(d, axis=-1, keepdims=True)
+    chosen = layer_mask(layers, n_layers)
+    if not isinstance(d, jax.core.Tracer):  # a zero direction has no u: the ablation would remove nothing
+        zero = [layer for layer in range(n_layers) if bool(chosen[layer]) and bool(jnp.any(norms[layer] == 0))]
+        if zero:
+            raise ValueError(f"ablate: direction has zero norm at layer(s) {zero} (nothing to project out); "
+                             "pass a non-zero direction or leave those layers out of layers=")
+    d = d / jnp.maximum(norms, 1e-12)
     return Intervention(
-        vector=d, alpha=jnp.asarray(strength, jnp.float32), layers=layer_mask(layers, n_layers),
+        vector=d, alpha=jnp.asarray(strength, jnp.float32), layers=chosen,
         mask=mask, site=site, kind="ablate", where=where,
     )
 

@@ -110,6 +110,8 @@ def layer_mask(layers, n_layers: int) -> jax.Array:
     if layers is None:
         return jnp.ones((n_layers,), bool)
     arr = np.atleast_1d(np.asarray(layers))
+    if arr.size == 0:  # no layer: the intervention changes nothing
+        return jnp.zeros((n_layers,), bool)
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"layers={layers!r} is invalid: layer indices (ints), not a boolean mask or floats")
     layers = [int(i) for i in arr]
@@ -119,9 +121,11 @@ def layer_mask(layers, n_layers: int) -> jax.Array:
     return jnp.zeros((n_layers,), bool).at[jnp.asarray(layers, jnp.int32)].set(True)
 
 
-def check_interventions(interventions, n_layers: int, n_heads: int | None = None) -> tuple[Intervention, ...]:
+def check_interventions(interventions, n_layers: int, n_heads: int | None = None,
+                        tokens_shape: tuple[int, int] | None = None) -> tuple[Intervention, ...]:
     """The interventions as a tuple, each built for ``n_layers`` layers (and a head scale for
-    ``n_heads`` heads), or an error naming the one that is not."""
+    ``n_heads`` heads, a ``where`` mask for ``tokens_shape = (B, T)``), or an error naming the
+    one that is not."""
     if isinstance(interventions, Intervention):
         interventions = (interventions,)
     interventions = tuple(interventions or ())
@@ -136,4 +140,8 @@ def check_interventions(interventions, n_layers: int, n_heads: int | None = None
         if iv.kind == "scale_heads" and n_heads is not None and iv.vector.shape[1:] != (n_heads,):
             raise ValueError(f"interventions[{i}] scales {iv.vector.shape[1:]} heads per layer; the model has "
                              f"n_heads={n_heads} (head_scale must be [{n_heads}] or [{n_layers}, {n_heads}])")
+        if iv.where == "mask" and tokens_shape is not None and (
+                iv.mask.ndim != 2 or any(m not in (1, t) for m, t in zip(iv.mask.shape, tokens_shape))):
+            raise ValueError(f"interventions[{i}] (site {iv.site!r}): its where mask has shape {tuple(iv.mask.shape)}, "
+                             f"the tokens are [B, T] = {list(tokens_shape)}")
     return interventions

@@ -121,3 +121,8 @@ def test_bad_inputs_are_named(model, batch):
         head_importance(model, tokens, mask, v, 1, read_layer=0)
     with pytest.raises(ValueError, match="read_site='mlp_act' is invalid"):
         head_importance(model, tokens, mask, v, 0, read_site="mlp_act")
+    empty = jnp.ones((0, 4), jnp.int32)  # crashed in a reshape without naming anything
+    with pytest.raises(ValueError, match="at least one row"):
+        head_importance(model, empty, None, v, 0)
+    with pytest.raises(ValueError, match="tokens holds no rows"):
+        neuron_contributions(model, empty, None, v, 0)

@@ -206,6 +206,11 @@ def test_capture_bad_inputs_are_named(model):
         capture(model, tokens, position="first")
     with pytest.raises(ValueError, match="position must be"):
         capture(model, tokens, position=np.array([0, 4]))
+    for bad in (np.array([1.7, 3.9]), np.array([True, False])):  # were truncated / read as 1 and 0
+        with pytest.raises(ValueError, match="position must be 'last' or \\[B\\] = \\(2,\\) ints, got"):
+            capture(model, tokens, position=bad)
+    with pytest.raises(ValueError, match="tokens holds no rows"):
+        capture(model, jnp.ones((0, 4), jnp.int32))
     with pytest.raises(ValueError, match="mask rows \\[1\\] have no real token"):
         capture(model, tokens, np.array([[1, 1, 0, 0], [0, 0, 0, 0]], bool))
     with pytest.raises(ValueError, match="mask must be"):

@@ -168,6 +168,21 @@ def test_bad_interventions_are_named():
         model(jnp.ones((1, 3), jnp.int32), interventions=(steer("hidden", jnp.ones(64), alpha=1.0, n_layers=2),))
     with pytest.raises(ValueError, match="not a boolean mask"):
         steer("hidden", jnp.ones(4), alpha=1.0, n_layers=3, layers=np.array([False, True, True]))
+    # an empty layer list is no layer (it was read as floats)
+    assert not steer("hidden", jnp.ones(4), alpha=1.0, n_layers=3, layers=[]).layers.any()
+    # a NaN dose or direction made every logit NaN; a zero direction ablated nothing
+    with pytest.raises(ValueError, match="steer: alpha holds a non-finite value"):
+        steer("hidden", jnp.ones(4), alpha=float("nan"), n_layers=2)
+    with pytest.raises(ValueError, match="steer: direction holds a non-finite value"):
+        steer("hidden", jnp.array([1.0, np.inf, 0.0, 0.0]), alpha=1.0, n_layers=2)
+    per_layer = jnp.stack([jnp.ones(4), jnp.zeros(4), jnp.ones(4)])
+    with pytest.raises(ValueError, match=r"ablate: direction has zero norm at layer\(s\) \[1\]"):
+        ablate("hidden", per_layer, n_layers=3)
+    assert ablate("hidden", per_layer, n_layers=3, layers=[0, 2]).layers.tolist() == [True, False, True]
+    # a where mask that does not fit the tokens is named (it failed inside the forward)
+    with pytest.raises(ValueError, match=r"interventions\[0\].*where mask has shape \(2, 5\), the tokens are \[B, T\] = \[1, 3\]"):
+        model(jnp.ones((1, 3), jnp.int32),
+              interventions=(steer("hidden", jnp.ones(64), alpha=1.0, n_layers=3, where=np.ones((2, 5), bool)),))
 
 
 def test_interventions_of_the_wrong_shape_are_refused(model, tokens):
