@@ -177,6 +177,11 @@ def test_projector_zeroes_the_top_energy_directions():
     assert np.all(np.asarray(energy_mask(jnp.asarray(s_A), jnp.asarray(s_B), 0.0)))
     # no curvature at all: nothing holds energy, so nothing is blocked
     assert np.all(np.asarray(energy_mask(jnp.zeros(4), jnp.asarray(s_B), 0.9)))
+    # the cumulative energy lands exactly on the threshold (20 of 25 at 0.8, float64 reference:
+    # the ten 2s are blocked, the five 1s kept); float32 division put it one ulp under and the
+    # rule blocked everything (the edit did nothing)
+    keep = np.asarray(energy_mask(jnp.ones(5), jnp.array([2.0, 1.0, 2.0]), 0.8))
+    np.testing.assert_array_equal(keep, np.broadcast_to([False, True, False], (5, 3)))
 
 
 def test_optax_transformation_projects_before_the_optimizer():
