@@ -219,6 +219,13 @@ def check_request(row: Any, where: str) -> dict[str, Any]:
                          f"of non-empty strings, got {nb!r:.80}")
     if row.get("target_true") is not None and not _nonempty_str(row["target_true"]):
         raise ValueError(f"{where}: target_true must be a non-empty string, got {row['target_true']!r:.80}")
+    if row.get("target_true") is not None and row["target_true"] == row["target_new"]:
+        raise ValueError(f"{where}: target_new equals target_true ({row['target_new']!r:.80}): an edit must change the "
+                         "answer")
+    subject = row.get("subject")
+    if subject is not None and (not _nonempty_str(subject) or subject not in row["prompt"]):
+        raise ValueError(f"{where}: subject must be a non-empty string that occurs in prompt (its last token is "
+                         f"where the edit keys), got subject={subject!r:.80} and prompt={row['prompt']!r:.80}")
     return row
 
 

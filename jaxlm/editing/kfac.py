@@ -66,6 +66,8 @@ class KFACFactors:
 def check_module(module: str, layers: Sequence[int], n_layers: int) -> tuple[int, ...]:
     if module not in EDITABLE_MODULES:
         raise ValueError(f"module={module!r} is invalid: editable modules are {sorted(EDITABLE_MODULES)}")
+    if any(np.ndim(i) != 0 or not np.issubdtype(np.asarray(i).dtype, np.integer) for i in layers):
+        raise ValueError(f"layers={tuple(layers)!r} is invalid: layer indices must be ints (0.7 was read as 0)")
     layers = tuple(int(i) for i in layers)
     if not layers or len(set(layers)) != len(layers):
         raise ValueError(f"layers={layers!r} is invalid: need distinct layer indices")

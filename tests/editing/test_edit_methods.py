@@ -93,6 +93,11 @@ def test_requests_file_round_trip_and_errors(tmp_path):
         '"paraphrase_prompts": "a string"': r"paraphrase_prompts must be a list of non-empty strings",
         '"neighborhood": [{"prompt": "p"}]': r"neighborhood must be a list of .* objects",
         '"target_true": 3': r"target_true must be a non-empty string",
+        # caught at edit time before (a bare TypeError, or the wrong request's index), or silently
+        '"subject": 5': r"subject must be a non-empty string that occurs in prompt",
+        '"subject": "Qwerty"': r"subject must be a non-empty string that occurs in prompt",
+        '"subject": ""': r"subject must be a non-empty string that occurs in prompt",
+        '"target_true": " y"': r"target_new equals target_true",
     }
     for extra, match in bad_rows.items():
         (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "target_new": " y", ' + extra + '}\n')
@@ -102,6 +107,12 @@ def test_requests_file_round_trip_and_errors(tmp_path):
         LocateEditConfig(layers=(2, 1))
     with pytest.raises(ValueError, match="energy=1.5"):
         GradientEditConfig(energy=1.5)
+    from jaxlm.editing.kfac import check_module
+
+    for bad in ((0.7,), (True,), (1, 1.9)):  # were truncated to ints
+        with pytest.raises(ValueError, match="layer indices must be ints"):
+            check_module("mlp.down_proj", bad, 3)
+    assert check_module("mlp.down_proj", (np.int64(2), 0), 3) == (2, 0)
     # a project value other than gradient / update ran fine-tuning without the projection
     for kwargs, match in [(dict(project="updates"), "project='updates' is invalid"),
                           (dict(merge_weight="rows"), "merge_weight='rows' is invalid"),
