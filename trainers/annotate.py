@@ -39,6 +39,11 @@ def token_logprobs(model, examples: list[dict[str, Any]], *, top_k: int = 0, bat
     if tok is None:
         raise ValueError("the model has no tokenizer: cannot encode the rows as training does")
     encoded = [encode(e, tok)["tokens"] for e in examples]
+    limit = model.config.max_seq_len
+    over = [i for i, x in enumerate(encoded) if len(x) > limit]
+    if over:  # scores at positions the model was not built for
+        raise DataError(f"row {over[0]} encodes to {len(encoded[over[0]])} tokens, more than the model's "
+                        f"ModelConfig.max_seq_len={limit} ({len(over)} row(s) too long)")
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -62,7 +67,7 @@ def token_logprobs(model, examples: list[dict[str, Any]], *, top_k: int = 0, bat
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        T = _bucket(max(len(encoded[i]) for i in idx))
+        T = min(_bucket(max(len(encoded[i]) for i in idx)), limit)
         tokens = np.full((batch_size, T), tok.pad_id or 0, np.int32)
         seg = np.zeros((batch_size, T), np.int32)
         for r, i in enumerate(idx):

@@ -106,6 +106,17 @@ class RewardModelConfig:
             raise ValueError(f"RewardModelConfig.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
 
 
+def _width(model: "RewardModel", ids: Sequence[Sequence[int]]) -> int:
+    """The padded width of ``ids``: the longest rounded up to 16, at most the backbone's
+    ``max_seq_len``; a longer input is an error naming it."""
+    limit = model.lm.config.max_seq_len
+    longest = max(map(len, ids))
+    if longest > limit:
+        i = max(range(len(ids)), key=lambda j: len(ids[j]))
+        raise ValueError(f"text {i} has {longest} tokens, more than the reward model's ModelConfig.max_seq_len={limit}")
+    return min(-(-longest // 16) * 16, limit)
+
+
 def _encode(tokenizer, texts: Sequence[str], width: int) -> tuple[np.ndarray, np.ndarray]:
     ids = encode_prompts(tokenizer, texts)
     if max(map(len, ids)) > width:
@@ -149,8 +160,8 @@ def train_reward_model(model: RewardModel, points: Sequence[tuple[str, bool]], p
     if not points or not pairs:
         raise ValueError("train_reward_model needs at least one point and one pair")
     tok = model.tokenizer
-    width = width or max(len(x) for x in encode_prompts(tok, [p[0] for p in points] + [q for p in pairs for q in p]))
-    width = -(-width // 16) * 16
+    if width is None:
+        width = _width(model, encode_prompts(tok, [p[0] for p in points] + [q for p in pairs for q in p]))
     pt_tokens, pt_mask = _encode(tok, [p[0] for p in points], width)
     labels = np.asarray([float(p[1]) for p in points], np.float32)
     ch_tokens, ch_mask = _encode(tok, [p[0] for p in pairs], width)
@@ -178,7 +189,7 @@ def score_texts(model: RewardModel, texts: Sequence[str], *, batch_size: int = 6
     """Scores ``[N]`` of texts, ``batch_size`` at a time."""
     if not len(texts):
         return np.zeros(0, np.float32)
-    width = -(-max(len(x) for x in encode_prompts(model.tokenizer, texts)) // 16) * 16
+    width = _width(model, encode_prompts(model.tokenizer, texts))
     tokens, mask = _encode(model.tokenizer, texts, width)
     graphdef, state = nnx.split(model)
     out = []

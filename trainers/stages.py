@@ -48,9 +48,15 @@ class Stage:
             raise ValueError(f"Stage {self.name!r}: config must be an ExperimentConfig, got {type(self.config).__name__}")
 
 
-def retention(model, domains: Mapping[str, Task], *, n: int = 100, seq_len: int = 64,
+def retention(model, domains: Mapping[str, Task], *, n: int = 100, seq_len: int | None = None,
               max_new_tokens: int = 8) -> dict[str, dict[str, float]]:
-    """Per domain: held-out ``loss`` and (where the task has a generative verifier) ``accuracy``."""
+    """Per domain: held-out ``loss`` (rows of ``seq_len`` tokens; default 64, or the model's
+    ``max_seq_len`` if shorter) and (where the task has a generative verifier) ``accuracy``."""
+    limit = model.config.max_seq_len
+    if seq_len is None:
+        seq_len = min(64, limit)
+    elif seq_len > limit:
+        raise ValueError(f"retention: seq_len={seq_len} is more than the model's ModelConfig.max_seq_len={limit}")
     tok = model.tokenizer
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
@@ -71,7 +77,7 @@ def retention(model, domains: Mapping[str, Task], *, n: int = 100, seq_len: int 
 
 
 def run_stages(stages: Sequence[Stage], out_dir: str | Path, *, domains: Mapping[str, Task], eval_n: int = 100,
-               eval_seq_len: int = 64, max_new_tokens: int = 8) -> list[dict[str, Any]]:
+               eval_seq_len: int | None = None, max_new_tokens: int = 8) -> list[dict[str, Any]]:
     """Run ``stages`` in order (each ``init_from`` the previous stage's model; the first keeps
     its own), evaluating every domain after each; returns and writes the retention report."""
     if not stages:

@@ -157,6 +157,11 @@ def evidence_drop(model, prompts: Sequence[str], traces: Sequence[str], *, evide
         rows.append(ids)
         owners.append(np.asarray(owner[1:]))  # aligned with the statistics of tokens 1..n-1
         n_steps.append(len(steps))
+    limit = model.config.max_seq_len
+    over = [i for i, r in enumerate(rows) if len(r) > limit]
+    if over:
+        raise ValueError(f"prompt + trace {over[0]} has {len(rows[over[0]])} tokens, more than "
+                         f"ModelConfig.max_seq_len={limit}")
     V = model.config.vocab_size
     graphdef, state = nnx.split(model)
     pad = getattr(tok, "pad_id", None) or 0
@@ -164,7 +169,7 @@ def evidence_drop(model, prompts: Sequence[str], traces: Sequence[str], *, evide
     mean_lp = np.zeros(len(rows))
     for start in range(0, len(rows), batch_size):
         chunk = list(range(start, min(start + batch_size, len(rows))))
-        T = -(-max(len(rows[i]) for i in chunk) // 16) * 16
+        T = min(-(-max(len(rows[i]) for i in chunk) // 16) * 16, limit)
         tokens = np.full((batch_size, T), pad, np.int32)
         mask = np.zeros((batch_size, T), bool)
         for r, i in enumerate(chunk):

@@ -152,13 +152,18 @@ def candidate_logprobs(model, prompts: Sequence[str] | Sequence[Sequence[int]], 
     cand = _check_candidates(model, candidates)
     tok = model.tokenizer
     ids = encode_prompts(tok, prompts, add_bos=add_bos)
+    limit = model.config.max_seq_len
+    over = [i for i, x in enumerate(ids) if len(x) > limit]
+    if over:  # positions past the model's length: numbers, but not ones it was built for
+        raise ValueError(f"prompt {over[0]} has {len(ids[over[0]])} tokens, more than ModelConfig.max_seq_len={limit}"
+                         f" ({len(over)} prompt(s) too long)")
     pad = getattr(tok, "pad_id", None) or 0
     graphdef, state = nnx.split(model)
     out = np.zeros((len(ids), cand.size), np.float32)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a batch
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        T = _bucket(max(len(ids[i]) for i in idx), bucket)
+        T = min(_bucket(max(len(ids[i]) for i in idx), bucket), limit)
         rows = len(idx) if len(order) <= batch_size else batch_size  # one shape per bucket
         tokens = np.full((rows, T), pad, np.int32)
         mask = np.zeros((rows, T), bool)

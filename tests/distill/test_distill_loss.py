@@ -355,3 +355,16 @@ def test_offline_tail_aware_without_tail_weight_is_the_bucket_kl_of_the_stored_k
         fn = make_distill_loss_fn(sg, sliding_window=None, distill=cfg, pear=None, vocab_size=V)
         got[name] = float(jax.jit(fn)(sp, batch, None)[0])
     np.testing.assert_allclose(got["tail"], got["fkl"], rtol=1e-6)
+
+
+def test_logprobs_of_rows_past_the_model_length_are_refused():
+    """`jaxlm logprobs` scored rows longer than max_seq_len at positions the model was not
+    built for; a row that fits exactly is scored."""
+    from jaxlm.data.files import DataError
+    from trainers.annotate import token_logprobs
+
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(max_seq_len=32), seed=0, tokenizer=TOK)
+    fits = {"prompt": "1+2=", "completion": "x" * 26}  # BOS + 4 + 26 + EOS = 32 tokens
+    assert len(token_logprobs(model, [fits])[0]["logprobs"]) == 32
+    with pytest.raises(DataError, match=r"row 1 encodes to 33 tokens, more than .*max_seq_len=32"):
+        token_logprobs(model, [fits, {"prompt": "1+2=", "completion": "x" * 27}])

@@ -43,6 +43,11 @@ def model():
     return jaxlm.build_model(cfg, seed=0, tokenizer=ByteTokenizer())
 
 
+def test_a_trace_past_the_model_length_is_refused(model):
+    with pytest.raises(ValueError, match=r"prompt \+ trace 1 has .* tokens, more than ModelConfig.max_seq_len=128"):
+        evidence_drop(model, ["q", "q"], ["a. b.", "long step. " * 20])
+
+
 def test_step_evidence_equals_an_unpadded_forward(model):
     prompt, trace = "Q: 2+3*4?\n", "3*4=12\n2+12=14\nanswer 14"
     got = evidence_drop(model, [prompt, "short"], [trace, "x\ny"], evidence="logprob")

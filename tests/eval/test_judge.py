@@ -76,6 +76,11 @@ def test_bad_judge_inputs(judge):
     with pytest.raises(ValueError, match=r"\[0, 259\)"):
         candidate_logprobs(judge, ["x"], [300])
     assert judge_pairs(judge, [], [], []).p.shape == (0,)
+    # a prompt past max_seq_len: the one-order path scored it silently (the branched path refused)
+    with pytest.raises(ValueError, match=r"prompt 1 has 201 tokens, more than ModelConfig.max_seq_len=128"):
+        candidate_logprobs(judge, ["ok", "x" * 200], [65])
+    with pytest.raises(ValueError, match="more than ModelConfig.max_seq_len=128"):
+        judge_points(judge, ["q" * 200], ["a"])
 
 
 def test_branched_scoring_equals_scoring_each_prompt(judge):

@@ -33,6 +33,12 @@ def rm():
     return RewardModel(lm, rngs=nnx.Rngs(1))
 
 
+def test_texts_past_the_backbone_length_are_refused(rm):
+    assert score_texts(rm, ["x" * 95]).shape == (1,)  # 96 tokens with BOS: the whole model, width 96
+    with pytest.raises(ValueError, match=r"text 1 has 101 tokens, more than the reward model's .*max_seq_len=96"):
+        score_texts(rm, ["ok", "x" * 100])
+
+
 def test_score_is_the_head_on_the_last_hidden_state(rm):
     texts = ["allow: drugs\nQ: x?\nA: background (drugs)", "short"]
     got = score_texts(rm, texts)

@@ -44,6 +44,16 @@ def test_stages_chain_and_report_retention(tmp_path):
     assert report[0]["domains"] == retention(a, DOMAINS, n=16, max_new_tokens=3)
 
 
+def test_retention_rows_fit_the_model():
+    """The default 64-token held-out rows on a shorter model are cut to its length; an explicit
+    longer seq_len is refused (it scored positions past the model)."""
+    short = jaxlm.build_model(dataclasses.replace(MODEL, max_seq_len=32), seed=0, tokenizer=jaxlm.data.ByteTokenizer())
+    scores = retention(short, {"arith": Arithmetic(digits=1)}, n=8, max_new_tokens=2)
+    assert np.isfinite(scores["arith"]["loss"])
+    with pytest.raises(ValueError, match="seq_len=64 is more than the model's ModelConfig.max_seq_len=32"):
+        retention(short, {"arith": Arithmetic(digits=1)}, n=8, seq_len=64)
+
+
 def test_bad_stage_lists_are_refused(tmp_path):
     s = _stage("a", DOMAINS["math"], 1e-3)
     with pytest.raises(ValueError, match="repeat"):
