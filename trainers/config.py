@@ -81,8 +81,10 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.b1={self.b1!r}, b2={self.b2!r} are invalid: each must be in [0, 1)")
         if not self.eps > 0 or self.weight_decay < 0:
             raise ValueError(f"OptimizerConfig.eps={self.eps!r} must be > 0 and weight_decay={self.weight_decay!r} >= 0")
-        if self.warmup_steps < 0:
-            raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps!r} must be >= 0")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps!r} must be an int >= 0")
+        if self.schedule not in ("cosine", "constant"):  # anything else read as cosine
+            raise ValueError(f"OptimizerConfig.schedule={self.schedule!r} is invalid: must be 'cosine' or 'constant'")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"OptimizerConfig.min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
         if self.clip_norm is not None and not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
@@ -151,8 +153,9 @@ class TrainerConfig:
                   keep_checkpoints=self.keep_checkpoints,
                   eval_max_new_tokens=self.eval_max_new_tokens)
         for name in ("eval_every", "eval_generate"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainerConfig.{name}={getattr(self, name)!r} must be >= 0")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"TrainerConfig.{name}={v!r} must be an int >= 0")
         if not isinstance(self.out_dir, str) or not self.out_dir.strip():
             raise ValueError(f"TrainerConfig.out_dir={self.out_dir!r} is invalid: name the run's directory "
                              "(an empty value would train into the current directory)")
@@ -261,6 +264,8 @@ class DiffusionConfig:
     """Edit rounds of the held-out accuracy sampler after mask diffusion (0: none)."""
 
     def __post_init__(self):
+        if self.objective not in ("pretrain", "sft", "edit"):  # anything else took the SFT branches
+            raise ValueError(f"algorithm.objective={self.objective!r} is invalid: must be 'pretrain', 'sft' or 'edit'")
         if not 0 < self.eps < 1:
             raise ValueError(f"algorithm.eps={self.eps!r} is invalid: must be in (0, 1)")
         for name in ("eval_steps", "eval_block_length"):

@@ -109,6 +109,18 @@ def test_out_dir_must_name_a_directory():
             TrainerConfig(seed=bad)
         with pytest.raises(ValueError, match=f"DataConfig.shuffle_seed={bad!r} is invalid: must be an int >= 0"):
             DataConfig(shuffle_seed=bad)
+    # fields a Python recipe sets directly (tyro checks only command-line overrides)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match=rf"OptimizerConfig.warmup_steps={bad!r} must be an int >= 0"):
+            OptimizerConfig(warmup_steps=bad)
+        with pytest.raises(ValueError, match=rf"TrainerConfig.eval_every={bad!r} must be an int >= 0"):
+            TrainerConfig(eval_every=bad)
+    with pytest.raises(ValueError, match="OptimizerConfig.schedule='Constant' is invalid"):  # ran cosine
+        OptimizerConfig(schedule="Constant")
+    from trainers.config import DiffusionConfig
+
+    with pytest.raises(ValueError, match="algorithm.objective='pretraining' is invalid"):  # ran the SFT rule
+        DiffusionConfig(objective="pretraining")
 
 
 class _PoisonAt:
