@@ -221,6 +221,14 @@ def _loop(cfg: ExperimentConfig, out_dir: Path, algo: Algorithm, state: TrainSta
     stopped_early = False
     if start == 0 and t.eval_every:
         evaluate(0)
+    elif t.eval_every and 0 < start < t.steps and start % t.eval_every == 0:
+        # resumed at a checkpoint whose periodic evaluation did not get logged (the run died
+        # between the save and the evaluation): evaluate it now (decided on process 0, for all)
+        missing = not logger.logged(start, "eval")
+        if jax.process_count() > 1:
+            missing = bool(np.asarray(multihost_utils.broadcast_one_to_all(np.int32(missing))))
+        if missing:
+            evaluate(start)
     while k < t.steps:
         batch, info = algo.batch(state, k)
         tokens = algo.tokens(batch)

@@ -68,6 +68,28 @@ def test_resume_with_a_different_config_is_refused(tmp_path):
         train(apply_overrides(tiny_experiment(tmp_path, steps=6), ["optimizer.lr=0.5"]))
 
 
+def test_a_periodic_eval_lost_to_a_crash_is_run_on_resume(tmp_path, monkeypatch):
+    """Checkpoint 3 saved, then the run dies in the evaluation at step 3: the resumed run
+    evaluates step 3 before going on, so metrics.jsonl has the evaluations an uninterrupted
+    run has."""
+    import trainers.sft as sft
+
+    evaluate = sft.SFT.evaluate
+
+    def dies_at_3(self, state, k):
+        if k == 3:
+            raise RuntimeError("killed during the evaluation")
+        return evaluate(self, state, k)
+
+    monkeypatch.setattr(sft.SFT, "evaluate", dies_at_3)
+    with pytest.raises(RuntimeError, match="killed during the evaluation"):
+        train(tiny_experiment(tmp_path, steps=6, eval_every=3, async_checkpoint=False))
+    monkeypatch.setattr(sft.SFT, "evaluate", evaluate)
+    assert train(tiny_experiment(tmp_path, steps=6, eval_every=3, async_checkpoint=False)).step == 6
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 3, 6]
+
+
 def test_an_eval_budget_past_the_model_is_refused_before_any_step(tmp_path):
     """Held-out prompt + trainer.eval_max_new_tokens over model.max_seq_len failed at the first
     evaluation, after training, and the run directory then refused the corrected config."""
