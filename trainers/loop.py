@@ -56,6 +56,7 @@ from trainers.config import ConfigError, ExperimentConfig
 from trainers.logger import MetricsLogger
 from trainers.setup import (
     check_resume_config,
+    check_same_tokenizer,
     check_vocabulary,
     initial_model,
     initialize_distributed,
@@ -156,6 +157,9 @@ def _run(cfg: ExperimentConfig, out_dir: Path, hooks: Sequence[Hook], data_itera
     t = cfg.trainer
     tokenizer = make_tokenizer(cfg.tokenizer)
     model = initial_model(cfg)
+    if cfg.init_from:  # its weights were trained under its own tokenizer's ids
+        check_same_tokenizer(model.tokenizer, tokenizer,
+                             f"init_from={cfg.init_from!r} (pass its tokenizer directory as tokenizer=)")
     check_vocabulary(model, tokenizer)
     model.tokenizer = tokenizer
     if cfg.algorithm.name not in ALGORITHMS:

@@ -37,12 +37,31 @@ def make_tokenizer(spec: str):
     return tok
 
 
+#: a text whose ids two tokenizers must agree on to be the same vocabulary
+TOKENIZER_PROBE = "The quick brown fox, 12 + 30 = 42.\n{\"a\": [1, 2]}"
+
+
+def check_same_tokenizer(theirs, ours, what: str) -> None:
+    """``theirs`` (a checkpoint's tokenizer; None: nothing to compare) must give the ids
+    ``ours`` gives for a probe text: weights trained under one vocabulary are meaningless
+    under another of the same size."""
+    if theirs is None or ours is None:
+        return
+    a, b = list(theirs.encode(TOKENIZER_PROBE)), list(ours.encode(TOKENIZER_PROBE))
+    if a != b:
+        raise ConfigError(f"{what} uses a different tokenizer than this run's (the probe text encodes to "
+                          f"{a[:8]}... vs {b[:8]}...)")
+
+
 def initial_model(cfg: ExperimentConfig) -> Transformer:
     """Random init, or ``init_from``'s weights loaded into ``cfg.model`` (its variant-only
     parameters keep their initial, neutral values)."""
     if not cfg.init_from:
         return jaxlm.build_model(cfg.model, seed=cfg.trainer.seed)
-    base = flat_params(jaxlm.load_model(cfg.init_from))
+    loaded = jaxlm.load_model(cfg.init_from)
+    theirs = loaded.tokenizer
+    base = flat_params(loaded)
+    del loaded
     expected = param_shapes(cfg.model)
     for name, value in base.items():
         if name not in expected or tuple(expected[name].shape) != tuple(value.shape):
@@ -71,7 +90,9 @@ def initial_model(cfg: ExperimentConfig) -> Transformer:
                  head, embed)
     missing = [n for n in missing if n not in untied]
     log.info("weights from %s; %d variant parameter(s) at their initial values", cfg.init_from, len(missing))
-    return model_from_flat(cfg.model, {**init_params(cfg.model, missing, seed=cfg.trainer.seed), **base})
+    model = model_from_flat(cfg.model, {**init_params(cfg.model, missing, seed=cfg.trainer.seed), **base})
+    model.tokenizer = theirs  # the checkpoint's, for `check_same_tokenizer`
+    return model
 
 
 def check_vocabulary(model: Transformer, tokenizer) -> None:

@@ -34,7 +34,7 @@ from trainers.evaluate import heldout_metrics
 from trainers.losses import TOKEN_WEIGHTS
 from trainers.optim import make_optimizer, param_names
 from trainers.schedule.scheduler import UnitScheduler
-from trainers.setup import check_batch_split, check_trainable
+from trainers.setup import check_batch_split, check_same_tokenizer, check_trainable
 from trainers.step import TrainState, init_state, make_eval_loss, make_loss_fn, make_train_step
 
 
@@ -51,9 +51,6 @@ def required_fields(algo) -> tuple[str, ...]:
 
 #: A string every tokenizer encodes, compared between teacher and student to catch different
 #: vocabularies of the same size.
-_TOKENIZER_PROBE = "The quick brown fox, 12 + 30 = 42.\n{\"a\": [1, 2]}"
-
-
 def load_teacher(path: str, student, tokenizer):
     """The frozen teacher, checked to share the student's vocabulary (same size and, when it
     carries a tokenizer, the same ids for a probe text)."""
@@ -62,12 +59,7 @@ def load_teacher(path: str, student, tokenizer):
     if tv != sv:
         raise ConfigError(f"algorithm.distill.teacher={path!r} has vocab_size={tv} but the student has {sv}: "
                           "distillation compares next-token distributions over one shared vocabulary")
-    theirs = getattr(teacher, "tokenizer", None)
-    if theirs is not None and tokenizer is not None:
-        a, b = theirs.encode(_TOKENIZER_PROBE), tokenizer.encode(_TOKENIZER_PROBE)
-        if list(a) != list(b):
-            raise ConfigError(f"algorithm.distill.teacher={path!r} uses a different tokenizer than the student "
-                              f"(the probe text encodes to {list(a)[:8]}... vs {list(b)[:8]}...)")
+    check_same_tokenizer(getattr(teacher, "tokenizer", None), tokenizer, f"algorithm.distill.teacher={path!r}")
     return teacher
 
 

@@ -205,6 +205,27 @@ def test_init_from_loads_base_weights_into_a_variant(tmp_path):
     np.testing.assert_allclose(untied(tokens).logits, tied(tokens).logits, rtol=1e-6, atol=1e-6)
 
 
+def test_init_from_a_checkpoint_with_another_tokenizer_is_refused(tmp_path):
+    """Its embedding rows belong to its tokenizer's ids: training it under another tokenizer of
+    a fitting size ran silently on meaningless ids (and saved the other tokenizer with it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from jaxlm.data.tokenizers import load_tokenizer
+
+    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "1", "+", "2", "="])},
+                                       unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "words").mkdir()
+    words.save(str(tmp_path / "words" / "tokenizer.json"))
+    base = jaxlm.build_model(jaxlm.ModelConfig.tiny(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64),
+                             seed=3, tokenizer=load_tokenizer(tmp_path / "words"))
+    jaxlm.save_checkpoint(base, tmp_path / "base")
+    cfg = dataclasses.replace(tiny_experiment(tmp_path / "run"), init_from=str(tmp_path / "base"))
+    with pytest.raises(ConfigError, match=r"init_from=.*base.*uses a different tokenizer than this run's"):
+        train(cfg)  # tokenizer="byte": 259 ids fit the model's vocabulary
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
 def test_a_torn_config_json_falls_back_to_the_checkpoints_copy(tmp_path, caplog):
     first = train(tiny_experiment(tmp_path, stop_after=3, steps=6))
     assert first.stopped_early
