@@ -68,10 +68,16 @@ class ExitWindow:
 
 
 def _head_rows(model) -> jax.Array:
-    """The unembedding as ``[V, D]`` rows."""
+    """The unembedding as ``[V, D]`` rows (a quantized head dequantized, as its matmul reads it)."""
     if model.lm_head is None:
         return model.embed[...]
-    return model.lm_head.kernel[...].T
+    kernel = model.lm_head.kernel.get_value()
+    if isinstance(kernel, jax.Array):
+        return kernel.T
+    if hasattr(kernel, "dequantize"):
+        return kernel.dequantize().T
+    raise TypeError(f"early exit reads the LM head's rows; a {type(kernel).__name__} head has none: keep lm_head "
+                    "dense or quantized (QArray)")
 
 
 def layer_predictions(model, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -46,6 +46,13 @@ def test_never_triggered_with_w4a16_weights(model):
     some = jaxlm.generate(q, PROMPTS, max_new_tokens=N, temperature=0, stop_tokens=(),
                           early_exit=ExitWindow(2, 3, threshold=0.0, proxy_vocab=8))
     assert (np.asarray(some.exit_layers)[:, 1:] == 2).all()
+    # a quantized LM head too (its rows dequantized for the proxy logits; it was not subscriptable)
+    qh = quantize_model(model, QuantRecipe(format="mxfp4", include=r"(^|\.)((attn|mlp)\.\w+_proj|lm_head)\.kernel$"))
+    assert type(qh.lm_head.kernel.get_value()).__name__ == "QArray"
+    ref = jaxlm.generate(qh, PROMPTS, max_new_tokens=N, temperature=0, stop_tokens=())
+    out = jaxlm.generate(qh, PROMPTS, max_new_tokens=N, temperature=0, stop_tokens=(),
+                         early_exit=ExitWindow(2, 3, threshold=1.01, proxy_vocab=8))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
 
 
 def _cut(model, layers: int):
