@@ -517,6 +517,22 @@ def test_compile_time_errors_name_the_construct(make, match):
         make(jaxlm.ByteTokenizer())
 
 
+def test_grammar_stops_where_generate_stops_and_needs_compiling(random_model):
+    """Without stop_tokens a grammar allows every end id `generate` stops at by default (an
+    extra end id such as Llama 3's <|eot_id|> was blocked everywhere), and a raw pattern or
+    schema passed as grammar= is named (it failed with "'str' object has no attribute")."""
+
+    class TwoEnds(jaxlm.ByteTokenizer):
+        stop_ids = (2, 1)  # EOS, then another end id its checkpoint lists
+
+    tok = TwoEnds()
+    tables = compile_regex("[0-9]+", tok, cache_dir=None).tables
+    assert set(tables.stop_tokens) == {1, 2} == set(jaxlm.inference.sampler.default_stop_tokens(tok))
+    for raw in ("[0-9]+", {"type": "integer"}):
+        with pytest.raises(TypeError, match=rf"grammar\[0\] is a {type(raw).__name__}, not a compiled grammar"):
+            jaxlm.generate(random_model, ["x"], max_new_tokens=2, grammar=raw)
+
+
 def test_tables_are_cached_by_grammar_and_tokenizer(tmp_path):
     tok = jaxlm.ByteTokenizer()
     first = compile_json_schema(OBJECT, tok, cache_dir=tmp_path)

@@ -75,9 +75,10 @@ def _compile(kind: str, source: str, expr, tokenizer, *, token_bytes, stop_token
         if tokenizer is None:
             raise GrammarError("pass a tokenizer (or token_bytes=) to compile a grammar for")
         token_bytes = token_byte_strings(tokenizer)
-    if stop_tokens is None:
+    if stop_tokens is None:  # as `generate`'s default: every end id the checkpoint lists, else EOS
+        ids = getattr(tokenizer, "stop_ids", None)
         eos = getattr(tokenizer, "eos_id", None)
-        stop_tokens = () if eos is None else (eos,)
+        stop_tokens = tuple(int(i) for i in ids) if ids is not None else (() if eos is None else (int(eos),))
     if cache_dir == "default":
         cache_dir = default_cache_dir()
     dfa = to_dfa(expr, max_states=max_states)
@@ -89,7 +90,8 @@ def _compile(kind: str, source: str, expr, tokenizer, *, token_bytes, stop_token
 
 _COMMON = """
     tokenizer: a `ByteTokenizer` or `HFTokenizer` (or pass ``token_bytes``, each id's bytes or
-    None). ``stop_tokens``: allowed only where the grammar accepts (default: the tokenizer's EOS).
+    None). ``stop_tokens``: allowed only where the grammar accepts (default: the tokenizer's
+    ``stop_ids``, EOS and any other end id its checkpoint lists, as `generate` stops at).
     ``cache_dir``: where tables are cached by (grammar, tokenizer) hash; "default" is
     ``$JAXLM_CACHE_DIR/grammar`` (``~/.cache/jaxlm/grammar``), None disables it.
     ``max_states`` bounds the automaton; ``bitmask_limit`` the materialised bitmask's bytes."""

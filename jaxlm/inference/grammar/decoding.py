@@ -70,8 +70,13 @@ def advance(g: DeviceGrammar, state: jax.Array, token: jax.Array) -> jax.Array:
     return g.next[state, g.category[token]]
 
 
-def _one(x):
-    return x if isinstance(x, TokenTables) or x is None else x.tables
+def _one(x, i: int = 0):
+    if isinstance(x, TokenTables) or x is None:
+        return x
+    if not isinstance(getattr(x, "tables", None), TokenTables):  # a raw pattern / schema dict / grammar text
+        raise TypeError(f"grammar[{i}] is a {type(x).__name__}, not a compiled grammar: compile it first with "
+                        "jaxlm.compile_regex / compile_json_schema / compile_ebnf (or pass None for no grammar)")
+    return x.tables
 
 
 _MERGED: "OrderedDict[tuple, tuple]" = OrderedDict()  # recent merges: (key) -> (tables kept alive, result)
@@ -82,7 +87,7 @@ def merge_tables(grammars: Sequence, vocab_size: int, bitmask_limit: int) -> tup
     """`DeviceGrammar` of the rows' grammars (`CompiledGrammar`, `TokenTables` or None) and
     each row's start state. The merged device tables of the last few grammar sets are kept,
     so repeated calls with the same grammars do no host work beyond the start states."""
-    tables = [_one(g) for g in grammars]
+    tables = [_one(g, i) for i, g in enumerate(grammars)]
     order: list[TokenTables] = []
     for t in tables:
         if t is not None and all(t is not u for u in order):
