@@ -99,6 +99,36 @@ def test_rows_that_cannot_be_resampled_are_refused():
         split_prompts(_row([5, 6], [0, 0], [1, 1]))
 
 
+def test_a_conditioned_row_is_sampled_under_its_condition_and_keeps_it():
+    """A MeGan row's condition text: the student samples under it (it sampled unconditioned,
+    and the loss then ran on those rows without it); per-token columns are refused."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    model = jaxlm.build_model(dataclasses.replace(SMALL, mlp="meta_swiglu", init_std=0.5), seed=2, tokenizer=TOK)
+    params = nnx.to_pure_dict(nnx.state(model))
+    rng = np.random.default_rng(0)  # a trained hypernetwork: the condition changes the MLP gates
+    params["meta_gate"] = jax.tree.map(lambda x: np.asarray(rng.normal(size=x.shape), x.dtype), params["meta_gate"])
+    nnx.update(model, params)
+    rows = [_row([1, 40 + b, 50, 60], [0, 0, 0, 1], [1, 1, 1, 1]) for b in range(3)]
+    batch = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+    batch["condition"] = np.asarray([[70, 71, 72], [80, 81, 0], [90, 0, 0]], np.int32)
+    batch["condition_mask"] = batch["condition"] > 0
+    got, _ = sample_rows(model, batch, seed=0, temperature=0.0, max_new_tokens=5, eos_id=None)
+    np.testing.assert_array_equal(got["condition"], batch["condition"])
+    want = jaxlm.generate(model, [[1, 40 + b, 50] for b in range(3)], max_new_tokens=5, temperature=0.0,
+                          add_bos=False, stop_tokens=(), condition=(batch["condition"], batch["condition_mask"]))
+    np.testing.assert_array_equal(got["tokens"][:, 3:8], np.asarray(want.tokens))
+    free = jaxlm.generate(model, [[1, 40 + b, 50] for b in range(3)], max_new_tokens=5, temperature=0.0,
+                          add_bos=False, stop_tokens=())
+    assert not np.array_equal(np.asarray(free.tokens), np.asarray(want.tokens))  # the condition matters here
+    with pytest.raises(ValueError, match=r"carry \['teacher_logprobs'\]"):
+        sample_rows(model, {**batch, "teacher_logprobs": np.zeros((3, 12), np.float32)}, seed=0, temperature=0.0,
+                    max_new_tokens=5, eos_id=None)
+
+
 def test_on_policy_settings_are_checked(teacher_dir, data_file):
     for bad, match in ((dict(on_policy=1.5), "on_policy=1.5"), (dict(on_policy=-0.1), "on_policy=-0.1"),
                        (dict(on_policy=1.0, ce_weight=0.5), "ce_weight=0.5"),

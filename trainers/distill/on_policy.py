@@ -10,7 +10,8 @@ divergence and TPA of `trainers.distill.loss` run along the sampled tokens uncha
 `sample_rows` keeps each row's prompt (every token before the first trained one), samples a
 completion of at most ``max_new_tokens`` from the student (stopping at EOS, which is kept and
 trained) and lays the rows out as the SFT pipeline does: ``tokens``, ``loss_mask`` (the
-sampled tokens), ``segment_ids`` (1 on the example) and ``positions``.
+sampled tokens), ``segment_ids`` (1 on the example) and ``positions``; a MeGan row's
+``condition`` is sampled under and kept. Rows with per-token columns are refused.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from jaxlm.inference.sampler import generate
 
 ROW_KEYS = ("tokens", "loss_mask", "segment_ids", "positions")
+CONDITION_KEYS = ("condition", "condition_mask")  # per row, not per token: kept with the new completion
 
 
 def split_prompts(batch: dict[str, np.ndarray]) -> list[list[int] | None]:
@@ -59,6 +61,10 @@ def sample_rows(model, batch: dict[str, np.ndarray], *, seed: int, temperature: 
     ``max_new_tokens`` None: as many as the row's slots leave after its prompt (the longest
     prompt decides, so every completion fits)."""
     T = np.asarray(batch["tokens"]).shape[1]
+    other = sorted(set(batch) - set(ROW_KEYS) - set(CONDITION_KEYS))
+    if other:  # per-token columns (stored teacher log-probs, a graph mask) do not describe new tokens
+        raise ValueError(f"the batch's rows carry {other}, which describe the data's tokens: on-policy distillation "
+                         "resamples the completions and cannot carry them (set algorithm.distill.on_policy=0)")
     prompts = split_prompts(batch)
     live = [b for b, p in enumerate(prompts) if p is not None]
     if not live:
@@ -68,10 +74,15 @@ def sample_rows(model, batch: dict[str, np.ndarray], *, seed: int, temperature: 
         raise ValueError(f"the longest prompt ({T - room} tokens) leaves no slot of the {T}-token rows for a "
                          "completion: raise data.seq_len")
     n_new = room if max_new_tokens is None else min(int(max_new_tokens), room)
+    condition = None
+    if "condition" in batch:  # a MeGan row's condition text: the student samples under it, as trained
+        ids = np.asarray(batch["condition"])[live]
+        condition = (ids, np.asarray(batch["condition_mask"])[live]) if "condition_mask" in batch else ids
     out = generate(model, [prompts[b] for b in live], max_new_tokens=n_new, temperature=temperature, rng=seed,
-                   add_bos=False, stop_tokens=() if eos_id is None else (eos_id,), pad_id=pad_id)
+                   add_bos=False, stop_tokens=() if eos_id is None else (eos_id,), pad_id=pad_id, condition=condition)
     completions = out.completions()
     rows = {k: np.zeros((len(prompts), T), np.asarray(batch[k]).dtype) for k in ROW_KEYS}
+    rows.update({k: np.asarray(batch[k]) for k in CONDITION_KEYS if k in batch})  # one per row, unchanged
     rows["tokens"][:] = pad_id
     for b, completion in zip(live, completions):
         prompt = prompts[b]
