@@ -460,6 +460,15 @@ def test_bad_input_errors(model):
         diffusion_generate(model, PROMPTS, gen_length=8, steps=8, bucket=0)
     with pytest.raises(TypeError, match="token ids must be ints"):
         diffusion_generate(model, [[5.7, 9.2]], gen_length=8, steps=8)
+    # settings that were silently ignored or made rows interact
+    with pytest.raises(ValueError, match="steps=0 is not used with threshold="):
+        diffusion_generate(model, PROMPTS, gen_length=8, steps=0, threshold=0.5)
+    for field in ("jsd_threshold", "confidence"):
+        with pytest.raises(ValueError, match=f"SlowFast.{field}=nan is invalid"):
+            SlowFast(**{field: float("nan")})
+    with pytest.raises(ValueError, match="DLLMCache.* with threshold= decodes one prompt per call"):
+        diffusion_generate(model, PROMPTS, gen_length=8, threshold=0.3, cache=DLLMCache(3, 2, 0.25))
+    diffusion_generate(model, PROMPTS[:1], gen_length=8, threshold=0.3, cache=DLLMCache(3, 2, 0.25))  # one row: fine
 
 
 def test_bucket_padding_shrinks_to_fit_the_context(model):

@@ -184,6 +184,21 @@ def test_sampler_edit_rounds_match_a_host_loop(edit_model):
     assert edited.edits.sum() > 0  # the random model does edit
 
 
+def test_the_delete_token_is_never_a_mask_diffusion_token(edit_model):
+    """<|del|> is an edit (ME-DLM bans it while unmasking): banned without banned_tokens=,
+    here with its logit pushed above every other so that it would win everywhere."""
+    from flax import nnx
+
+    from jaxlm.inference.diffusion import diffusion_generate
+
+    pushed = nnx.clone(edit_model)
+    kernel = pushed.lm_head.kernel.get_value()
+    pushed.lm_head.kernel.set_value(kernel.at[:, DELETE].set(kernel[:, DELETE] + 50.0 * jnp.sign(kernel[:, 0])))
+    free = diffusion_generate(pushed, PROMPTS, gen_length=8, steps=4)
+    want = diffusion_generate(pushed, PROMPTS, gen_length=8, steps=4, banned_tokens=(DELETE,))
+    assert DELETE not in np.asarray(free.tokens) and free.completions == want.completions
+
+
 @pytest.mark.parametrize(("k", "threshold"), [(1, None), (3, None), (None, 0.3)])
 def test_sampler_edits_per_round_match_a_host_loop(edit_model, k, threshold):
     from jaxlm.inference.diffusion import diffusion_generate

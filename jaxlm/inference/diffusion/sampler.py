@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Sequence
 
 import jax
@@ -74,8 +75,8 @@ class SlowFast:
             raise ValueError(f"SlowFast.fast={self.fast!r} is invalid: must be one of {FAST_GROUPS}")
         for name in ("jsd_threshold", "confidence"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"SlowFast.{name}={v!r} is invalid: must be a number >= 0")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:  # NaN passed "< 0"
+                raise ValueError(f"SlowFast.{name}={v!r} is invalid: must be a finite number >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,6 +380,9 @@ def diffusion_generate(
     fixed = threshold is None and slow_fast is None
     if fixed and steps is None:
         raise ValueError("steps is required with the fixed schedule (set steps, threshold= or slow_fast=)")
+    if not fixed and steps is not None:  # it would be ignored: those blocks take the steps they need
+        raise ValueError(f"steps={steps!r} is not used with threshold= or slow_fast= (each block takes as many steps "
+                         "as it needs): leave it out")
     gen_length, block_length, steps_per_block = check_schedule(gen_length, block_length, steps if fixed else None)
     if threshold is not None and (isinstance(threshold, bool) or not 0 <= float(threshold) <= 1):
         raise ValueError(f"threshold={threshold!r} is invalid: must be in [0, 1]")
@@ -390,6 +394,12 @@ def diffusion_generate(
         raise ValueError(f"cache={cache!r} is invalid: must be None, 'prefix', 'dual' or a DLLMCache")
     if cache is not None:
         fw.check_cacheable(config)
+    if isinstance(cache, DLLMCache) and threshold is not None and not isinstance(prompts, str) and len(prompts) > 1:
+        # dLLM-Cache refreshes on the batch's step count, and threshold blocks take a different
+        # number of steps per row: a row's tokens would depend on the rows it is batched with
+        raise ValueError("cache=DLLMCache(...) with threshold= decodes one prompt per call (its refresh schedule "
+                         "follows the batch's steps, which threshold makes differ per row); use cache='prefix' or "
+                         "'dual' for batches, or call once per prompt")
     if slow_fast is not None and (cache is not None or cfg_scale):
         raise ValueError("slow_fast= runs without a cache and without guidance (cache=None, cfg_scale=0)")
     if not _is_number(temperature) or not 0 <= temperature < np.inf:
@@ -420,6 +430,8 @@ def diffusion_generate(
     # [MASK] is never proposed: a committed mask id would read as still masked (a block
     # decoded until no mask is left would never end) and could reach the output
     banned = tuple(sorted(set(banned) | {int(config.mask_token_id)}))
+    if config.delete_token_id is not None:  # an edit model's <|del|> is an edit, never a mask-diffusion token
+        banned = tuple(sorted(set(banned) | {int(config.delete_token_id)}))
     if isinstance(edit_rounds, bool) or not isinstance(edit_rounds, (int, np.integer)) or edit_rounds < 0:
         raise ValueError(f"edit_rounds={edit_rounds!r} is invalid: must be an int >= 0")
     if edit_rounds:
