@@ -216,7 +216,7 @@ class Transformer(nnx.Module):
             x = embeds.astype(c.compute_dtype)
         aux = {
             "meta": self._meta_inputs(condition),
-            "interventions": check_interventions(interventions, c.n_layers, c.n_heads),
+            "interventions": check_interventions(interventions, c.n_layers, c.n_heads, tokens_shape=(B, T)),
         }
         k_all = v_all = None
         if cache is not None:
@@ -226,6 +226,11 @@ class Transformer(nnx.Module):
         )
         h = self.final_norm(x)
         chex.assert_shape(h, (B, T, c.d_model))
+        if cache is not None and isinstance(cache.end_index, jax.core.Tracer):
+            # under jit the overflow check above cannot raise, and the cache write clamps (it
+            # overwrites the last slots): the rows that overflowed read NaN, not wrong numbers
+            over = cache.end_index + T > cache.max_len  # scalar, or [B] with per-row write slots
+            h = jnp.where(jnp.reshape(over, (-1, 1, 1)), jnp.nan, h).astype(h.dtype)
 
         new_cache = None
         if cache is not None:

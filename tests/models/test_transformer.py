@@ -205,3 +205,21 @@ def test_bf16_logits_are_accumulated_and_returned_in_float32(tie):
     want = as64(out.hidden) @ as64(jnp.asarray(head).astype(jnp.bfloat16))
     assert out.logits.dtype == jnp.float32
     np.testing.assert_allclose(as64(out.logits), want, atol=1e-6)
+
+
+def test_a_cache_overflow_under_jit_reads_nan_not_wrong_numbers(model):
+    """Eagerly an overflowing write raises; under jit it cannot, and the write clamps onto the
+    last slots: the rows that overflowed read NaN, the others stay exact (per-row slots)."""
+    tokens, _ = _batch(T=7)
+    B = tokens.shape[0]
+    full = model(tokens[:, :6], cache=model.init_cache(B, 6)).cache  # every slot written
+    with pytest.raises(ValueError, match="cache overflow"):
+        model(tokens[:, 6:7], cache=full)
+    step = jax.jit(lambda m, t, c: m(t, cache=c).logits)
+    assert np.isnan(np.asarray(step(model, tokens[:, 6:7], full))).all()
+    # per-row write slots: row 0 rolled back one token has room, the others do not
+    rows = full.per_row().truncate(jnp.array([5] + [6] * (B - 1)), jnp.array([5] + [6] * (B - 1)))
+    logits = np.asarray(step(model, tokens[:, 5:6], rows))
+    want = np.asarray(model(tokens[:1, :6]).logits)[0, 5]
+    np.testing.assert_allclose(logits[0, 0], want, atol=1e-5)
+    assert np.isnan(logits[1:]).all()
