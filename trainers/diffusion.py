@@ -207,6 +207,15 @@ def check_special_ids(model_cfg, tokenizer) -> None:
         if clash:
             raise ConfigError(f"model.{field}={v} is the tokenizer's {clash[0]} id: give the {field.split('_')[0]} "
                               "token an id of its own (e.g. one past the tokenizer's vocabulary)")
+        if v is not None and int(v) < tokenizer.vocab_size:
+            try:  # an ordinary token decodes to text (a special one to nothing)
+                text = tokenizer.decode([int(v)])  # special tokens are skipped
+            except Exception:  # noqa: BLE001 (an id the tokenizer cannot decode is no text of it)
+                text = ""
+            if text:
+                raise ConfigError(f"model.{field}={v} is the tokenizer's ordinary token {text!r}: clean occurrences of "
+                                  f"it in the data would read as [{field.split('_')[0].upper()}]; give the token an id "
+                                  "of its own (e.g. one past the tokenizer's vocabulary)")
 
 
 @ALGORITHMS.register("diffusion")

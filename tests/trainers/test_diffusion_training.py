@@ -153,6 +153,11 @@ def test_config_errors(tmp_path):
                                 trainer=dataclasses.replace(cfg.trainer, out_dir=str(tmp_path / "clash")))
     with pytest.raises(ConfigError, match=f"model.mask_token_id={eos} is the tokenizer's eos id"):
         train(clash)
+    # an ordinary token ('3' of the byte tokenizer): its clean occurrences would read as [MASK]
+    three = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mask_token_id=54),
+                                trainer=dataclasses.replace(cfg.trainer, out_dir=str(tmp_path / "three")))
+    with pytest.raises(ConfigError, match="model.mask_token_id=54 is the tokenizer's ordinary token '3'"):
+        train(three)
     import jaxlm
 
     with pytest.raises(ValueError, match=f"EOS id {eos} is the model's mask_token_id"):
