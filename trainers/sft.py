@@ -117,8 +117,17 @@ class SFT:
             if jax.process_count() > 1:
                 raise ConfigError("algorithm.schedule runs on one process (trainer.multihost=false)")
             o = cfg.optimizer
-            self.scheduler = UnitScheduler(self.batches, a.schedule, make_loss_fn(self.graphdef, sliding_window=window),
-                                           self._params, adam=(o.b2, o.eps))
+            # units are ranked (and D^3's lookahead taken) with the loss this run trains on
+            if loss_fn is not None:
+                teacher = self._teacher
+
+                def trained_loss(params, batch):
+                    total, (count, _) = loss_fn(params, batch, teacher)
+                    return total, count
+            else:
+                trained_loss = make_loss_fn(self.graphdef, sliding_window=window, weight_fn=TOKEN_WEIGHTS[a.token_weights],
+                                            beta_l1=a.beta_l1, sem_lambda=a.sem_lambda, sem_threshold=a.sem_threshold)
+            self.scheduler = UnitScheduler(self.batches, a.schedule, trained_loss, self._params, adam=(o.b2, o.eps))
         self._step = make_train_step(
             self.graphdef, self.tx, schedule, grad_accum=t.grad_accum, sliding_window=window,
             weight_fn=TOKEN_WEIGHTS[a.token_weights], beta_l1=a.beta_l1, sem_lambda=a.sem_lambda,

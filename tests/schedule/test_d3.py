@@ -150,6 +150,36 @@ def test_units_are_measured_with_every_field_the_loss_reads():
     assert sched._measured()["condition"].shape == (3, 2, 2)
 
 
+def test_units_are_ranked_by_the_loss_the_run_trains_on(tmp_path):
+    """With selective entropy minimisation on, the scheduler's unit losses are the SFT + SEM
+    loss the step trains on (they were the plain cross-entropy)."""
+    from trainers.algorithm import ALGORITHMS, RunSetup
+    from trainers.setup import run_mesh
+    from trainers.step import make_loss_fn
+
+    cfg = ExperimentConfig(
+        model=MODEL, data=DATA, optimizer=OptimizerConfig(lr=3e-3, warmup_steps=1),
+        trainer=TrainerConfig(out_dir=str(tmp_path), steps=4, progress=False, eval_generate=0),
+        algorithm=SFTConfig(sem_lambda=0.5, schedule=ScheduleConfig(name="loss", units=2, rows=2)),
+    )
+    tok = jaxlm.ByteTokenizer()
+    sft = ALGORITHMS["sft"](RunSetup(cfg=cfg, model=jaxlm.build_model(MODEL, seed=0, tokenizer=tok), tokenizer=tok,
+                                     mesh=run_mesh(cfg)))
+    sched = sft.scheduler
+    sched._fill()
+    units = sched._measured()
+    got = np.asarray(sched._unit_loss(sft._params, units))
+
+    def means(loss_fn):  # per unit, computed as the scheduler computes (vmapped under jit)
+        return np.asarray(jax.jit(jax.vmap(lambda p, u: (lambda t, c: t / c)(*loss_fn(p, u)), in_axes=(None, 0)))(
+            sft._params, units))
+
+    trained = make_loss_fn(sft.graphdef, sliding_window=None, sem_lambda=0.5, sem_threshold=0.25)
+    plain = make_loss_fn(sft.graphdef, sliding_window=None)
+    np.testing.assert_allclose(got, means(trained), rtol=1e-6)
+    assert np.all(np.abs(got - means(plain)) > 1e-2)
+
+
 def test_d3_schedules_a_training_run(tmp_path):
     cfg = ExperimentConfig(
         model=MODEL, data=DATA, optimizer=OptimizerConfig(lr=3e-3, warmup_steps=1),
