@@ -104,6 +104,10 @@ class SFT:
             teacher = load_teacher(d.teacher, setup.model, setup.tokenizer)
             teacher_graphdef, tstate = nnx.split(teacher)
             self._teacher = place(nnx.to_pure_dict(tstate), nnx.to_pure_dict(model_shardings(teacher, mesh)))
+        if d is not None and d.top_k > setup.model.config.vocab_size and (
+                d.teacher_logprobs == "topk" or d.divergence == "tail_aware"):
+            raise ConfigError(f"algorithm.distill.top_k={d.top_k} is more than the vocabulary "
+                              f"(model.vocab_size={setup.model.config.vocab_size})")
         if d is not None and d.on_policy and jax.process_count() > 1:
             raise ConfigError("algorithm.distill.on_policy samples on one process (trainer.multihost=false)")
         if d is not None or a.pear is not None:

@@ -69,6 +69,16 @@ def test_overrides_reach_the_distillation_config(teacher_dir):
     assert cfg.algorithm.distill.divergence == "jsd" and cfg.algorithm.distill.jsd_beta == 0.25
 
 
+def test_objectives_that_train_nothing_or_overrun_the_vocabulary_are_refused(tmp_path, teacher_dir, data_file):
+    with pytest.raises(ValueError, match="weight, ce_weight and tpa_weight are all 0"):
+        DistillConfig(teacher="t", weight=0.0)
+    with pytest.raises(ValueError, match="top_k=0 and tail_beta=0 weighs neither"):
+        DistillConfig(teacher="t", divergence="tail_aware", top_k=0, tail_beta=0.0)
+    algo = SFTConfig(distill=DistillConfig(teacher=str(teacher_dir), teacher_logprobs="topk", top_k=260))
+    with pytest.raises(ConfigError, match=r"algorithm.distill.top_k=260 is more than the vocabulary \(model.vocab_size=259\)"):
+        train(_experiment(tmp_path / "run", data_file, algo, steps=1))
+
+
 def test_teacher_with_another_vocabulary_is_refused(tmp_path):
     other = jaxlm.build_model(jaxlm.ModelConfig.tiny(vocab_size=300), seed=0, tokenizer=TOK)
     jaxlm.save_checkpoint(other, tmp_path / "t")

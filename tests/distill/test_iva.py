@@ -89,6 +89,11 @@ def test_iva_on_omni_models_against_numpy_kl(pair):
     for beta in (1.5, -0.5, 0.0):  # a NaN loss before, where DistillConfig refuses the value
         with pytest.raises(ValueError, match=f"jsd_beta={beta} is invalid"):
             iva_loss(out_t.logits, logits_s, sal, divergence="jsd", jsd_beta=beta)
+    for beta in (-5.0, float("nan")):  # a negative "divergence", or NaN, silently
+        with pytest.raises(ValueError, match=f"tail_beta={beta} is invalid"):
+            iva_loss(out_t.logits, logits_s, sal, divergence="tail_aware", tail_beta=beta)
+    with pytest.raises(ValueError, match="top_k=2.5 is invalid"):
+        iva_loss(out_t.logits, logits_s, sal, divergence="tail_aware", top_k=2.5)
     with pytest.raises(ValueError, match="divergence='kl' is invalid"):
         iva_loss(out_t.logits, logits_s, sal, divergence="kl")
 

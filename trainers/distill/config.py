@@ -107,6 +107,13 @@ class DistillConfig:
                     f"algorithm.distill.divergence='tail_aware' with tail_beta={self.tail_beta} needs the teacher's "
                     f"whole tail: use teacher_logprobs='full', or tail_beta=0 (the head + bucket KL, which is what "
                     f"forward_kl gives on top-K log-probs)")
+        if self.weight == 0 and self.ce_weight == 0 and self.tpa_weight == 0:
+            raise ValueError("algorithm.distill: weight, ce_weight and tpa_weight are all 0, so the loss is 0 and "
+                             "nothing trains; give one of them a positive weight")
+        if self.divergence == "tail_aware" and self.top_k == 0 and self.tail_beta == 0 and not self.ce_weight \
+                and not self.tpa_weight:
+            raise ValueError("algorithm.distill.divergence='tail_aware' with top_k=0 and tail_beta=0 weighs neither "
+                             "the head nor the tail: the loss is 0 and nothing trains")
         if self.teacher_logprobs == "offline" and self.temperature != 1:
             raise ValueError(f"algorithm.distill.temperature={self.temperature}: stored top-K log-probs are at "
                              "temperature 1 and cannot be re-tempered without the tail; use temperature=1")

@@ -18,6 +18,8 @@ card B.9, read from a summary: the training code is not released).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -63,6 +65,12 @@ def iva_loss(teacher: jax.Array, student: jax.Array, salient: jax.Array, *, targ
     beta = divergence_kw.get("jsd_beta")
     if beta is not None and not (isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 < beta < 1):
         raise ValueError(f"iva_loss jsd_beta={beta!r} is invalid: must be in (0, 1), as DistillConfig.jsd_beta")
+    tail = divergence_kw.get("tail_beta")
+    if tail is not None and (isinstance(tail, bool) or not isinstance(tail, (int, float)) or not 0 <= tail < math.inf):
+        raise ValueError(f"iva_loss tail_beta={tail!r} is invalid: must be a finite number >= 0, as DistillConfig")
+    k = divergence_kw.get("top_k")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ValueError(f"iva_loss top_k={k!r} is invalid: must be an int >= 0, as DistillConfig")
     if divergence not in DIVERGENCES:
         raise ValueError(f"iva_loss divergence={divergence!r} is invalid: must be one of {sorted(DIVERGENCES)}")
     if target == "logits":
