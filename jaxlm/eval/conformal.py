@@ -33,8 +33,13 @@ from scipy import stats
 
 
 def preference_entropy(p) -> np.ndarray:
-    """Binary entropy ``-p log p - (1 - p) log(1 - p)`` in nats (0 at p = 0 or 1)."""
+    """Binary entropy ``-p log p - (1 - p) log(1 - p)`` in nats (0 at p = 0 or 1); ``p`` must be
+    probabilities (NaN read as entropy 0, the most certain score)."""
     p = np.asarray(p, np.float64)
+    bad = ~((p >= 0) & (p <= 1))
+    if bad.any():
+        raise ValueError(f"p holds {int(bad.sum())} value(s) that are not probabilities in [0, 1] "
+                         f"(e.g. {p[bad].ravel()[0]!r})")
     q = 1.0 - p
     with np.errstate(divide="ignore", invalid="ignore"):
         h = -np.where(p > 0, p * np.log(p), 0.0) - np.where(q > 0, q * np.log(q), 0.0)
@@ -97,7 +102,9 @@ def ltt_threshold(scores, errors, alpha: float, *, delta: float = 0.1, grid=None
                              "must be numbers")
         kept = np.searchsorted(s, lam, side="right").astype(np.float64)
         err = np.r_[0.0, np.cumsum(e)][kept.astype(int)]
-    start = np.flatnonzero(kept >= np.log(delta) / np.log1p(-alpha))
+    # the first threshold whose p-value can reach delta at all (zero errors among those kept),
+    # computed exactly: the closed form log(delta) / log1p(-alpha) rounds above an integer bound
+    start = np.flatnonzero(stats.binom.cdf(0, kept, alpha) <= delta)
     if not start.size:
         return float("-inf")
     lam, err, kept = lam[start[0]:], err[start[0]:], kept[start[0]:]

@@ -33,6 +33,9 @@ def test_bpe_is_the_binary_entropy_of_the_order_averaged_preference():
     np.testing.assert_allclose(preference_entropy([0.0, 1.0]), [0.0, 0.0])
     with pytest.raises(ValueError, match="probabilities"):
         bidirectional_preference([1.2], [0.5])
+    for bad in (np.nan, 1.5, -0.5):  # NaN read as entropy 0 (the most certain), p > 1 as negative entropy
+        with pytest.raises(ValueError, match="not probabilities in \\[0, 1\\]"):
+            preference_entropy([0.3, bad])
 
 
 def test_threshold_matches_the_reference_with_ties_and_edge_cases():
@@ -89,6 +92,10 @@ def test_learn_then_test_holds_with_probability_one_minus_delta():
     with pytest.raises(ValueError, match="grid holds NaN"):  # a NaN threshold accepted nothing, silently
         ltt_threshold(s, e, alpha, delta=delta, grid=[0.5, np.nan])
     assert ltt_threshold(s[:5], e[:5], alpha, delta=delta) == -np.inf  # too few to reject anything
+    # the first testable threshold exactly on the boundary: 29 error-free points give the
+    # p-value 0.5^29 = delta (the closed-form bound rounded to 29.000000000000004 and skipped it)
+    n = 29
+    assert ltt_threshold(np.arange(n + 1.0), np.r_[np.zeros(n), 1.0], 0.5, delta=0.5 ** n) == n - 1
 
 
 def test_selective_report():
