@@ -78,18 +78,26 @@ def weighted_mode(latents: Sequence[Hashable], w: np.ndarray) -> Hashable:
     return next(l for l in mass if mass[l] >= top - 1e-12 * max(abs(top), 1.0))  # dicts keep first-seen order
 
 
+def _finite(latents: Sequence[float], what: str) -> np.ndarray:
+    x = np.asarray(latents, np.float64)
+    if not np.isfinite(x).all():  # a NaN sorts last: the median came out wrong, the mean NaN
+        raise ValueError(f"latents hold {int((~np.isfinite(x)).sum())} non-finite value(s): the weighted {what} "
+                         "needs numbers (drop the responses with no number first)")
+    return x
+
+
 def weighted_median(latents: Sequence[float], w: np.ndarray) -> float:
     """The smallest ``x`` among the latents with ``sum_{l_k <= x} w_k >= 1/2`` (a minimiser of
     the weighted absolute error; when the weights split exactly, every point between the two
     middle latents is one)."""
-    x = np.asarray(latents, np.float64)
+    x = _finite(latents, "median")
     order = np.argsort(x, kind="mergesort")
     cum = np.cumsum(w[order])
     return float(x[order][np.searchsorted(cum, 0.5 - 1e-12)])
 
 
 def weighted_mean(latents: Sequence[float], w: np.ndarray) -> float:
-    return float(np.dot(np.asarray(latents, np.float64), w))
+    return float(np.dot(_finite(latents, "mean"), w))
 
 
 def set_majority(latents: Sequence[Iterable], w: np.ndarray) -> frozenset:
@@ -183,8 +191,8 @@ _NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\
 def number_latent(text: str) -> float | None:
     """The last number in the response (None when there is none): ``"-.5"`` is -0.5,
     ``"$2,500"`` is 2500 (a comma between digit groups of three is a thousands separator),
-    ``"1.5e3"`` is 1500."""
-    found = _NUMBER.findall(text)
+    ``"1.5e3"`` is 1500; the minus sign U+2212 is a minus."""
+    found = _NUMBER.findall(text.replace("\u2212", "-"))
     return float(found[-1].replace(",", "")) if found else None
 
 

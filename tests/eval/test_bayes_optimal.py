@@ -91,8 +91,13 @@ def test_weights_and_parsers():
              "between 1-5": 5.0, "pages 10-12": 12.0, "x=-3": -3.0, "(-2)": -2.0,
              # scientific notation is one number, as float() reads it
              "6.02e23": 6.02e23, "The answer is 1.5e3.": 1500.0, "2.5E-4": 2.5e-4, "-1e+2 here": -100.0,
-             "1e5x": 5.0}
+             "1e5x": 5.0,
+             # the minus sign U+2212, as typeset output writes it (read as 3)
+             "The answer is \u22123": -3.0, "x = \u22120.5e2": -50.0}
     assert {t: number_latent(t) for t in cases} == cases
+    for d in ("absolute", "squared"):  # a NaN latent gave a wrong median and a NaN mean
+        with pytest.raises(ValueError, match="latents hold 1 non-finite value"):
+            bayes_optimal([1.0, float("nan"), 3.0], d)
     assert set_latent(" a, b ,,c") == frozenset("abc")
     assert edge_latent("b-a, c-b x") == frozenset({("a", "b"), ("b", "c")})
     assert edge_latent("a>b", directed=True) == frozenset({("a", "b")})
