@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import jax
@@ -80,10 +81,13 @@ class ShapingConfig:
 
     def __post_init__(self):
         for name in ("tau", "learning_rate", "epochs", "batch_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ShapingConfig.{name}={getattr(self, name)} must be > 0")
-        if self.l2 < 0 or self.weight_decay < 0:
-            raise ValueError("ShapingConfig.l2 and weight_decay must be >= 0")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:  # NaN passed "<= 0"
+                raise ValueError(f"ShapingConfig.{name}={v!r} must be a finite number > 0")
+        for name in ("l2", "weight_decay"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"ShapingConfig.{name}={v!r} must be a finite number >= 0")
 
 
 def _id_batches(ids: np.ndarray, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -107,6 +111,7 @@ def fit_shaping(x, ids, labels, config: ShapingConfig = ShapingConfig()) -> tupl
     ids, labels = np.asarray(ids), np.asarray(labels)
     if x.ndim != 2 or ids.shape != (x.shape[0],) or labels.shape != (x.shape[0],):
         raise ValueError(f"x must be [N, D] with ids and labels [N], got {x.shape}, {ids.shape}, {labels.shape}")
+    ids = np.unique(ids, return_inverse=True)[1].reshape(ids.shape)  # any hashable question ids ("q1") -> ints
     c = config
     opt = optax.adamw(c.learning_rate, weight_decay=c.weight_decay)
     W = jnp.eye(x.shape[1], dtype=jnp.float32)

@@ -81,7 +81,10 @@ def select_membership(x, labelled: np.ndarray, correct: np.ndarray, *, ks: Seque
             raise ValueError(f"labelled is a boolean mask of shape {labelled.shape}: it must have one entry per row "
                              f"of x ({np.shape(x)[0]})")
         labelled = np.flatnonzero(labelled)
-    correct = np.asarray(correct, bool)
+    raw = np.asarray(correct)
+    if raw.dtype != bool and not np.isin(raw, (0, 1)).all():  # 2 or 0.5 were read as True
+        raise ValueError(f"correct must hold 0/1 (or bools), got values {np.unique(raw)[:5].tolist()}")
+    correct = raw.astype(bool)
     if correct.shape != labelled.shape:
         raise ValueError(f"correct {correct.shape} must match labelled {labelled.shape}")
     best = (ks[0], 1.0, -1.0)

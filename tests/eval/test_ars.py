@@ -43,6 +43,14 @@ def test_fitting_lowers_the_loss():
     np.testing.assert_allclose(np.linalg.norm(h, axis=1), 1.0, atol=1e-5)
     with pytest.raises(ValueError, match="tau"):
         ShapingConfig(tau=0.0)
+    for field in ("tau", "l2"):  # NaN passed "<= 0"
+        with pytest.raises(ValueError, match=f"ShapingConfig.{field}=nan must be a finite number"):
+            ShapingConfig(**{field: float("nan")})
+    # question ids may be strings (they failed inside jit); the fit equals the one with int ids
+    names = np.array([f"q{i}" for i in ids])
+    W_named, _ = fit_shaping(x, names, labels, ShapingConfig(epochs=2, learning_rate=1e-2))
+    W_int, _ = fit_shaping(x, np.unique(names, return_inverse=True)[1], labels, ShapingConfig(epochs=2, learning_rate=1e-2))
+    np.testing.assert_array_equal(np.asarray(W_named), np.asarray(W_int))
 
 
 @pytest.fixture(scope="module")

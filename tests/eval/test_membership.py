@@ -59,6 +59,10 @@ def test_labelled_rows_may_be_a_boolean_mask():
     assert select_membership(x, mask, correct) == select_membership(x, np.flatnonzero(mask), correct)
     with pytest.raises(ValueError, match=r"boolean mask of shape \(20,\): it must have one entry per row of x"):
         select_membership(x, mask[:20], correct[:10])
+    assert select_membership(x, mask, correct.astype(int)) == select_membership(x, mask, correct)
+    for bad in (2, 0.5):  # read as True
+        with pytest.raises(ValueError, match="correct must hold 0/1"):
+            select_membership(x, mask, np.where(correct, bad, 0))
 
 
 def test_selection_finds_the_separating_direction_and_its_orientation():
