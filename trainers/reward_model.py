@@ -97,9 +97,12 @@ class RewardModelConfig:
     def __post_init__(self):
         if not self.calibration_weight >= 0 or not math.isfinite(self.calibration_weight):
             raise ValueError(f"RewardModelConfig.calibration_weight={self.calibration_weight} must be a finite number >= 0")
-        for name in ("learning_rate", "steps", "batch_pairs", "batch_points"):
-            if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
-                raise ValueError(f"RewardModelConfig.{name}={getattr(self, name)} must be a finite number > 0")
+        if not self.learning_rate > 0 or not math.isfinite(self.learning_rate):
+            raise ValueError(f"RewardModelConfig.learning_rate={self.learning_rate} must be a finite number > 0")
+        for name in ("steps", "batch_pairs", "batch_points", "warmup_steps"):  # 2.5 failed in the loop, unnamed
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "warmup_steps" else 1):
+                raise ValueError(f"RewardModelConfig.{name}={v!r} must be an int >= {0 if name == 'warmup_steps' else 1}")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"RewardModelConfig.warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -58,8 +58,8 @@ def fit_platt(score, correct, *, on: str = "logit", C: float = 1e11, max_iter: i
     ``C = 1e11`` as the GCM code sets it). Newton steps with step halving."""
     if on not in ("logit", "score"):
         raise ValueError(f"on={on!r} must be 'logit' (a probability) or 'score' (a raw score)")
-    if C <= 0:
-        raise ValueError(f"C={C} must be > 0")
+    if not 0 < C < np.inf:  # NaN passed "<= 0" and fitted a constant 0.5
+        raise ValueError(f"C={C} must be a finite number > 0")
     score, y = _pairs(score, correct)
     x = _feature(score, on)
     X = np.stack([x, np.ones_like(x)], 1)

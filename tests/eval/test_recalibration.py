@@ -55,6 +55,9 @@ def test_bad_calibration_sets():
         fit_isotonic([0.1, 0.2], [0.5, 1])
     with pytest.raises(ValueError, match="'logit'"):
         fit_platt([0.1, 0.2], [0, 1], on="probit")
+    for C in (float("nan"), 0.0, float("inf")):  # NaN fitted a constant 0.5 calibrator
+        with pytest.raises(ValueError, match="must be a finite number > 0"):
+            fit_platt([0.1, 0.2], [0, 1], C=C)
     # raw margins under on="logit" were clipped to [0, 1] before the logit
     with pytest.raises(ValueError, match="outside \\[0, 1\\]: on='logit' takes probabilities"):
         fit_platt([-3.0, 0.5, 2.0], [0, 1, 1])

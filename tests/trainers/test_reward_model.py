@@ -61,6 +61,9 @@ def test_training_lowers_the_joint_loss(rm):
             RewardModelConfig(**{field: float("nan")})
     with pytest.raises(ValueError, match="at least one point"):
         train_reward_model(rm, [], pairs)
+    for field, bad in (("steps", 2.5), ("batch_pairs", True), ("warmup_steps", 1.5)):  # failed in the loop
+        with pytest.raises(ValueError, match=f"RewardModelConfig.{field}={bad!r} must be an int"):
+            RewardModelConfig(**{field: bad})
 
 
 def test_learning_rate_schedule_warms_up_then_decays_by_cosine():
