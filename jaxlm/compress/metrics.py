@@ -126,7 +126,9 @@ def mean_token_nll(model, batches: Iterable[tuple[np.ndarray, ...]]) -> float:
         s, n = _nll_sums(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid, bool),
                          jnp.asarray(targets, bool))
         total, count = total + float(s), count + float(n)
-    return total / max(count, 1.0)
+    if count == 0:  # 0 nats would read as a perfect model
+        raise ValueError("mean_token_nll: the batches hold no scored token (no batch, or every row masked)")
+    return total / count
 
 
 def example_batches(tokenizer, examples, *, batch_size: int, seq_len: int):

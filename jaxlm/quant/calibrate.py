@@ -77,7 +77,7 @@ def input_second_moments(
     sites = tuple(sorted({INPUT_TAPS[m] for m in modules}))
     graphdef, state = nnx.split(model)
     sums, n = None, 0.0
-    for tokens, valid in batches:
+    for tokens, valid, *_ in batches:  # (tokens, valid) or with targets, as `example_batches` gives
         tokens, valid = np.asarray(tokens, np.int32), np.asarray(valid, bool)
         for tok, val in _row_slices(graphdef, state, tokens, valid, sites, CALIBRATION_BYTES):
             s, t = _sums(graphdef, state, jnp.asarray(tok), jnp.asarray(val), sites=sites)
@@ -116,7 +116,7 @@ def input_samples(
     order = np.empty(0, np.int64)
     kept: dict[str, np.ndarray | None] = {s: None for s in sites}
     offset = 0
-    for tokens, valid in batches:
+    for tokens, valid, *_ in batches:
         valid = np.asarray(valid, bool)
         rows = np.flatnonzero(valid.reshape(-1))
         new_keys = rng.random(len(rows))

@@ -136,6 +136,8 @@ def gptq_transform_quantize(H, W, fmt: str | QFormat | None, method: str = "wush
     B = fmt.block if fmt is not None else block
     if B is None:
         raise ValueError("pass fmt or block")
+    if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
+        raise ValueError(f"block={B!r} is invalid: must be a positive int")
     W = np.asarray(W, np.float64)
     C, R = W.shape
     if C % B:

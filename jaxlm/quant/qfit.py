@@ -107,8 +107,13 @@ def qfit_calibrate(model, batches: Iterable[tuple[np.ndarray, np.ndarray]], *, f
                          f"layer_v_head_dims={c.layer_v_head_dims}) are not supported")
     if c.head_dim % 2 or c.head_dim % fmt.block:
         raise ValueError(f"head_dim={c.head_dim} must be even and a multiple of the {fmt.name} block {fmt.block}")
-    toks, vals = zip(*batches)
-    tokens, valid = jnp.asarray(np.concatenate(toks)), jnp.asarray(np.concatenate(vals))
+    pairs = [(b[0], b[1]) for b in batches]  # (tokens, valid) or (tokens, valid, targets)
+    if not pairs:
+        raise ValueError("qfit_calibrate: no calibration batches")
+    toks, vals = zip(*pairs)
+    tokens, valid = jnp.asarray(np.concatenate(toks)), jnp.asarray(np.concatenate(vals), bool)
+    if not bool(valid.any()):
+        raise ValueError("qfit_calibrate: the calibration set has no valid tokens")
     out = model(tokens, mask=valid, collect=("q", "k", "v"))
     res = [
         _layer_search(out.collected["q"][i].astype(jnp.float32), out.collected["k"][i].astype(jnp.float32),

@@ -51,6 +51,8 @@ def damped_cholesky_upper(H: np.ndarray, damp: float = 0.01, tries: int = 100) -
     """Upper ``U`` with ``U^T U = H + k damp mean(diag H) I`` for the smallest ``k >= 1``
     that factorises (the reference damps before the first try)."""
     H = np.asarray(H, np.float64)
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 < damp < np.inf:
+        raise ValueError(f"damp={damp!r} is invalid: must be a finite number > 0 (a fraction of H's mean diagonal)")
     step = damp * float(np.mean(np.diag(H)))
     if not step > 0:
         raise ValueError("the calibration second moment has a non-positive mean diagonal")

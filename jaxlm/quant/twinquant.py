@@ -157,6 +157,8 @@ def twinquant(W, X_calib, fmt: str | QFormat, cfg: TwinQuantConfig = TwinQuantCo
     W = jnp.asarray(W, jnp.float32)
     X = jnp.asarray(X_calib, jnp.float32)
     C, R = W.shape
+    if X.ndim != 2 or X.shape[1] != C or X.shape[0] < 1:  # no rows: NaN losses, zero gradients, nothing learnt
+        raise ValueError(f"X_calib must be [N >= 1, C = {C}] calibration inputs of the layer, got shape {X.shape}")
     top = min(C - 1, R)  # P [C, r] spans directions of W's column space, which has at most R
     if not 0 < cfg.rank <= top:
         raise ValueError(f"rank={cfg.rank} is invalid for a [{C}, {R}] weight: must be in [1, {top}] "

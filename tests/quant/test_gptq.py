@@ -175,6 +175,12 @@ def test_gptq_mode_without_rounding_preserves_the_product():
             T, Wt = gptq_transform_quantize(H, W, None, method, block=B)
             assert _rel(jnp.dot(transform_activations(jnp.asarray(X), T), Wt), X @ W) < 1e-5
             np.testing.assert_allclose(np.asarray(T), np.asarray(T0), rtol=1e-4, atol=1e-5)
+    # bad settings are named (damp=0 was blamed on H; block=0 divided by zero)
+    for damp in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=f"damp={damp!r} is invalid"):
+            gptq_transform_quantize(np.eye(256), W, None, "hadamard", block=16, damp=damp)
+    with pytest.raises(ValueError, match="block=0 is invalid"):
+        gptq_transform_quantize(np.eye(256), W, None, "hadamard", block=0)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))

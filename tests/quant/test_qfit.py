@@ -73,6 +73,22 @@ def test_qfit_errors():
     odd = jaxlm.build_model(jaxlm.ModelConfig.tiny(d_model=40, n_heads=4, n_kv_heads=2), seed=0)  # head_dim 10
     with pytest.raises(ValueError, match="head_dim=10"):
         qfit_calibrate(odd, [(np.ones((1, 4), np.int32), np.ones((1, 4), bool))])
+    # (tokens, valid, targets) batches as example_batches gives (they failed to unpack), and
+    # calibration sets with nothing to fit (an all-padding set fitted zeros silently)
+    ones = (np.ones((1, 4), np.int32), np.ones((1, 4), bool))
+    with_targets = qfit_calibrate(model, [(*ones, np.ones((1, 4), bool))], grid=2)
+    np.testing.assert_array_equal(np.asarray(with_targets.alpha_s), np.asarray(res.alpha_s))
+    with pytest.raises(ValueError, match="no calibration batches"):
+        qfit_calibrate(model, [])
+    with pytest.raises(ValueError, match="no valid tokens"):
+        qfit_calibrate(model, [(ones[0], np.zeros((1, 4), bool))])
+    from jaxlm.compress.metrics import mean_token_nll
+    from jaxlm.quant.calibrate import input_samples, input_second_moments
+
+    assert set(input_second_moments(model, [(*ones, ones[1])], ("mlp.down_proj",))) == {"mlp.down_proj"}
+    assert input_samples(model, [(*ones, ones[1])], ("mlp.down_proj",), n=4)["mlp.down_proj"].shape[-2] == 4
+    with pytest.raises(ValueError, match="no scored token"):  # 0 nats read as a perfect model
+        mean_token_nll(model, [(ones[0], np.zeros((1, 4), bool))])
 
 
 # ---------------------------------------------------------------- the k_shift parameter

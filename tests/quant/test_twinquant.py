@@ -82,3 +82,6 @@ def test_bad_config_is_named():
     assert _resolve_rank(0.75, 64, 32) == 32 and _resolve_rank(0.995, 64) == 63 and _resolve_rank(0.5, 64, 32) == 32
     with pytest.raises(ValueError, match="init_transform='qr'"):
         TwinQuantConfig(init_transform="qr")
+    # no calibration rows: NaN losses and zero gradients returned the untrained start silently
+    with pytest.raises(ValueError, match=r"X_calib must be \[N >= 1, C = 64\]"):
+        twinquant(np.ones((64, 32), np.float32), np.zeros((0, 64), np.float32), "mxfp4", TwinQuantConfig(rank=8))
