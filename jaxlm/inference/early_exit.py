@@ -50,10 +50,15 @@ class ExitWindow:
     def __post_init__(self):
         for name in ("start", "end", "proxy_vocab"):
             v = getattr(self, name)
+            if isinstance(v, np.integer) and not isinstance(v, np.bool_):  # numpy ints: stored as Python ints
+                v = int(v)
+                object.__setattr__(self, name, v)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ExitWindow.{name}={v!r} is invalid: must be an int >= 1")
         if self.end < self.start:
             raise ValueError(f"ExitWindow.end={self.end} is invalid: must be >= start={self.start}")
+        if isinstance(self.threshold, np.floating):
+            object.__setattr__(self, "threshold", float(self.threshold))
         if not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool) or not self.threshold >= 0:
             raise ValueError(f"ExitWindow.threshold={self.threshold!r} is invalid: must be a number >= 0 (not NaN)")
 
@@ -146,6 +151,10 @@ def calibrate_from_logits(logits: np.ndarray, *, quantiles: tuple[float, float] 
         raise ValueError(f"quantiles={quantiles!r} is invalid: need 0 <= q1 <= q2 <= 1")
     if not 0 <= agreement <= 1:
         raise ValueError(f"agreement={agreement!r} is invalid: must be in [0, 1]")
+    if not len(thresholds):
+        raise ValueError("thresholds is empty: give at least one candidate threshold")
+    if isinstance(proxy_vocab, bool) or not isinstance(proxy_vocab, (int, np.integer)) or proxy_vocab < 1:
+        raise ValueError(f"proxy_vocab={proxy_vocab!r} is invalid: must be an int >= 1")
     logits = np.asarray(logits)
     if logits.ndim != 3 or logits.shape[1] == 0:
         raise ValueError(f"logits must be [L, N, V] with N >= 1 calibration tokens, got shape {logits.shape}")

@@ -102,6 +102,9 @@ class OnlineSpecConfig:
         for name in ("chunk_size", "batch_size", "max_new_tokens", "num_draft_tokens", "epochs", "train_batch_size",
                      "ensemble_epochs"):
             v = getattr(self, name)
+            if isinstance(v, np.integer) and not isinstance(v, np.bool_):  # numpy ints: stored as Python ints
+                v = int(v)
+                object.__setattr__(self, name, v)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"OnlineSpecConfig.{name}={v!r} is invalid: must be an int >= 1")
         for name in ("optimizer", "ensemble_optimizer"):
@@ -322,6 +325,9 @@ def average_params(trees: Sequence[Any], weights: Sequence[float] | np.ndarray):
 def ensemble_weights(losses: Sequence[float], temperature: float) -> np.ndarray:
     """``softmax(-L / T)`` over the base learners' losses; a non-finite loss (a diverged
     learner) gets weight 0, and if every loss is non-finite the weights are uniform."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) \
+            or not 0 < temperature < np.inf:  # 0 gave NaN weights
+        raise ValueError(f"temperature={temperature!r} is invalid: must be a finite number > 0")
     L = np.asarray(losses, np.float64)
     ok = np.isfinite(L)
     if not ok.any():

@@ -34,6 +34,7 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 
@@ -341,7 +342,7 @@ def check_draft(target, draft, num_draft_tokens, *, longest_prompt: int, max_new
     """Clear errors for a draft that cannot serve ``target``: another vocabulary or tokenizer,
     ``num_draft_tokens`` < 1 or more than the heads, or a cache too short for the drafts.
     Returns the smallest ``max_seq_len`` of the models that keep a cache."""
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens={num_draft_tokens!r} is invalid: must be an int >= 1")
     need = longest_prompt + max_new_tokens + num_draft_tokens
     if isinstance(draft, MedusaHeads):

@@ -167,6 +167,13 @@ def test_bad_windows_fail_naming_the_field(model):
         jaxlm.generate(model, PROMPTS, max_new_tokens=2, early_exit=(1, 2))
     with pytest.raises(ValueError, match="quantiles"):
         calibrate_from_logits(np.zeros((2, 3, 4)), quantiles=(0.9, 0.1))
+    with pytest.raises(ValueError, match="thresholds is empty"):  # an IndexError before
+        calibrate_from_logits(np.zeros((2, 3, 4)), thresholds=())
+    with pytest.raises(ValueError, match="proxy_vocab=0 is invalid"):
+        calibrate_from_logits(np.zeros((2, 3, 4)), proxy_vocab=0)
+    # numpy scalars are numbers (refused as "must be an int"), stored as Python numbers
+    w = ExitWindow(np.int64(1), np.int64(2), np.float32(0.5), np.int32(8))
+    assert w == ExitWindow(1, 2, 0.5, 8) and type(w.start) is int and type(w.threshold) is float
 
 
 @pytest.mark.slow  # trains a 6-layer model for 1000 steps (about 5 minutes on 2 cores); the exactness tests above run by default

@@ -241,6 +241,15 @@ def test_bad_config_names_the_field(field, value):
         OnlineSpecConfig(**{field: value})
 
 
+def test_numpy_integers_are_ints_and_the_ensemble_temperature_is_checked():
+    from jaxlm.inference.online_spec import ensemble_weights
+
+    assert OnlineSpecConfig(num_draft_tokens=np.int64(3)).num_draft_tokens == 3
+    for bad in (0.0, float("nan")):  # 0 gave NaN weights
+        with pytest.raises(ValueError, match="temperature=.* is invalid"):
+            ensemble_weights([1.0, 2.0], bad)
+
+
 def test_presets_and_bad_stream(models):
     assert OnlineSpecConfig.preset("opt_hydra") == OnlineSpecConfig(method="opt_hydra", chunk_size=80)
     assert OnlineSpecConfig.preset("ens_eagle").ensemble_learning_rates == (5e-4, 1e-3, 1e-1)

@@ -325,6 +325,10 @@ def test_bad_drafts_fail_with_errors_naming_the_argument(target, drafts):
         jaxlm.generate(target, PROMPTS, max_new_tokens=20, draft=short, num_draft_tokens=3)
     with pytest.raises(TypeError, match="draft must be"):
         jaxlm.generate(target, PROMPTS, max_new_tokens=4, draft="small-model")
+    # a numpy integer is a count, as max_new_tokens may be one
+    np.testing.assert_array_equal(
+        jaxlm.generate(target, PROMPTS, max_new_tokens=4, draft=drafts["random"], num_draft_tokens=np.int64(2)).tokens,
+        jaxlm.generate(target, PROMPTS, max_new_tokens=4, draft=drafts["random"], num_draft_tokens=2).tokens)
     with pytest.raises(ValueError, match="condition"):
         jaxlm.generate(target, PROMPTS, max_new_tokens=4, draft=drafts["random"], condition=jnp.ones((4, 2), int))
     # a processor may read the state (tokens so far), which a round does not advance per drafted token
