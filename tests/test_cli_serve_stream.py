@@ -97,6 +97,13 @@ def test_bad_input_names_the_file_line_argument_or_field(pair, tmp_path, capsys)
     (tmp_path / "taken").mkdir()
     _fails(base + prompts + ["--save-draft", str(tmp_path / "taken")], capsys, "exists; pass --overwrite")
     _fails(base + prompts + ["spec:osd", "--spec.chunk-size", "0"], capsys, "OnlineSpecConfig.chunk_size=0")
+    # a prompt too long for the models is found before any chunk is served (it failed after
+    # serving and training on the chunks before it, writing nothing)
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"prompt": "1+1="}\n' + json.dumps({"prompt": "x" * 60}) + "\n")
+    _fails(base + ["--prompts", str(long), "--completions", str(tmp_path / "out.jsonl"), "spec:static",
+                   "--spec.max-new-tokens", "6"], capsys, "prompt 2 has 61 tokens", "max_seq_len=64")
+    assert not (tmp_path / "out.jsonl").exists()
     other = jaxlm.build_model(jaxlm.ModelConfig.tiny(vocab_size=300, n_layers=1, max_seq_len=64), seed=0)
     jaxlm.save_checkpoint(other, tmp_path / "other_vocab")
     _fails(["serve-stream", str(root / "target"), "--draft", str(tmp_path / "other_vocab")] + prompts

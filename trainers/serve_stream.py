@@ -48,6 +48,18 @@ def serve_prompt_file(model: str | os.PathLike, draft: str | os.PathLike, prompt
     target, small = load_model(model), load_model(draft)
     if target.tokenizer is None:
         raise ValueError(f"{model} has no tokenizer (tokenizer.json); cannot encode text prompts")
+    # every prompt must fit both models with its completion (and the drafts), checked before
+    # any chunk is served and the draft trained
+    limits = [("the target", target.config.max_seq_len, 0)]
+    if hasattr(small, "config"):
+        limits.append(("the draft", small.config.max_seq_len, config.num_draft_tokens))
+    for i, row in enumerate(rows):
+        n = len(target.tokenizer.encode(row["prompt"], add_bos=True))
+        for what, limit, extra in limits:
+            if n + config.max_new_tokens + extra > limit:
+                raise ValueError(f"{prompts}: prompt {i + 1} has {n} tokens; with max_new_tokens={config.max_new_tokens}"
+                                 f"{f' and {extra} draft tokens' if extra else ''} it exceeds {what}'s "
+                                 f"ModelConfig.max_seq_len={limit}")
     result = serve_stream(target, small, chunked([r["prompt"] for r in rows], config.chunk_size), config,
                           keep_completions=True, callback=callback)
     if completions is not None:
