@@ -503,6 +503,9 @@ def test_a_model_vocabulary_padded_past_the_tokenizers_never_samples_the_padding
     (lambda t: compile_json_schema({"oneOf": [{"type": "null"}]}, t), "'oneOf' without 'type'"),
     (lambda t: compile_json_schema({"type": "tuple"}, t), "type 'tuple'"),
     (lambda t: compile_json_schema({"type": "string", "minLength": 3, "maxLength": 2}, t), "can never be completed"),
+    # a pattern whose matches all need escapes (a newline): named, not "no string matches it"
+    (lambda t: compile_json_schema({"type": "string", "pattern": "a\\nb"}, t),
+     "'pattern' .* matches only strings holding a quote"),
     (lambda t: compile_json_schema({"type": "object", "properties": {}, "required": ["a"]}, t), "'a' is not in"),
     (lambda t: compile_ebnf('root ::= "a" missing', t), "'missing' is used but not defined"),
     (lambda t: compile_ebnf('start ::= "a"', t), "no 'root' rule"),

@@ -48,6 +48,7 @@ from jaxlm.inference.grammar.automaton import (
     optional,
     seq,
     star,
+    to_dfa,
 )
 from jaxlm.inference.grammar.regex import parse_regex
 
@@ -228,7 +229,16 @@ class _Builder:
                 raise GrammarError(f"JSON schema {where}: 'pattern' with 'minLength'/'maxLength' is not supported")
             if not isinstance(s["pattern"], str):
                 raise GrammarError(f"JSON schema {where}: 'pattern' must be a string")
-            return seq(literal('"'), _within_string(parse_regex(s["pattern"])), literal('"'))
+            inner = _within_string(parse_regex(s["pattern"]))
+            try:  # a pattern whose every match needs a JSON escape can write nothing raw
+                to_dfa(inner)
+            except GrammarError as e:
+                if "never be completed" in str(e):
+                    raise GrammarError(
+                        f"JSON schema {where}: 'pattern' {s['pattern']!r} matches only strings holding a quote, a "
+                        "backslash or a control character, which a JSON string writes escaped and a pattern here "
+                        "cannot (patterns constrain the raw characters)") from None
+            return seq(literal('"'), inner, literal('"'))
         if "minLength" in s or "maxLength" in s:
             lo, hi = s.get("minLength", 0), s.get("maxLength")
             for name, v in (("minLength", lo), ("maxLength", hi)):
