@@ -224,6 +224,11 @@ def _limit(limits: Limits) -> str:
     return "\n".join(lines) + "\ndel _resource\n"
 
 
+_RESERVED = frozenset({"program.py", ".stdout", ".stderr"})
+# exit() / quit() come from `site`, which -S skips: a program ending with exit() raised NameError
+_QUIT = "import builtins as _bi, sys as _sy\n_bi.exit = _bi.quit = _sy.exit\ndel _bi, _sy\n"
+
+
 def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str, str] | None,
          *, results_mark: str | None = None) -> RunResult:
     """Run ``script`` beside ``program.py``. Output is read as UTF-8 with undecodable bytes
@@ -235,6 +240,9 @@ def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str,
         with open(os.path.join(work, "program.py"), "w") as f:
             f.write(program)
         for name, text in (files or {}).items():
+            if os.path.normpath(name) in _RESERVED:  # it would replace the program or its captured output
+                raise ValueError(f"sandbox file name {name!r} is reserved (the program and its output use "
+                                 f"{sorted(_RESERVED)})")
             path = os.path.realpath(os.path.join(work, name))
             if not path.startswith(os.path.realpath(work) + os.sep):
                 raise ValueError(f"sandbox file name {name!r} points outside the sandbox directory")
@@ -249,7 +257,10 @@ def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str,
             stop_r, stop_w = os.pipe()  # the guard's violation channel (see `_stop`)
             guard = _GUARD.replace("@VFD@", str(stop_w))
             try:
-                proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _limit(limits) + guard + script], cwd=work,
+                # -s -P -S rather than -I: the environment is built here, and -I would also drop
+                # PYTHONHASHSEED (hash order, and every set's repr, would change from run to run)
+                proc = subprocess.Popen([sys.executable, "-s", "-P", "-S", "-c",
+                                         _limit(limits) + guard + _QUIT + script], cwd=work,
                                         env=env, stdin=subprocess.PIPE, stdout=out_f, stderr=err_f,
                                         start_new_session=True, text=True, pass_fds=(stop_w,))
             except BaseException:
@@ -327,8 +338,9 @@ def call_function(program: str, function: str, inputs: list, *, call_timeout_s: 
     of JSON-serialisable positional arguments) in one sandboxed process, each call stopped
     after ``call_timeout_s``. A process that dies (memory, violation, the overall timeout)
     fails every call it did not report."""
-    if call_timeout_s <= 0:
-        raise ValueError(f"call_timeout_s={call_timeout_s} must be > 0")
+    if isinstance(call_timeout_s, bool) or not isinstance(call_timeout_s, (int, float)) \
+            or not 0 < call_timeout_s <= 1e6:  # inf / NaN failed every call inside setitimer
+        raise ValueError(f"call_timeout_s={call_timeout_s!r} must be a number in (0, 1e6] seconds")
     for i, args in enumerate(inputs):
         if not isinstance(args, (list, tuple)):
             raise ValueError(f"inputs[{i}]={args!r} must be a list of positional arguments (e.g. [x])")

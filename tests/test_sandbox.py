@@ -26,6 +26,16 @@ def test_a_well_behaved_program_runs():
                    "os.close(fd)\ns = os.open('sub', os.O_RDONLY)\nos.rename('a.txt', 'b.txt', src_dir_fd=s, "
                    "dst_dir_fd=s)\nprint(open('sub/b.txt').read())", limits=FAST)
     assert r.ok and r.stdout == "in\n"  # directory descriptors inside its directory
+    # exit() ends a program normally (-S left it undefined); the hash seed is fixed, so a
+    # set's repr is the same in every run (-I dropped PYTHONHASHSEED)
+    r = run_python('print(hash("abc"), {"a", "b", "c", "d", "e"})\nexit()', limits=FAST)
+    assert r.ok and r.returncode == 0 and run_python('print(hash("abc"), {"a", "b", "c", "d", "e"})',
+                                                     limits=FAST).stdout == r.stdout
+    with pytest.raises(ValueError, match="'program.py' is reserved"):
+        run_python("print(1)", files={"program.py": "print(2)"}, limits=FAST)
+    for bad in (float("inf"), float("nan"), 0.0):  # inf / NaN failed every call inside setitimer
+        with pytest.raises(ValueError, match="call_timeout_s=.* must be a number in"):
+            call_function("def f(x):\n    return x", "f", [[1]], call_timeout_s=bad, limits=FAST)
 
 
 @pytest.mark.parametrize("program, status", [

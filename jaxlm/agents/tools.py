@@ -290,7 +290,7 @@ class Toolbox:
             value = _with_timeout(lambda: t.fn(**kwargs), timeout)
         except ToolTimeout:
             return failed(f"{t.name} did not finish within {timeout:g} s")
-        except Exception as e:  # the tool's own failure is the observation
+        except (Exception, SystemExit) as e:  # the tool's own failure (argparse's exit too) is the observation
             return failed(f"{t.name} raised {type(e).__name__}: {e}")
         return ToolResult(t.name, self._cut(_as_text(value)), None, time.perf_counter() - t0)
 

@@ -79,6 +79,12 @@ def test_a_tool_that_raises_is_reported():
     r = Toolbox([boom]).call("boom", {"x": 1})
     assert r.error == "boom raised KeyError: 'missing thing'"
 
+    @tool
+    def cli(argv: str) -> str:
+        """Wraps an argument parser, which exits on a bad argument."""
+        raise SystemExit(2)
+    assert Toolbox([cli]).call("cli", {"argv": "--n three"}).error == "cli raised SystemExit: 2"  # it escaped
+
 
 @pytest.mark.parametrize("body", ["sleep", "spin", "retry"])
 def test_a_tool_that_hangs_is_stopped_at_its_timeout(body):
