@@ -115,6 +115,21 @@ def _open_at(path, flags, mode=0o777, *, dir_fd=None):  # the "open" event does 
     return _posix.open(path, flags, mode, dir_fd=dir_fd)
 
 
+def _no_attach(connect):  # SQL's ATTACH and VACUUM INTO open database files with no event
+    def guarded(*args, **kwargs):
+        con = connect(*args, **kwargs)
+        con.setlimit(_sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        return con
+    return guarded
+
+
+try:
+    import sqlite3 as _sqlite3
+    import sqlite3.dbapi2 as _dbapi2
+    _sqlite3.connect = _dbapi2.connect = _no_attach(_dbapi2.connect)
+except ImportError:
+    pass
+
 import posix as _posix
 for _name in ("mkfifo", "mknod"):
     if hasattr(_posix, _name):

@@ -66,6 +66,11 @@ def test_a_well_behaved_program_runs():
     ("import sqlite3\nsqlite3.connect('/tmp/jaxlm-sandbox-escape.txt')", "violation"),  # SQLite opens files itself
     ("import sqlite3\nsqlite3.connect('file:/tmp/jaxlm-sandbox-escape.txt?mode=rwc', uri=True)", "violation"),
     ("import os\nos.mkfifo('/tmp/jaxlm-sandbox-escape.txt')", "violation"),  # no audit event of its own
+    # SQL opens files too: ATTACH and VACUUM INTO are refused (they wrote outside)
+    ("import sqlite3\nsqlite3.connect(':memory:').execute(\"ATTACH DATABASE '/tmp/jaxlm-sandbox-escape.txt' AS x\")",
+     "error"),
+    ("import sqlite3\nc = sqlite3.connect(':memory:')\nc.execute('create table t (a)')\n"
+     "c.execute(\"VACUUM INTO '/tmp/jaxlm-sandbox-escape.txt'\")", "error"),
     # a closed stderr must not turn the stop into an error the program can catch
     ("import os\nos.close(2)\ntry:\n    open('/tmp/jaxlm-sandbox-escape.txt', 'w')\nexcept BaseException:\n"
      "    pass\nprint('hid it')", "violation"),
