@@ -121,6 +121,10 @@ class ClipLayout:
         F = int(frame[vid].max()) + 1
         P = int(cell[vid].max()) + 1
         frames = np.full((F, P), -1, np.int64)
+        pairs = frame[vid].astype(np.int64) * P + cell[vid]
+        if len(np.unique(pairs)) != len(vid):  # a second clip reuses the first's frame ids: it overwrote them
+            raise ValueError("OmniSIFT's layout takes one AudioVisual clip per sequence; this one has video tokens "
+                             "that share a (frame, cell) position (several clips)")
         frames[frame[vid], cell[vid]] = vid
         if (frames < 0).any():
             raise ValueError("every frame must have the same patch grid")

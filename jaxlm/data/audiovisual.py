@@ -21,6 +21,7 @@ patches and silent audio frames carry nothing, which is what token compression s
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,12 @@ class AVTaskConfig:
     questions: tuple[str, ...] = ("look:", "tone:")
 
     def __post_init__(self):
+        for name in ("frames", "grid", "patch", "audio_frames", "tone_frames"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"AVTaskConfig.{name}={v!r} must be an int >= 1")
+        if isinstance(self.noise, bool) or not isinstance(self.noise, (int, float)) or not 0 <= self.noise < math.inf:
+            raise ValueError(f"AVTaskConfig.noise={self.noise!r} must be a finite number >= 0 (NaN made every clip NaN)")
         if self.grid < self.frames:
             raise ValueError(f"AVTaskConfig.grid={self.grid} must be >= frames={self.frames} (the square moves one "
                              "cell per frame and stays on the grid)")

@@ -197,6 +197,11 @@ def test_layout_needs_an_audio_visual_clip(model):
     seq = build_sequence(["plain text"], TOK, model.config)
     with pytest.raises(ValueError, match="AudioVisual"):
         ClipLayout.of(seq)
+    # two clips: the second's frame ids overwrote the first's, silently (48 of 72 video tokens kept at 0.25)
+    rng = np.random.default_rng(0)
+    two = build_sequence([[TOK.bos_id], clip(rng), "and", clip(rng), "?"], TOK, model.config)
+    with pytest.raises(ValueError, match="one AudioVisual clip per sequence"):
+        ClipLayout.of(two)
     with pytest.raises(ValueError, match="video_ratio"):
         OmniSIFTConfig(video_ratio=1.0)
     with pytest.raises(ValueError, match="estimator='gumbel'"):

@@ -137,6 +137,11 @@ def test_config_errors(tmp_path):
         dataclasses.replace(cfg, model=ModelConfig.tiny(vocab_size=261))
     with pytest.raises(ValueError, match="algorithm.encoder_hidden"):
         OmniTrainConfig(encoder_hidden=0)
+    for field, bad in (("frames", 0), ("frames", -2), ("patch", 3.5), ("grid", True)):  # crashed unnamed later
+        with pytest.raises(ValueError, match=f"AVTaskConfig.{field}={bad!r} must be an int >= 1"):
+            dataclasses.replace(TASK, **{field: bad})
+    with pytest.raises(ValueError, match="AVTaskConfig.noise=nan"):  # every clip NaN, silently
+        dataclasses.replace(TASK, noise=float("nan"))
     with pytest.raises(ValueError, match="must differ"):
         OmniTrainConfig(video_token_id=259, audio_token_id=259)
     small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=260))
