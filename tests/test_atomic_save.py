@@ -93,10 +93,17 @@ def test_save_hf_replaces_atomically_and_keeps_other_files(tmp_path):
     (path / "README.md").write_text("my notes")
     (path / "extras").mkdir()
     (path / "extras" / "a.txt").write_text("kept")
+    # the old model's weights in other formats are weights too (they were carried: two models)
+    for name in ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.gguf"):
+        (path / name).write_bytes(b"old weights")
+    (path / "original").mkdir()
+    (path / "original" / "consolidated.00.pth").write_bytes(b"old weights")
     other = jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=2)
     jaxlm.save_hf(other, path)  # one file now: the old shards and index must go
     assert sorted(p.name for p in path.glob("*.safetensors")) == ["model.safetensors"]
     assert not (path / "model.safetensors.index.json").exists()
+    assert not [p.name for p in path.iterdir() if p.name in ("pytorch_model.bin", "pytorch_model.bin.index.json",
+                                                             "model.gguf", "original")]
     assert (path / "README.md").read_text() == "my notes"
     assert (path / "extras" / "a.txt").read_text() == "kept"
     _assert_same(_params(other), _params(jaxlm.load_hf(path)))

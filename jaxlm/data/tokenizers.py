@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -110,6 +109,8 @@ class HFTokenizer:
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
         self._fallback_pad = None if pad_id is not None else self.pad_id
         self._source = source
+        self._source_text: str | None = None  # the tokenizer.json it was read from, as read
+        self._source_config: dict | None = None  # and its directory's tokenizer_config.json
         self.set_chat_template(chat_template, origin=template_origin)
 
     def set_chat_template(self, template: str | None, *, origin: str = "chat_template") -> None:
@@ -130,14 +131,17 @@ class HFTokenizer:
         if not file.exists():
             raise FileNotFoundError(f"{file} does not exist")
         try:
-            tok = Tokenizer.from_file(str(file))
+            text = file.read_text(encoding="utf-8")
+            tok = Tokenizer.from_str(text)
         except Exception as e:  # the library raises a bare Exception on bad JSON
             raise ValueError(f"{file} is not a valid tokenizer.json: {e}") from None
         eos_ids = _token_ids(tok, eos)
-        return cls(
+        out = cls(
             tok, bos_id=_token_id(tok, bos), eos_id=eos_ids[0] if eos_ids else None, pad_id=_token_id(tok, pad),
             source=file, extra_eos_ids=eos_ids[1:],
         )
+        out._source_text = text  # saved as read, even once the file is gone or replaced
+        return out
 
     @property
     def pad_named(self) -> bool:
@@ -164,6 +168,7 @@ class HFTokenizer:
         specials: dict[str, object] = {}
         eos_lists: dict[str, list] = {}
         strings: dict[str, str | None] = {}
+        own_config = None
         for name in ("config.json", "generation_config.json", "special_tokens_map.json", _CONFIG):
             if (path / name).exists():
                 data = json.loads((path / name).read_text())
@@ -179,12 +184,15 @@ class HFTokenizer:
                             and data.get(f"{key}_token_id") is None:
                         specials[key] = None  # the tokenizer's own file says there is none
                 eos_lists[name] = [data[f] for f in ("eos_token", "eos_token_id") if data.get(f) is not None]
+                if name == _CONFIG:
+                    own_config = dict(data)
                 if name in ("special_tokens_map.json", _CONFIG):
                     strings.update({k: _token_string(data[k]) for k in SPECIAL_TOKEN_NAMES if k in data})
         if specials.get("eos") is not None:  # the primary EOS (the last file's) first, then every other id listed
             listed = [e for name in (_CONFIG, "generation_config.json", "config.json") for e in eos_lists.get(name, [])]
             specials["eos"] = [specials["eos"], *listed]
         tok = cls.from_file(path / "tokenizer.json", **specials)
+        tok._source_config = own_config
         # the strings of the BOS / EOS ids in use, then those the files name (a null removes one)
         named = {**{k: v for k, v in tok.special_tokens.items() if k in ("bos_token", "eos_token")}, **strings}
         tok.special_tokens = {k: v for k, v in named.items() if v is not None}
@@ -226,9 +234,8 @@ class HFTokenizer:
     def save(self, path: str | os.PathLike) -> None:
         """Write ``tokenizer.json`` into directory ``path``."""
         target = Path(path) / "tokenizer.json"
-        if self._source is not None and self._source.exists():
-            if self._source.resolve() != target.resolve():
-                shutil.copyfile(self._source, target)
+        if self._source_text is not None:  # the file it was read from, as read
+            target.write_text(self._source_text, encoding="utf-8")
         else:
             self._tok.save(str(target))
 
@@ -253,14 +260,8 @@ def save_tokenizer(tokenizer, path: str | os.PathLike) -> None:
     if isinstance(tokenizer, ByteTokenizer):
         (path / _CONFIG).write_text(json.dumps({"tokenizer_class": "ByteTokenizer"}))
     elif isinstance(tokenizer, HFTokenizer):
-        source = tokenizer._source.parent / _CONFIG if tokenizer._source is not None else None
-        config = {}
-        if source is not None and source.exists():
-            try:
-                config = json.loads(source.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                config = {}
-            config = config if isinstance(config, dict) else {}
+        # the tokenizer_config.json it was read with (as read: its directory may have changed since)
+        config = dict(tokenizer._source_config or {})
         tokenizer.save(path)
         if tokenizer.chat_template is not None:
             (path / TEMPLATE_FILE).write_text(tokenizer.chat_template.source, encoding="utf-8")

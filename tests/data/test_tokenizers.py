@@ -214,3 +214,25 @@ def test_a_missing_bos_or_pad_stays_missing_through_a_save(tmp_path):
     save_tokenizer(tok, tmp_path / "third")
     assert HFTokenizer.from_dir(tmp_path / "third").pad_id == 0
     assert AutoTokenizer.from_pretrained(str(tmp_path / "third")).pad_token_id == 0
+
+
+def test_a_tokenizer_is_saved_as_it_was_read_even_after_its_files_change(tmp_path):
+    """Saving copied the source directory's files as they were at save time: a source
+    overwritten (or deleted) since loading gave another tokenizer or lost its settings."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    _train_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 777, "eos_token": "</s>"}))
+    tok = HFTokenizer.from_dir(tmp_path)
+    want = tok.encode("the cat sat")
+    other = Tokenizer(models.WordLevel({"<unk>": 0, "the": 1}, unk_token="<unk>"))
+    other.pre_tokenizer = pre_tokenizers.Whitespace()
+    other.save(str(tmp_path / "tokenizer.json"))  # the source directory now holds another tokenizer
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "again").mkdir()
+    save_tokenizer(tok, tmp_path / "again")
+    again = HFTokenizer.from_dir(tmp_path / "again")
+    assert again.encode("the cat sat") == want
+    config = json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())
+    assert config["model_max_length"] == 777 and config["tokenizer_class"] == "PreTrainedTokenizerFast"

@@ -197,6 +197,17 @@ def test_save_hf_refuses_quantized_weights(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+def test_model_safetensors_wins_over_a_stale_index(good_dir, tmp_path):
+    """transformers' save_pretrained of one file over a sharded directory leaves the old index:
+    model.safetensors is read first, as transformers does (the stale index was refused)."""
+    path = _copy(good_dir, tmp_path)
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00014.safetensors"}}))
+    tokens = np.asarray([[1, 5, 9]], np.int32)
+    np.testing.assert_array_equal(np.asarray(jaxlm.load_hf(path)(tokens).logits),
+                                  np.asarray(jaxlm.load_hf(good_dir)(tokens).logits))
+
+
 def test_only_model_safetensors_is_read_beside_other_safetensors_files(good_dir, tmp_path):
     """Without an index, transformers reads model.safetensors alone: a PEFT adapter, a
     consolidated.safetensors or a backup copy beside it made every load fail."""

@@ -54,6 +54,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _safetensors_files(path: Path) -> list[Path]:
+    if (path / "model.safetensors").exists():  # first, as transformers: other files beside it (a PEFT
+        return [path / "model.safetensors"]  # adapter, a backup, a stale index of old shards) are not read
     index = path / INDEX_FILE
     if index.exists():
         weight_map = _read_json(index).get("weight_map")
@@ -64,8 +66,6 @@ def _safetensors_files(path: Path) -> list[Path]:
         if missing:
             raise CheckpointError(f"{index} lists shard files that do not exist: {missing}")
         return [path / f for f in files]
-    if (path / "model.safetensors").exists():  # as transformers: other files beside it (a PEFT
-        return [path / "model.safetensors"]  # adapter, consolidated.safetensors, a backup) are not read
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in path.glob("*.bin"))
@@ -271,16 +271,25 @@ def _link_or_copy(src: str, dst: str) -> None:
 _ORBAX_ENTRIES = ("config", "params", "quant", "_CHECKPOINT_METADATA", "commit_success.txt")
 
 
+# the old model's weights in any format (a carried pytorch_model.bin beside the new
+# model.safetensors would be a second, different model), their indexes and Llama's original/
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".gguf", ".ckpt", ".h5", ".msgpack", ".index.json")
+
+
+def _is_weights(name: str) -> bool:
+    return name.endswith(_WEIGHT_SUFFIXES) or name == "original"
+
+
 def _carry_over(old: Path, new: Path, *, skip: tuple[str, ...] = ()) -> None:
     """Bring the files of an existing directory ``old`` that ``new`` lacks into ``new``
-    (hard links where possible), except weights (HF and orbax), the index, lock files
-    and the names in ``skip``."""
+    (hard links where possible), except weights (safetensors, pickles, GGUF, ``original/``,
+    their indexes; orbax), lock files and the names in ``skip``."""
     if not old.is_dir():
         return
     for entry in old.iterdir():
         name = entry.name
-        if (new / name).exists() or name.endswith(".safetensors") or name == INDEX_FILE \
-                or name.startswith(LOCK_FILE) or name in _ORBAX_ENTRIES or name in skip:
+        if (new / name).exists() or _is_weights(name) or name.startswith(LOCK_FILE) or name in _ORBAX_ENTRIES \
+                or name in skip:
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.copytree(entry, new / name, symlinks=True, copy_function=_link_or_copy)
