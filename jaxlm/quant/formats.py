@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas import formats as F
 
@@ -92,6 +93,9 @@ def get_format(name: str | QFormat, **options: Any) -> QFormat:
     """``get_format("mxfp4", rule="ceil")``, ``get_format("int4", group=64)``, or the same as
     one string (what the command line takes): ``"int4:group=32,scale=rms"``."""
     if isinstance(name, QFormat):
+        if options:  # they would be dropped silently
+            raise ValueError(f"format options {sorted(options)} given with a QFormat ({name.name}): pass the format "
+                             "by name (get_format('mxfp4', rule='ceil')) or build the QFormat with them")
         return name
     spec = name
     if isinstance(name, str) and ":" in name:
@@ -187,13 +191,19 @@ def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2, global_scale=N
     elif fmt.scale_kind == "e4m3":
         top = F.E2M1_MAX if fmt.element == "e2m1" else F.E1M2_MAX
         if fmt.two_level and global_scale is not None:
-            gscale = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32), gscale.shape)
+            given = jnp.asarray(global_scale, jnp.float32)
+            if not isinstance(given, jax.core.Tracer) and not bool(jnp.all((given > 0) & jnp.isfinite(given))):
+                raise ValueError(f"global_scale must be finite and > 0 (a zero scale made every value NaN), got "
+                                 f"{np.asarray(given).ravel()[:4]}")
+            gscale = jnp.broadcast_to(given, gscale.shape)
         elif fmt.two_level:
             # the tensor scale comes from the finite values, so a NaN or inf spoils only its
             # own block (as MXFP4's NaN block scale does), not every block of the tensor
             ax = jnp.abs(x.astype(jnp.float32))
             t_amax = jnp.max(jnp.where(jnp.isfinite(ax), ax, 0.0), axis=(-2, -1), keepdims=True, initial=0.0)
-            gscale = jnp.where(t_amax > 0, t_amax / (top * F.E4M3_MAX), 1.0)
+            # at least the smallest normal float32: below ~3e-35 the quotient is subnormal, XLA:CPU
+            # flushes it to 0 and every block scale became inf (the whole tensor NaN)
+            gscale = jnp.where(t_amax > 0, jnp.maximum(t_amax / (top * F.E4M3_MAX), jnp.finfo(jnp.float32).tiny), 1.0)
         g_blocks = jnp.moveaxis(gscale, axis, -1)  # broadcast over [..., nb]
         s = F.e4m3_block_scale(amax / (top * g_blocks))
         denom = s.astype(jnp.float32) * g_blocks

@@ -212,6 +212,28 @@ def test_mxfp4_block_with_nan_or_inf_decodes_to_nan(rule):
     assert np.isnan(np.asarray(F.e8m0_decode(jnp.asarray([255], jnp.uint8)))).all()
 
 
+@pytest.mark.parametrize("amax", [1e-35, 3e-36, 1e-37])
+def test_nvfp4_of_a_tiny_finite_tensor_stays_finite(amax):
+    """Below ~3e-35 the tensor scale amax / 2688 is subnormal and XLA:CPU flushes it to 0: every
+    block scale became inf and the whole tensor NaN. It is held at float32's smallest normal;
+    the definition then gives s_b = e4m3(amax_b / (6 s_g)) and the usual E2M1 codes."""
+    rng = np.random.RandomState(0)
+    w = (rng.uniform(-1, 1, (32, 2)) * amax / 0.999).astype(np.float32)
+    q = Q.quantize(jnp.asarray(w), Q.nvfp4(), axis=-2)
+    d = np.asarray(Q.dequantize(q))
+    assert np.isfinite(d).all()
+    s_g = np.float32(max(np.float64(np.abs(w).max()) / 2688, np.finfo(np.float32).tiny))
+    np.testing.assert_allclose(np.asarray(q.global_scale).reshape(()), s_g, rtol=1e-6)
+    assert np.abs(d - w).max() <= 0.25 * np.abs(w).max()
+    from jaxlm.quant.formats import fake_quant_tokens
+
+    assert np.isfinite(np.asarray(fake_quant_tokens(jnp.asarray(w[:, 0][None]), "nvfp4"))).all()
+    with pytest.raises(ValueError, match="global_scale must be finite and > 0"):
+        Q.quantize(jnp.asarray(w), Q.nvfp4(), axis=-2, global_scale=0.0)
+    with pytest.raises(ValueError, match=r"format options \['rule'\] given with a QFormat"):  # dropped silently
+        Q.get_format(Q.mxfp4(), rule="ceil")
+
+
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_nvfp4_non_finite_value_spoils_only_its_block(bad):
     """The tensor scale is the finite amax / (6 * 448); a block holding a NaN or inf gets
