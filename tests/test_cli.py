@@ -149,6 +149,18 @@ def test_generate_on_a_masked_diffusion_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "x", "--steps", "4"])  # the embedded default is causal
     assert "--steps apply to masked diffusion models" in capsys.readouterr().err
+    # flags that were silently dropped or rewritten: --steps with --threshold, --steps 0 (read as
+    # the default), --length-penalty without beams
+    dllm = ["generate", "--model", str(tmp_path / "dllm"), "--prompt", "x", "--max-new-tokens", "8"]
+    for extra, message in ((["--threshold", "0.5", "--steps", "4"], "--steps 4 is not used with --threshold"),
+                           (["--steps", "0"], "steps=0 is invalid"),
+                           (["--length-penalty", "7"], "--length-penalty apply to left-to-right decoding")):
+        with pytest.raises(SystemExit):
+            main(dllm + extra)
+        assert message in capsys.readouterr().err, extra
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--length-penalty", "7"])
+    assert "--length-penalty 7.0 ranks beam-search hypotheses" in capsys.readouterr().err
 
 
 def test_generate_with_edit_rounds_on_an_edit_checkpoint(tmp_path, capsys):

@@ -27,6 +27,7 @@ module imports JAX only after the arguments are parsed, so ``--help`` is instant
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -386,6 +387,8 @@ def run_generate(args: GenerateArgs) -> list[str]:
                          "to right")
     if args.regex is not None and args.json_schema is not None:
         raise UsageError("--regex and --json-schema are exclusive: pass one grammar")
+    if args.length_penalty != 1.0 and args.num_beams == 1:  # it would be ignored
+        raise UsageError(f"--length-penalty {args.length_penalty} ranks beam-search hypotheses: it needs --num-beams > 1")
     grammar = None
     if args.regex is not None or args.json_schema is not None:
         from jaxlm.fileio import read_json
@@ -418,7 +421,8 @@ def _generate_diffusion(args: GenerateArgs, model, prompts: list) -> list[str]:
                                            ("--json-schema", args.json_schema is not None),
                                            ("--num-beams", args.num_beams != 1),
                                            ("--num-return-sequences", args.num_return_sequences != 1),
-                                           ("--top-k", args.top_k is not None), ("--top-p", args.top_p is not None))
+                                           ("--top-k", args.top_k is not None), ("--top-p", args.top_p is not None),
+                                           ("--length-penalty", args.length_penalty != 1.0))
                    if used]
     if causal_only:
         raise UsageError(f"{', '.join(causal_only)} apply to left-to-right decoding; this model is a masked "
@@ -426,7 +430,9 @@ def _generate_diffusion(args: GenerateArgs, model, prompts: list) -> list[str]:
     for flag, value in (("--edits-per-round", args.edits_per_round), ("--edit-threshold", args.edit_threshold)):
         if value is not None and not args.edit_rounds:
             raise UsageError(f"{flag} limits the edits of each edit round: it needs --edit-rounds R (R >= 1)")
-    steps = None if args.threshold is not None else (args.steps or args.max_new_tokens)
+    if args.threshold is not None and args.steps is not None:  # it would be dropped silently
+        raise UsageError(f"--steps {args.steps} is not used with --threshold (each block takes the steps it needs)")
+    steps = None if args.threshold is not None else (args.max_new_tokens if args.steps is None else args.steps)
     start = time.perf_counter()
     result = jaxlm.diffusion_generate(
         model, prompts, gen_length=args.max_new_tokens, steps=steps, block_length=args.block_length,
@@ -486,6 +492,8 @@ def run_quantize(args: QuantizeArgs):
     if args.rank is not None and args.method != "twinquant":
         raise UsageError(f"--rank applies to --method twinquant only (got --method {args.method})")
     rank = args.rank
+    if rank is not None and not math.isfinite(rank):
+        raise UsageError(f"--rank {rank} is invalid: an integer >= 1 or a fraction in (0, 1)")
     if rank is not None and rank >= 1:
         if rank != int(rank):
             raise UsageError(f"--rank {rank} is invalid: an integer >= 1 or a fraction in (0, 1)")

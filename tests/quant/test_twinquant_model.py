@@ -123,3 +123,6 @@ def test_cli_quantize_twinquant_then_eval(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         main(["quantize", str(tmp_path / "m"), "--out", str(tmp_path / "q2"), "--method", "rtn", "--rank", "8"])
     assert e.value.code == 2 and "--rank applies to --method twinquant" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a traceback and exit 1 before
+        main(["quantize", str(tmp_path / "m"), "--out", str(tmp_path / "q3"), "--method", "twinquant", "--rank", "inf"])
+    assert e.value.code == 2 and "--rank inf is invalid" in capsys.readouterr().err
