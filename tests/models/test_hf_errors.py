@@ -55,6 +55,23 @@ def test_unknown_architecture_lists_supported(good_dir, tmp_path):
         jaxlm.load_hf(path)
 
 
+def test_a_tied_checkpoint_storing_only_its_head_loads_as_transformers_loads_it(tmp_path):
+    """tie_word_embeddings with only lm_head.weight stored: transformers ties the embedding to
+    it; jaxlm raised a shape error naming a None embedding."""
+    import torch
+    import transformers
+
+    build_hf_model("qwen2_bias_tied").save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    tokens = np.asarray([[1, 5, 9, 30]], np.int64)
+    want = ref(torch.as_tensor(tokens)).logits.detach().numpy()
+    got = np.asarray(jaxlm.load_hf(tmp_path, dtype="float32")(tokens.astype(np.int32)).logits)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+
 def test_missing_tensor_is_named(good_dir, tmp_path):
     path = _copy(good_dir, tmp_path, edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(jaxlm.CheckpointError, match=r"missing tensors \['model.layers.1.mlp.up_proj.weight'\].*\(96, 64\)"):

@@ -123,8 +123,15 @@ def _untie_if_head_differs(path, config, family, flat, head, mesh, rules):
     """A checkpoint whose config ties the embeddings but which stores an ``lm_head.weight``
     unlike its embedding matrix is loaded untied, with the stored head, as transformers does
     (it warns and does not tie). Returns the config, shapes and axes to load with."""
-    embed_name = family.to_jaxlm("model.embed_tokens.weight")[0]
+    embed_name, embed_transpose = family.to_jaxlm("model.embed_tokens.weight")
     embed = flat.get(embed_name)
+    expected = param_shapes(config)
+    if embed is None and tuple(head.shape) == tuple(expected[embed_name].shape):
+        # only the shared matrix's head copy is stored: it is the embedding, as transformers ties it
+        sharding = None if mesh is None else param_sharding(tuple(head.shape), param_axes(config)[embed_name], mesh,
+                                                            rules)
+        flat[embed_name] = _device_tensor(head, embed_transpose, config.weight_dtype, sharding)
+        return config, expected, param_axes(config)
     if embed is None or tuple(head.shape) != tuple(embed.shape):
         raise CheckpointError(f"{path}: lm_head.weight {tuple(head.shape)} does not match model.embed_tokens.weight "
                               f"{None if embed is None else tuple(embed.shape)} though config.json ties them")
