@@ -332,6 +332,17 @@ def load_model(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None
     )
 
 
+def _check_source_exists(path) -> None:
+    """A missing source is named before the output is locked (the lock beside the output
+    created its parent directories, left behind empty)."""
+    if isinstance(path, (str, os.PathLike)):
+        path = Path(path)
+        recover(path)  # a killed swap's staging copy may still hold it
+        if not path.exists():
+            raise CheckpointError(f"{path} is neither a jaxlm checkpoint (config/ + params/) nor a HF directory "
+                                  "(config.json) (it does not exist)")
+
+
 def _check_not_in_use(path: Path) -> None:
     """`DirectoryLockedError` if a process (a training run) holds ``path``'s own lock: a
     directory in use is not replaced under it."""
@@ -349,6 +360,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     if to not in ("orbax", "hf"):
         raise ValueError(f"to={to!r} is invalid: must be 'orbax' or 'hf'")
     dst = Path(dst)
+    _check_source_exists(src)
     with DirectoryLock(dst, beside=True, what="converted model being written"):
         if dst.exists() and not overwrite and (not dst.is_dir() or any(dst.iterdir())):
             raise FileExistsError(f"{dst} exists; {hint}")
@@ -394,6 +406,7 @@ def transform_checkpoint(
     if isinstance(eval_n, bool) or not isinstance(eval_n, int) or eval_n < 0:
         raise ValueError(f"eval_n={eval_n!r} is invalid: must be an int >= 0")
     out = Path(out)
+    _check_source_exists(model)
     with DirectoryLock(out, beside=True, what=what):
         if out.exists() and not overwrite:
             raise FileExistsError(f"{out} exists; {overwrite_hint}")

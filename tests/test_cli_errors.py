@@ -62,6 +62,13 @@ def test_width_edited_config_names_the_parameters(checkpoint, tmp_path, capsys):
 
 def test_missing_model_directory(tmp_path, capsys):
     _fails(["eval", "--model", tmp_path / "nothing-here"], capsys, str(tmp_path / "nothing-here"), "does not exist")
+    # the writing verbs name it before locking their output (the lock left empty parent directories)
+    missing = tmp_path / "nothing-here"
+    for argv in (["quantize", missing, "--out", tmp_path / "q" / "a" / "out"],
+                 ["compress", missing, "--out", tmp_path / "k" / "a" / "out"],
+                 ["convert", missing, tmp_path / "c" / "a" / "out"]):
+        _fails(argv, capsys, str(missing), "does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_config_file_with_a_syntax_error(tmp_path, capsys):
