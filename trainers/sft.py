@@ -49,8 +49,6 @@ def required_fields(algo) -> tuple[str, ...]:
     return fields
 
 
-#: A string every tokenizer encodes, compared between teacher and student to catch different
-#: vocabularies of the same size.
 def load_teacher(path: str, student, tokenizer):
     """The frozen teacher, checked to share the student's vocabulary (same size and, when it
     carries a tokenizer, the same ids for a probe text)."""
