@@ -364,6 +364,29 @@ def read_chat_template(path: str | Path) -> tuple[str, str] | None:
     )
 
 
+#: transformers 5's folder of the named templates beside the default one
+NAMED_TEMPLATES_DIR = "additional_chat_templates"
+
+
+def read_named_chat_templates(path: str | Path) -> dict[str, str]:
+    """The named templates beside the default one in directory ``path`` (``tool_use``, ...):
+    ``additional_chat_templates/<name>.jinja`` (transformers 5), else the non-default entries
+    of ``tokenizer_config.json``'s list of named templates."""
+    path = Path(path)
+    folder = path / NAMED_TEMPLATES_DIR
+    if folder.is_dir():
+        return {f.stem: f.read_text(encoding="utf-8") for f in sorted(folder.glob("*.jinja"))}
+    config = path / "tokenizer_config.json"
+    if not config.exists():
+        return {}
+    template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    if not isinstance(template, dict):
+        return {}
+    return {k: v for k, v in template.items() if k != "default" and isinstance(k, str) and isinstance(v, str)}
+
+
 # ----------------------------------------------------------------------------------------
 # Tokenizer-level functions (`ByteTokenizer` / `HFTokenizer` call these)
 

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from jaxlm.data.chat import (
+    NAMED_TEMPLATES_DIR,
     SPECIAL_TOKEN_NAMES,
     TEMPLATE_FILE,
     ChatTemplate,
     apply_chat_template,
     read_chat_template,
+    read_named_chat_templates,
 )
 
 
@@ -111,6 +113,8 @@ class HFTokenizer:
         self._source = source
         self._source_text: str | None = None  # the tokenizer.json it was read from, as read
         self._source_config: dict | None = None  # and its directory's tokenizer_config.json
+        #: templates beside the default one (``tool_use``, ...), carried to a save as transformers 5 writes them
+        self.named_chat_templates: dict[str, str] = {}
         self.set_chat_template(chat_template, origin=template_origin)
 
     def set_chat_template(self, template: str | None, *, origin: str = "chat_template") -> None:
@@ -199,6 +203,7 @@ class HFTokenizer:
         template = read_chat_template(path)
         if template is not None:
             tok.set_chat_template(template[0], origin=template[1])
+        tok.named_chat_templates = read_named_chat_templates(path)
         return tok
 
     @property
@@ -265,6 +270,10 @@ def save_tokenizer(tokenizer, path: str | os.PathLike) -> None:
         tokenizer.save(path)
         if tokenizer.chat_template is not None:
             (path / TEMPLATE_FILE).write_text(tokenizer.chat_template.source, encoding="utf-8")
+        if tokenizer.named_chat_templates:  # transformers 5's layout; the config's list is dropped below
+            (path / NAMED_TEMPLATES_DIR).mkdir(exist_ok=True)
+            for name, text in tokenizer.named_chat_templates.items():
+                (path / NAMED_TEMPLATES_DIR / f"{name}.jinja").write_text(text, encoding="utf-8")
         config.pop("chat_template", None)  # the template is chat_template.jinja or none
         for name in SPECIAL_TOKEN_NAMES:  # exactly the tokenizer's special token strings
             config.pop(name, None)

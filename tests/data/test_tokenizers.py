@@ -236,3 +236,25 @@ def test_a_tokenizer_is_saved_as_it_was_read_even_after_its_files_change(tmp_pat
     assert again.encode("the cat sat") == want
     config = json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())
     assert config["model_max_length"] == 777 and config["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
+def test_named_chat_templates_survive_a_save(tmp_path):
+    """A ``tool_use`` template beside the default one (the old list form in
+    tokenizer_config.json): transformers renders it from the saved copy (it was dropped)."""
+    from transformers import AutoTokenizer
+
+    _train_tokenizer(tmp_path)
+    templates = [{"name": "default", "template": "D:{% for m in messages %}{{ m.content }}{% endfor %}"},
+                 {"name": "tool_use", "template": "T:{% for m in messages %}{{ m.content }}{% endfor %}"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "chat_template": templates}))
+    tok = HFTokenizer.from_dir(tmp_path)
+    assert tok.named_chat_templates == {"tool_use": templates[1]["template"]}
+    (tmp_path / "again").mkdir()
+    save_tokenizer(tok, tmp_path / "again")
+    msgs = [{"role": "user", "content": "hi"}]
+    for where in (tmp_path, tmp_path / "again"):
+        hf = AutoTokenizer.from_pretrained(str(where))
+        assert hf.apply_chat_template(msgs, chat_template="tool_use", tokenize=False) == "T:hi"
+        assert hf.apply_chat_template(msgs, tokenize=False) == "D:hi"
+    assert HFTokenizer.from_dir(tmp_path / "again").named_chat_templates == tok.named_chat_templates

@@ -263,7 +263,7 @@ def load_hf(
 
 
 # The tokenizer's files: a model that has its own tokenizer writes them afresh.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates")
 
 
 def _link_or_copy(src: str, dst: str) -> None:
