@@ -138,10 +138,12 @@ def test_pickles_are_refused(good_dir, tmp_path):
 
 def test_index_naming_missing_shard(good_dir, tmp_path):
     path = _copy(good_dir, tmp_path)
+    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")  # sharded: no model.safetensors
     (path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}})
+        json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors",
+                                   "lm_head.weight": "model-00001-of-00002.safetensors"}})
     )
-    with pytest.raises(jaxlm.CheckpointError, match="model-00002-of-00002.safetensors"):
+    with pytest.raises(jaxlm.CheckpointError, match=r"lists shard files that do not exist: \['model-00002-of-00002"):
         jaxlm.load_hf(path)
 
 
