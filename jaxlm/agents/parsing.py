@@ -43,9 +43,33 @@ class Reply:
         return not self.calls and not self.errors
 
 
+class _NotStrictJSON(ValueError):
+    pass
+
+
+def _no_constant(name: str):
+    raise _NotStrictJSON(f"{name} is not a JSON value")
+
+
+def _no_duplicates(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise _NotStrictJSON(f"duplicate key(s) {dup}")
+    return dict(pairs)
+
+
+def _strict_loads(body: str):
+    """``json.loads`` as RFC 8259 reads it: no NaN/Infinity, no repeated key (Python's reader
+    accepts both and keeps the last value of a repeated key, silently)."""
+    return json.loads(body, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+
+
 def _one(body: str, k: int) -> ToolCall | str:
     try:
-        call = json.loads(body)
+        call = _strict_loads(body)
+    except _NotStrictJSON as e:
+        return f"tool call {k} is not strict JSON ({e})"
     except json.JSONDecodeError as e:
         return f"tool call {k} is not JSON ({e.msg} at character {e.pos})"
     except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, deep nesting
@@ -58,7 +82,9 @@ def _one(body: str, k: int) -> ToolCall | str:
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some formats write the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
+            arguments = _strict_loads(arguments)
+        except _NotStrictJSON as e:
+            return f"tool call {k}: arguments are not strict JSON ({e})"
         except (ValueError, RecursionError):  # not JSON: reported below as not an object
             pass
     if not isinstance(arguments, dict):
@@ -70,10 +96,11 @@ _DECODER = json.JSONDecoder()
 
 
 def _calls(text: str):
-    """``(start, body, end)`` of each closed call. A body that is one JSON value followed by
+    """``(start, body, end)`` of each call. A body that is one JSON value followed by
     the closing tag is read whole, so a ``</tool_call>`` inside a string argument (which
     templates' ``tojson`` does not escape) does not end the call; otherwise the body runs to
-    the next closing tag."""
+    the next closing tag. A call that another ``<tool_call>`` opens before it is closed
+    (the model gave up on it and began again) has ``body=None`` and ends there."""
     pos = 0
     while (start := text.find(OPEN, pos)) >= 0:
         body_start = start + len(OPEN)
@@ -90,7 +117,11 @@ def _calls(text: str):
             close = text.find(CLOSE, body_start)
             if close < 0:  # never closed: left in the content, reported by the caller
                 return
-            body, end = text[body_start:close], close + len(CLOSE)
+            reopen = text.find(OPEN, body_start)
+            if 0 <= reopen < close:  # this call is never closed; the next one may be whole
+                body, end = None, reopen
+            else:
+                body, end = text[body_start:close], close + len(CLOSE)
         yield start, body, end
         pos = end
 
@@ -101,7 +132,7 @@ def parse_reply(text: str) -> Reply:
     errors: list[str] = []
     pieces, pos = [], 0
     for k, (start, body, end) in enumerate(_calls(text)):
-        out = _one(body, k)
+        out = f"tool call {k}: a {OPEN} is not closed before the next one" if body is None else _one(body, k)
         (errors.append if isinstance(out, str) else calls.append)(out)
         pieces.append(text[pos:start])
         pos = end

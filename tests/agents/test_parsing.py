@@ -62,3 +62,30 @@ def test_a_rendered_call_whose_argument_holds_the_closing_tag_parses_back():
     reply = parse_reply("Let me run it.\n" + raw + "\nok")
     assert reply.errors == () and reply.calls == (ToolCall("run_python", {"code": 'print("</tool_call>")'}),)
     assert reply.content == "Let me run it.\n\nok"
+
+
+def test_an_abandoned_call_does_not_swallow_the_next_whole_one():
+    # the model began a call, gave up on it and wrote a whole one: the whole one is kept and
+    # the abandoned one is reported (it used to be read as one body up to the closing tag)
+    text = 'Let me see. <tool_call>{"name": "a", "argum<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call> ok'
+    r = parse_reply(text)
+    assert r.calls == (ToolCall("b", {"x": 1}),)
+    assert len(r.errors) == 1 and "tool call 0" in r.errors[0] and "not closed" in r.errors[0]
+    assert r.content.startswith("Let me see.") and r.content.endswith("ok") and "argum" not in r.content
+
+
+def test_json_that_rfc_8259_refuses_is_an_error():
+    # Python's json reader takes NaN / Infinity and keeps the last of a repeated key silently;
+    # a tool must never run on an argument the model wrote twice, or on a non-JSON number
+    cases = {
+        '<tool_call>{"name": "s", "arguments": {"x": NaN}}</tool_call>': "NaN is not a JSON value",
+        '<tool_call>{"name": "s", "arguments": {"x": -Infinity}}</tool_call>': "-Infinity is not a JSON value",
+        '<tool_call>{"name": "s", "arguments": {"x": 1, "x": 2}}</tool_call>': "duplicate key(s) ['x']",
+        '<tool_call>{"name": "s", "name": "t", "arguments": {}}</tool_call>': "duplicate key(s) ['name']",
+        '<tool_call>{"name": "s", "arguments": "{\\"x\\": Infinity}"}</tool_call>': "arguments are not strict JSON",
+    }
+    for text, expected in cases.items():
+        r = parse_reply(text)
+        assert r.calls == () and len(r.errors) == 1 and expected in r.errors[0], (text, r.errors)
+    nested = parse_reply('<tool_call>{"name": "s", "arguments": {"a": [{"b": null}, 1.5e-3]}}</tool_call>')
+    assert nested.errors == () and nested.calls == (ToolCall("s", {"a": [{"b": None}, 1.5e-3]}),)
