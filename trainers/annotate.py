@@ -95,11 +95,12 @@ def annotate_file(model, data: str | Path, out: str | Path, *, as_: str = "behav
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)  # before the work, not after it
     if Path(data).suffix != ".jsonl":
         raise DataError(f"{data}: `jaxlm logprobs` reads and writes .jsonl files")
     rows = read_rows(data)  # validated (a bad line is named): the same rows as `raw`, in order
     raw = [json.loads(line) for _, line in jsonl_lines(data)]
+    # after the input is read (bad input leaves nothing behind), before the model's work
+    out.parent.mkdir(parents=True, exist_ok=True)
     scores = token_logprobs(model, [{k: v for k, v in r.items() if k not in TOKEN_FIELDS + TOPK_FIELDS} for r in rows],
                             top_k=top_k, batch_size=batch_size)
     lines = []

@@ -65,14 +65,15 @@ def judge_file(model, pairs: str | Path, out: str | Path, *, calibration: str | 
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)  # before the work, not after it
     if batch_size < 1:
         raise ValueError(f"--batch-size={batch_size} must be >= 1")
     rows = read_pairs(pairs)
+    cal = None if calibration is None else read_pairs(calibration, labelled=True)
+    # after the inputs are read (bad input leaves nothing behind), before the model's work
+    out.parent.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"pairs": len(rows)}
     threshold = None
-    if calibration is not None:
-        cal = read_pairs(calibration, labelled=True)
+    if cal is not None:
         cj = _judge(model, cal, template, both_orders, batch_size)
         errors = (cj.decision != np.asarray([0 if r["label"] == "A" else 1 for r in cal])).astype(int)
         threshold = scope_threshold(cj.entropy, errors, alpha)

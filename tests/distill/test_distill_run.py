@@ -165,6 +165,15 @@ def test_logprobs_command_errors(teacher_dir, data_file, tmp_path, capsys, argv,
     assert e.value.code == 2 and match in capsys.readouterr().err
 
 
+def test_logprobs_with_bad_data_leaves_no_output_directory(teacher_dir, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": 3}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["logprobs", str(teacher_dir), "--data", str(bad), "--out", str(tmp_path / "new" / "o.jsonl")])
+    assert e.value.code == 2 and "bad.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.slow  # a 400-step teacher and two 200-step students per case (about 4 minutes each on 2 cores)
 @pytest.mark.parametrize("pool, calibration", [(0, False), (256, True)], ids=["fresh-data", "fixed-256"])
 def test_tail_aware_distillation_beats_forward_kl_at_equal_steps(tmp_path, pool, calibration):

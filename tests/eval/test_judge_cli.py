@@ -51,8 +51,9 @@ def test_bad_input_fails_with_the_reason(judge_dir, tmp_path, capsys, rows, argv
     pairs = tmp_path / "p.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(SystemExit) as e:
-        main(["judge", str(judge_dir / "model"), "--pairs", str(pairs), "--out", str(tmp_path / "o.jsonl"), *argv])
+        main(["judge", str(judge_dir / "model"), "--pairs", str(pairs), "--out", str(tmp_path / "new" / "o.jsonl"), *argv])
     assert e.value.code == 2 and match in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # nothing is left behind by a refused run
 
 
 def test_calibration_rows_need_labels(judge_dir, tmp_path, capsys):
@@ -60,8 +61,9 @@ def test_calibration_rows_need_labels(judge_dir, tmp_path, capsys):
     cal.write_text(json.dumps({"question": "q", "a": "x", "b": "y"}) + "\n")
     with pytest.raises(SystemExit) as e:
         main(["judge", str(judge_dir / "model"), "--pairs", str(judge_dir / "pairs.jsonl"), "--out",
-              str(tmp_path / "o.jsonl"), "--calibration", str(cal)])
+              str(tmp_path / "new" / "o.jsonl"), "--calibration", str(cal)])
     assert e.value.code == 2 and "needs \"label\"" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
 
 
 def test_pairs_file_with_unicode_line_separators_inside_strings(tmp_path):
