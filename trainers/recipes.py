@@ -140,6 +140,19 @@ def _switch_optional_sections(config: ExperimentConfig, items: list[tuple[str, s
             obj = _walk(config, parts[: i + 1])
         if not consumed:
             rest.append((key, value))
+    for key, _ in rest:  # a field of a section that a later (or earlier) override switched off
+        parts = key.split(".")
+        obj = config
+        for i, name in enumerate(parts[:-1]):
+            if not dataclasses.is_dataclass(obj) or not hasattr(obj, name):
+                break
+            if _optional_section(obj, name) is not None and getattr(obj, name) is None:
+                section = ".".join(parts[: i + 1])
+                if any(k == section for k, _ in items):
+                    raise ConfigError(f"override {key} sets a field of {section}, which {section}=None "
+                                      f"switches off: drop one of the two")
+                break
+            obj = getattr(obj, name)
     return config, rest
 
 

@@ -113,6 +113,12 @@ def test_optional_sections_switch_on_and_off_from_the_command_line():
     assert camel.algorithm.camel.flip_prob == 0.5 and camel.algorithm.collector == "camel"
     with pytest.raises(ConfigError, match="needs collector='camel'"):
         apply_overrides(load_config("grpo_arithmetic"), ["algorithm.camel.flip_prob=0.5"])
+    # a field set inside a section that a later override switches off contradicts it (it used
+    # to be reported as an unknown key); switched off, then a field set, turns it on again
+    with pytest.raises(ConfigError, match=r"algorithm.prefix.problems sets a field of algorithm.prefix, which algorithm.prefix=None"):
+        apply_overrides(prefixed, ["algorithm.prefix.problems=32", "algorithm.prefix=None"])
+    again = apply_overrides(prefixed, ["algorithm.prefix=None", "algorithm.prefix.problems=32"])
+    assert again.algorithm.prefix == PrefixConfig(problems=32)
 
 
 def test_quiet_trainer_preset_only_trains_and_saves_the_final_model():
