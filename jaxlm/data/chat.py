@@ -67,15 +67,15 @@ def render_tool_call(call: dict) -> str:
 
 def builtin_segments(messages: Sequence[dict], *, add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
     """``[(text, trainable), ...]``: ``<|role|>\\n`` (not trained) and content + ``\\n``
-    (trained for the assistant, whose tool calls follow its content, one `render_tool_call`
-    + ``\\n`` each); tool results are a ``<|tool|>`` turn, not trained. The generation prompt
-    is ``<|assistant|>\\n``."""
+    (trained for the assistant, whose tool calls follow its content on the same line, one
+    `render_tool_call` each: a turn is one line, as `jaxlm.agents.ModelPolicy` stops a reply at
+    its newline); tool results are a ``<|tool|>`` turn, not trained. The generation prompt is
+    ``<|assistant|>\\n``."""
     out = []
     for m in messages:
         out.append((f"<|{m['role']}|>\n", False))
-        calls = "".join(render_tool_call(c) + "\n" for c in m.get("tool_calls") or ())
-        text = (m["content"] + "\n" if m["content"] or not calls else "") + calls
-        out.append((text, m["role"] == "assistant"))
+        calls = "".join(render_tool_call(c) for c in m.get("tool_calls") or ())
+        out.append((m["content"] + calls + "\n", m["role"] == "assistant"))
     if add_generation_prompt:
         out.append(("<|assistant|>\n", False))
     return out

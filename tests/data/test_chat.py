@@ -475,6 +475,28 @@ def test_builtin_format_of_the_byte_tokenizer():
         tok.apply_chat_template([])
 
 
+def test_builtin_format_writes_an_assistant_turn_with_tool_calls_as_one_line():
+    """Content and every call on the reply's one line, so a policy that stops at the newline
+    (`jaxlm.agents.ModelPolicy`) is trained to write its calls before stopping; the trained
+    text parses back to the message's content and calls."""
+    from jaxlm.agents.parsing import parse_reply
+
+    tok = ByteTokenizer()
+    calls = [{"type": "function", "function": {"name": "search", "arguments": {"q": "a\nb"}}},
+             {"type": "function", "function": {"name": "open", "arguments": {"id": 3}}}]
+    for content in ("Let me look.", ""):
+        chat = [{"role": "user", "content": "find it"},
+                {"role": "assistant", "content": content, "tool_calls": calls},
+                {"role": "tool", "content": "found"}, {"role": "assistant", "content": "done"}]
+        ids, mask = encode_chat(tok, chat)
+        trained = tok.decode([i for i, m in zip(ids, mask) if m][:-1])  # without the EOS
+        first, second, end = trained.split("\n")
+        assert second == "done" and end == ""
+        reply = parse_reply(first)
+        assert reply.content == content and reply.errors == ()
+        assert [c.message_entry() for c in reply.calls] == calls
+
+
 def test_tokenizer_without_a_template_uses_the_builtin_format(tmp_path):
     build_tokenizer(tmp_path, "chatml")
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
