@@ -126,21 +126,35 @@ def _calls(text: str):
         pos = end
 
 
-def parse_reply(text: str) -> Reply:
-    """Split ``text`` into content, calls and errors (see the module docstring)."""
-    calls: list[ToolCall] = []
-    errors: list[str] = []
+def _split(text: str) -> tuple[list[ToolCall | str], str]:
+    """The calls of ``text`` in order (a `ToolCall`, or an error string for a malformed one)
+    and the text outside them."""
+    out: list[ToolCall | str] = []
     pieces, pos = [], 0
     for k, (start, body, end) in enumerate(_calls(text)):
-        out = f"tool call {k}: a {OPEN} is not closed before the next one" if body is None else _one(body, k)
-        (errors.append if isinstance(out, str) else calls.append)(out)
+        out.append(f"tool call {k}: a {OPEN} is not closed before the next one" if body is None else _one(body, k))
         pieces.append(text[pos:start])
         pos = end
     rest = "".join(pieces) + text[pos:]
     if OPEN in rest:
-        errors.append(f"a {OPEN} is not closed by {CLOSE}")
+        out.append(f"a {OPEN} is not closed by {CLOSE}")
         rest = rest[: rest.index(OPEN)]
     elif CLOSE in rest:
-        errors.append(f"a {CLOSE} has no {OPEN} before it")
+        out.append(f"a {CLOSE} has no {OPEN} before it")
         rest = rest.replace(CLOSE, "")
-    return Reply(rest.strip(), tuple(calls), tuple(errors))
+    return out, rest
+
+
+def parse_reply(text: str) -> Reply:
+    """Split ``text`` into content, calls and errors (see the module docstring)."""
+    items, rest = _split(text)
+    calls = tuple(c for c in items if isinstance(c, ToolCall))
+    errors = tuple(c for c in items if isinstance(c, str))
+    return Reply(rest.strip(), calls, errors)
+
+
+def first_call(text: str) -> ToolCall | str | None:
+    """The first call of ``text``: a `ToolCall`, an error string when it (or a stray tag) is
+    malformed, or None when ``text`` holds no call (a final answer)."""
+    items, _ = _split(text)
+    return items[0] if items else None

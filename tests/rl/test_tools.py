@@ -46,6 +46,13 @@ def test_tool_calls_parse_from_the_agents_text():
     assert "not JSON" in parse_tool_call('<tool_call>{"name": "calculator", "arguments": {"expression": %s}}'
                                          '</tool_call>' % ("7" * 5000))["error"]
     assert "not JSON" in parse_tool_call("<tool_call>" + "[" * 100000 + "]" * 100000 + "</tool_call>")["error"]
+    # read as the agent loop reads replies: a call cut off by the token budget is an error, not a
+    # final answer; an abandoned call does not swallow the whole one after it
+    assert "not closed" in parse_tool_call('<tool_call>{"name": "kv_get", "arguments": {"ke')["error"]
+    assert parse_tool_call('<tool_call>{"name": "kv<tool_call>{"name": "kv_get", "arguments": {"key": "k"}}'
+                           '</tool_call>')["error"].startswith("error: tool call 0")
+    assert parse_tool_call('<tool_call>{"name": "kv_get", "arguments": {"key": "</tool_call>"}}</tool_call>') == {
+        "name": "kv_get", "arguments": {"key": "</tool_call>"}}
 
 
 def test_a_result_too_long_to_write_is_an_error_text_not_a_crash():

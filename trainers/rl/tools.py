@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any, Callable
 
 import numpy as np
 
+from jaxlm.agents.parsing import first_call
 from jaxlm.data.tasks import safe_arithmetic
-
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 
 @dataclasses.dataclass
@@ -72,19 +70,15 @@ TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator, "kv_get": kv_g
 
 
 def parse_tool_call(text: str) -> dict[str, Any] | None:
-    """The first ``<tool_call>{json}</tool_call>`` in ``text`` as ``{"name", "arguments"}``;
-    None without one; ``{"error": ...}`` for a malformed one."""
-    m = _CALL.search(text)
-    if m is None:
+    """The first tool call in ``text`` (read as `jaxlm.agents.parsing` reads replies) as
+    ``{"name", "arguments"}``; None without one; ``{"error": ...}`` for a malformed one (one
+    that is not JSON, or never closed)."""
+    call = first_call(text)
+    if call is None:
         return None
-    try:
-        call = json.loads(m.group(1))
-    except (ValueError, RecursionError):  # not JSON, an integer over Python's digit limit, deep nesting
-        return {"error": "error: the tool call is not JSON"}
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(
-            call.get("arguments", {}), dict):
-        return {"error": "error: a tool call is {\"name\": ..., \"arguments\": {...}}"}
-    return {"name": call["name"], "arguments": call.get("arguments", {})}
+    if isinstance(call, str):
+        return {"error": f"error: {call}"}
+    return {"name": call.name, "arguments": call.arguments}
 
 
 def run_tool(state: ToolState, call: dict[str, Any]) -> str:
