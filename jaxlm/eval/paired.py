@@ -29,15 +29,30 @@ class PairedComparison:
 def sign_test_p(fixed: int, broken: int) -> float:
     """Two-sided exact sign-test p-value for ``fixed`` vs ``broken`` discordant pairs:
     ``min(1, 2 * sum_{k <= min} C(n, k) / 2^n)`` with ``n = fixed + broken`` (1.0 for n = 0).
-    Computed with integers, so it stays exact for any n."""
+
+    The largest term ``C(n, min) / 2^n`` is taken from the exact integer (its logarithm), and
+    the tail below it summed by the ratio ``C(n, k-1) / C(n, k) = k / (n - k + 1)`` until the
+    terms no longer change the sum: relative error ~1e-12 up to n = 20000 and ~1e-9 beyond
+    (where ``lgamma`` gives the top term), in time ~sqrt(n) (summing every exact coefficient
+    took minutes at n = 20000)."""
     for name, v in (("fixed", fixed), ("broken", broken)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise ValueError(f"{name}={v!r} must be an int >= 0")
     n, low = int(fixed) + int(broken), min(int(fixed), int(broken))
     if n == 0:
         return 1.0
-    tail = sum(math.comb(n, k) for k in range(low + 1))
-    return min(1.0, 2 * tail / 2**n)
+    if n <= 20_000:  # the exact binomial (a few ms)
+        log_comb = math.log(math.comb(n, low))
+    else:  # its big integer costs seconds; lgamma's error here is ~n log n ulp (< 1e-9 relative)
+        log_comb = math.lgamma(n + 1) - math.lgamma(low + 1) - math.lgamma(n - low + 1)
+    log_top = log_comb - n * math.log(2.0)
+    ratio_sum, term = 1.0, 1.0
+    for k in range(low, 0, -1):
+        term *= k / (n - k + 1)
+        ratio_sum += term
+        if term < 1e-17 * ratio_sum:
+            break
+    return min(1.0, 2.0 * math.exp(log_top) * ratio_sum)
 
 
 def paired_comparison(correct_a, correct_b) -> PairedComparison:
