@@ -44,9 +44,9 @@ def task_accuracy(
         chunk = examples[i : i + batch_size]
         prompts = [e["prompt"] for e in chunk]
         if getattr(model.config, "mode", "causal") == "diffusion":
-            kw = {"steps": max_new_tokens, **(generate_kwargs or {})}
-            if kw.get("threshold") is not None or kw.get("slow_fast") is not None:
-                kw.pop("steps")
+            kw = dict(generate_kwargs or {})
+            if "steps" not in kw and kw.get("threshold") is None and kw.get("slow_fast") is None:
+                kw["steps"] = max_new_tokens  # the default only: a user's steps reach the sampler
             out = diffusion_generate(model, prompts, gen_length=max_new_tokens, tokenizer=tokenizer, **kw)
         else:
             out = generate(

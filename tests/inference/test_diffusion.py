@@ -486,3 +486,19 @@ def test_logits_eos_inf_bans_eos_and_needs_an_eos_id(model):
     bare = build_model(diffusion_config(init_std=0.3), seed=1)  # no tokenizer: no EOS id is known
     with pytest.raises(ValueError, match="logits_eos_inf=True bans EOS, but no tokenizer with an EOS id"):
         diffusion_generate(bare, [[1, 20, 21]], gen_length=8, steps=8, logits_eos_inf=True)
+
+
+def test_task_accuracy_passes_the_users_steps_to_the_sampler(model):
+    """Only the default ``steps = max_new_tokens`` gives way to ``threshold``: steps a user
+    passes with a threshold reach `diffusion_generate` and its error (they were dropped)."""
+    from jaxlm.eval.accuracy import task_accuracy
+
+    examples = [{"prompt": p, "completion": "x"} for p in PROMPTS]
+    with pytest.raises(ValueError, match="threshold"):
+        task_accuracy(model, examples, lambda e, t: 0.0, tokenizer=model.tokenizer, max_new_tokens=8,
+                      generate_kwargs={"steps": 4, "threshold": 0.9})
+    fast = task_accuracy(model, examples, lambda e, t: 0.0, tokenizer=model.tokenizer, max_new_tokens=8, generate_kwargs={"threshold": 0.9})
+    want = diffusion_generate(model, PROMPTS, gen_length=8, threshold=0.9)
+    assert [s["completion"] for s in fast.samples] == want.texts
+    halved = task_accuracy(model, examples, lambda e, t: 0.0, tokenizer=model.tokenizer, max_new_tokens=8, generate_kwargs={"steps": 4})
+    assert [s["completion"] for s in halved.samples] == diffusion_generate(model, PROMPTS, gen_length=8, steps=4).texts
