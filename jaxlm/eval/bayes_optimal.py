@@ -41,8 +41,9 @@ def normalised_weights(n: int, weights=None, *, log_weights=None) -> np.ndarray:
         w = np.exp(lw - lw.max())
     elif weights is not None:
         w = np.asarray(weights, np.float64).ravel()
-        if w.size != n or np.any(w < 0) or not np.all(np.isfinite(w)) or w.sum() <= 0:
+        if w.size != n or np.any(w < 0) or not np.all(np.isfinite(w)) or not w.max(initial=0.0) > 0:
             raise ValueError(f"weights must be {n} non-negative finite values with a positive sum")
+        w = w / w.max()  # finite weights whose sum overflows (1e308 twice) keep their ratios
     else:
         w = np.ones(n)
     return w / w.sum()

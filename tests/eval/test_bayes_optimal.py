@@ -42,6 +42,12 @@ def test_mode_median_and_ties():
     # a tie in exact arithmetic stays a tie when the float sums differ in the last bit
     for weights in ([3, 1, 2], [0.3, 0.1, 0.2]):
         assert bayes_optimal(["a", "b", "b"], weights=weights).latent == "a"
+    # finite weights whose sum overflows keep their ratios (they normalised to all zeros)
+    huge = bayes_optimal([1.0, 3.0], "squared", weights=[1e308, 1e308])
+    assert huge.latent == 2.0 and huge.risk == pytest.approx(1.0)
+    assert bayes_optimal(["a", "b", "b"], weights=[1e308] * 3).latent == "b"
+    np.testing.assert_allclose(normalised_weights(3, [1e308, 1e308, 5e307]), [0.4, 0.4, 0.2], rtol=1e-15)
+    np.testing.assert_allclose(normalised_weights(2, [5e-324, 5e-324]), [0.5, 0.5])
     # an even split: every point between the middle two is a median; risk is the same
     got = bayes_optimal([1.0, 2.0, 3.0, 10.0], "absolute")
     assert got.latent == 2.0 and got.risk == pytest.approx((1 + 0 + 1 + 8) / 4)
