@@ -21,6 +21,7 @@ limit; results come back as JSON), which is what executing candidates on test su
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import shutil
@@ -137,6 +138,34 @@ for _name in ("mkfifo", "mknod"):
 _os.open = _open_at
 ''' % {"exit": VIOLATION_EXIT}
 
+def canonical_repr(v, _open=None):
+    """``repr(v)`` with the items of sets and dicts (and of the lists and tuples holding them)
+    in sorted order: values equal under ``==`` whose repr differs only by order (a set built in
+    another order, a dict with another insertion order) give one text. The sandbox reports
+    return values in this form (its source runs in the child), so a tester's expected outputs
+    compare with `CallResult.value` as ``canonical_repr(expected)``."""
+    t = type(v)
+    if t not in (list, tuple, dict, set, frozenset):
+        return repr(v)
+    _open = set() if _open is None else _open
+    if id(v) in _open:  # a container that holds itself, as repr writes it
+        return {list: "[...]", dict: "{...}"}.get(t, "...")
+    _open.add(id(v))
+    try:
+        if t is dict:
+            pairs = (canonical_repr(k, _open) + ": " + canonical_repr(x, _open) for k, x in v.items())
+            return "{" + ", ".join(sorted(pairs)) + "}"
+        items = [canonical_repr(x, _open) for x in v]
+        if t is list:
+            return "[" + ", ".join(items) + "]"
+        if t is tuple:
+            return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+        body = "{" + ", ".join(sorted(items)) + "}" if items else ""
+        return (body or "set()") if t is set else "frozenset(" + body + ")"
+    finally:
+        _open.discard(id(v))
+
+
 _CALLER = r'''
 import json as _json, signal as _signal, sys as _sys, time as _time, traceback as _tb
 
@@ -147,6 +176,8 @@ def _alarm(signum, frame):
     raise _TimeUp()
 
 _signal.signal(_signal.SIGALRM, _alarm)
+
+@CANON@
 _spec = _json.loads(_sys.stdin.read())
 _namespace = {"__name__": "candidate"}
 def _report(result):  # each call's result as soon as it is known: a process that dies keeps them
@@ -175,7 +206,7 @@ for _arg in _spec["inputs"]:
         if _time.monotonic() - _start > _spec["timeout_s"]:  # it caught every alarm and returned late
             _report({"ok": False, "error": "timeout"})
         else:
-            _report({"ok": True, "value": repr(_value)})
+            _report({"ok": True, "value": canonical_repr(_value)})
     except _TimeUp:
         _signal.setitimer(_signal.ITIMER_REAL, 0)
         _report({"ok": False, "error": "timeout"})
@@ -185,7 +216,7 @@ for _arg in _spec["inputs"]:
     except BaseException as _e:
         _signal.setitimer(_signal.ITIMER_REAL, 0)
         _report({"ok": False, "error": "%s: %s" % (type(_e).__name__, str(_e)[:200])})
-'''.replace("@MARK@", repr(_RESULT_MARK))
+'''.replace("@MARK@", repr(_RESULT_MARK)).replace("@CANON@", inspect.getsource(canonical_repr))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,7 +371,9 @@ def run_python(program: str, *, stdin: str = "", limits: Limits = Limits(), file
 
 @dataclasses.dataclass(frozen=True)
 class CallResult:
-    """One call: ``ok`` with the ``repr`` of the return ``value``, or the ``error``."""
+    """One call: ``ok`` with the ``repr`` of the return ``value`` (the items of its sets and
+    dicts in sorted order, so values equal under ``==`` by content give one text), or the
+    ``error``."""
 
     ok: bool
     value: str | None = None

@@ -33,13 +33,17 @@ FAILED = "<failed>"
 class Tester(Protocol):
     def propose(self, n: int, rng: np.random.Generator) -> list: ...
 
-    def expected(self, inputs: list) -> list[str | None]: ...
+    def expected(self, inputs: list) -> list[str | None]:
+        """Each input's expected output as `jaxlm.sandbox.canonical_repr` writes it (None: no
+        opinion)."""
+        ...
 
 
 def behaviour_table(candidates: Sequence[str], function: str, inputs: list, *, call_timeout_s: float = 1.0,
                     limits: Limits = Limits()) -> np.ndarray:
-    """``[N, M]`` object array: the ``repr`` of candidate ``n``'s output on input ``m``, or
-    `FAILED` (error, timeout, memory, a stopped process). Identical programs run once."""
+    """``[N, M]`` object array: candidate ``n``'s output on input ``m`` as
+    `jaxlm.sandbox.canonical_repr` writes it (equal sets and dicts give one text), or `FAILED`
+    (error, timeout, memory, a stopped process). Identical programs run once."""
     table = np.empty((len(candidates), len(inputs)), object)
     runs: dict[str, list[str]] = {}
     for i, program in enumerate(candidates):

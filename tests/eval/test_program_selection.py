@@ -26,6 +26,42 @@ def test_behaviour_groups_and_majority():
     assert split_entropy(["1", "2"]) == pytest.approx(np.log(2))
 
 
+def test_equal_sets_and_dicts_built_in_another_order_are_one_behaviour():
+    """Outputs are compared as Python compares them (==), not by the order their repr lists
+    items in: a correct program that builds its set or dict in another order passes."""
+    from jaxlm.eval.program_selection import passes_hidden_tests
+    from jaxlm.sandbox import canonical_repr
+
+    ref, cand = "def f(xs):\n    return set(xs)\n", "def f(xs):\n    return set(reversed(xs))\n"
+    inputs = [[[1, 9]], [[8, 16]], [[3, 4, 11]], [[]]]
+    assert repr({1, 9}) != repr(set(reversed([1, 9]))) or repr({8, 16}) != repr(set(reversed([8, 16])))
+    table = behaviour_table([ref, cand], "f", inputs)
+    assert partition(table) == [[0, 1]] and split_entropy(table[:, 0]) == 0.0
+    assert passes_hidden_tests(cand, "f", ref, inputs)
+    assert table[0].tolist() == [canonical_repr(set(x[0])) for x in inputs]
+    dref = "def f(a, b):\n    return {'a': [a, {b: a}], 'b': (b,)}\n"
+    dcand = "def f(a, b):\n    return {'b': (b,), 'a': [a, {b: a}]}\n"
+    assert passes_hidden_tests(dcand, "f", dref, [[1, 2], [3, 0]])
+    wrong = "def f(a, b):\n    return {'b': [b], 'a': [a, {b: a}]}\n"  # a list is not a tuple
+    assert not passes_hidden_tests(wrong, "f", dref, [[1, 2]])
+
+
+def test_canonical_repr_is_repr_up_to_the_order_of_set_and_dict_items():
+    from jaxlm.sandbox import canonical_repr
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        keys = [int(k) for k in rng.permutation(40)[:6]]
+        a, b = {k: {k, -k} for k in keys}, {k: {-k, k} for k in reversed(keys)}
+        assert a == b and canonical_repr(a) == canonical_repr(b)
+        assert eval(canonical_repr(a)) == a  # still a literal of the same value
+    for v in [1, "x'y", None, 2.5, [1, (2,)], (), [], {}, set(), frozenset(), frozenset({3, 1}), ((1, 2), [3])]:
+        assert eval(canonical_repr(v)) == v
+    cyclic = [1]
+    cyclic.append(cyclic)
+    assert canonical_repr(cyclic) == repr(cyclic) == "[1, [...]]"
+
+
 class ScriptedTester:
     """Proposes fixed inputs and answers with abs (a correct tester)."""
 
