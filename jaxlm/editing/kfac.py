@@ -195,7 +195,17 @@ def merge_factors(factors: Sequence[KFACFactors], weight: str = "samples") -> KF
 
 
 def token_batches(tokenizer, texts: Sequence[str], *, batch_size: int, seq_len: int, add_bos: bool = True):
-    """Right-padded ``(tokens, valid)`` batches of plain texts (a capability corpus)."""
+    """Right-padded ``(tokens, valid)`` batches of plain texts (a capability corpus). The
+    arguments are checked here, before the first batch is asked for."""
+    if isinstance(texts, str):
+        raise ValueError("texts is one string: pass a list of texts (a string would be read as its characters)")
+    for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name}={v!r} is invalid: must be an int >= 1")
+    return _token_batches(tokenizer, texts, int(batch_size), int(seq_len), add_bos)
+
+
+def _token_batches(tokenizer, texts, batch_size, seq_len, add_bos):
     rows = []
     for t in texts:
         ids = tokenizer.encode(t, add_bos=add_bos)

@@ -515,10 +515,16 @@ def test_clear_errors():
         A3Config(budget=1.5)
     with pytest.raises(ValueError, match="qk_score"):
         A3Config(qk_score="random")
+    # every numeric setting is checked (eig_floor=-1 wrote NaN kernels, eig_floor=NaN all-zero
+    # attention; an infinite ridge NaN kernels; budget=True ran at full width)
     for bad in (dict(qk_rope_refit="yes"), dict(qk_refit_ridge=-1.0), dict(qk_refit_als=-1),
-                dict(qk_refit_als=1.5), dict(qk_refit_weight="softmax")):
+                dict(qk_refit_als=1.5), dict(qk_refit_weight="softmax"), dict(eig_floor=-1.0),
+                dict(eig_floor=float("nan")), dict(eig_floor=1.0), dict(eig_floor="x"), dict(mlp_ridge=float("inf")),
+                dict(mlp_ridge=True), dict(mlp_ridge="x"), dict(qk_refit_ridge=float("inf")), dict(budget=True)):
         with pytest.raises(ValueError, match=f"A3Config.{next(iter(bad))}"):
             A3Config(**bad)
+    numpy_scalars = A3Config(budget=np.float32(0.5), mlp_ridge=np.float64(1e-6), eig_floor=np.float32(0.0))
+    assert type(numpy_scalars.budget) is float and numpy_scalars.budget == 0.5 and numpy_scalars.eig_floor == 0.0
     with pytest.raises(ValueError, match="qk_head_dim"):
         jaxlm.ModelConfig.tiny(qk_head_dim=7)
     plain = jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=0)
@@ -720,3 +726,20 @@ def test_cli_compress_global_allocation_then_eval(tmp_path, capsys):
     assert sum(cfg.layer_ffn_dims) == 2 * 64
     main(["eval", "--model", str(tmp_path / "small"), "--n", "4", "--max-new-tokens", "4"])
     assert "exact-match accuracy" in capsys.readouterr().out
+
+
+def test_calibration_arguments_are_checked_by_name():
+    """A bare string was calibrated on as its characters; seq_len / batch_size of 0 or less
+    failed with ZeroDivisionError or numpy's "negative dimensions"."""
+    from jaxlm.compress.apply import compress_with
+    from jaxlm.editing.kfac import token_batches
+
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=0, tokenizer=jaxlm.ByteTokenizer())
+    with pytest.raises(ValueError, match="texts is one string"):
+        compress_with(model, "a3", "abc")
+    for kw, name in ((dict(seq_len=0), "seq_len=0"), (dict(seq_len=-3), "seq_len=-3"),
+                     (dict(batch_size=0), "batch_size=0"), (dict(batch_size=True), "batch_size=True")):
+        with pytest.raises(ValueError, match=f"{name} is invalid"):
+            compress_with(model, "a3", ["some text"], **kw)
+    tok, valid = next(token_batches(jaxlm.ByteTokenizer(), ["ab", "c"], batch_size=np.int64(4), seq_len=np.int32(5)))
+    assert tok.shape == (2, 5) and valid.sum(1).tolist() == [4, 3]  # BOS + text + EOS

@@ -4,6 +4,8 @@ widths of a budget, and the model and statistics each component's closed form ne
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 from jaxlm.compress.calibrate import QK_REFIT_WEIGHTS, A3Statistics, check_components
 
@@ -65,8 +67,8 @@ class A3Config:
 
     def __post_init__(self):
         object.__setattr__(self, "components", check_components(self.components))
-        if self.budget is not None and not (isinstance(self.budget, (int, float)) and 0 < self.budget <= 1):
-            raise ValueError(f"A3Config.budget={self.budget!r} is invalid: must be in (0, 1] or None")
+        if self.budget is not None and not (_real(self.budget) and 0 < self.budget <= 1):
+            raise ValueError(f"A3Config.budget={self.budget!r} is invalid: must be a number in (0, 1] or None")
         for name in ("qk_head_dim", "v_head_dim", "ffn_dim"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
@@ -75,13 +77,18 @@ class A3Config:
                               ("allocation", ALLOCATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"A3Config.{name}={getattr(self, name)!r} is invalid: must be one of {allowed}")
-        if not self.mlp_ridge >= 0:
-            raise ValueError(f"A3Config.mlp_ridge={self.mlp_ridge!r} is invalid: must be >= 0")
+        for name in ("mlp_ridge", "qk_refit_ridge"):
+            v = getattr(self, name)
+            if not (_real(v) and 0 <= v < math.inf):
+                raise ValueError(f"A3Config.{name}={v!r} is invalid: must be a finite number >= 0")
+        if not (_real(self.eig_floor) and 0 <= self.eig_floor < 1):
+            raise ValueError(f"A3Config.eig_floor={self.eig_floor!r} is invalid: must be a number in [0, 1) (the "
+                             "kept Gram eigenvalues' floor relative to the largest)")
+        for name in ("budget", "mlp_ridge", "qk_refit_ridge", "eig_floor"):  # numpy scalars stored as floats
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
         if not isinstance(self.qk_rope_refit, bool):
             raise ValueError(f"A3Config.qk_rope_refit={self.qk_rope_refit!r} is invalid: must be a bool")
-        if isinstance(self.qk_refit_ridge, bool) or not (isinstance(self.qk_refit_ridge, (int, float))
-                                                        and self.qk_refit_ridge >= 0):
-            raise ValueError(f"A3Config.qk_refit_ridge={self.qk_refit_ridge!r} is invalid: must be a number >= 0")
         if isinstance(self.qk_refit_als, bool) or not isinstance(self.qk_refit_als, int) or self.qk_refit_als < 0:
             raise ValueError(f"A3Config.qk_refit_als={self.qk_refit_als!r} is invalid: must be an int >= 0")
         if self.qk_refit_rank is not None and (isinstance(self.qk_refit_rank, bool)
@@ -90,6 +97,11 @@ class A3Config:
         if self.qk_refit_weight not in QK_REFIT_WEIGHTS:
             raise ValueError(f"A3Config.qk_refit_weight={self.qk_refit_weight!r} is invalid: must be one of "
                              f"{QK_REFIT_WEIGHTS}")
+
+
+def _real(v) -> bool:
+    """A real number (numpy scalars included, bool not)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def a3_widths(config, a3: A3Config) -> dict[str, int]:
