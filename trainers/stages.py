@@ -48,10 +48,19 @@ class Stage:
             raise ValueError(f"Stage {self.name!r}: config must be an ExperimentConfig, got {type(self.config).__name__}")
 
 
+def _check_retention_args(n, seq_len, max_new_tokens, n_name, seq_len_name):
+    for name, v, optional in ((n_name, n, False), (seq_len_name, seq_len, True), ("max_new_tokens", max_new_tokens, False)):
+        if v is None and optional:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} is invalid: must be an int >= 1")
+
+
 def retention(model, domains: Mapping[str, Task], *, n: int = 100, seq_len: int | None = None,
               max_new_tokens: int = 8) -> dict[str, dict[str, float]]:
     """Per domain: held-out ``loss`` (rows of ``seq_len`` tokens; default 64, or the model's
     ``max_seq_len`` if shorter) and (where the task has a generative verifier) ``accuracy``."""
+    _check_retention_args(n, seq_len, max_new_tokens, "n", "seq_len")
     limit = model.config.max_seq_len
     if seq_len is None:
         seq_len = min(64, limit)
@@ -89,6 +98,12 @@ def run_stages(stages: Sequence[Stage], out_dir: str | Path, *, domains: Mapping
     if any(a and b for a, b in zip(omni, omni[1:])):
         raise ValueError(f"stages {names}: an omni stage follows an omni stage; a stage starts from the previous "
                          "stage's language model (init_from), so the encoders would start over")
+    # the retention arguments are checked before the first stage trains, not after it
+    _check_retention_args(eval_n, eval_seq_len, max_new_tokens, "eval_n", "eval_seq_len")
+    for stage in stages:
+        if eval_seq_len is not None and eval_seq_len > stage.config.model.max_seq_len:
+            raise ValueError(f"eval_seq_len={eval_seq_len} is more than stage {stage.name!r}'s "
+                             f"ModelConfig.max_seq_len={stage.config.model.max_seq_len}")
     out_dir = Path(out_dir).resolve()  # one spelling: init_from paths must match on a re-run
     report: list[dict[str, Any]] = []
     previous: Path | None = None

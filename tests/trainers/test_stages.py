@@ -63,6 +63,15 @@ def test_bad_stage_lists_are_refused(tmp_path):
     for bad in (".", ".."):  # ".." would write outside out_dir
         with pytest.raises(ValueError, match=f"Stage.name='{bad}' must be"):
             Stage(bad, s.config)
+    # retention's arguments are checked before the first stage trains (they failed after it,
+    # eval_n=0 naming DataConfig.batch_size)
+    for kw, match in ((dict(eval_n=0), "eval_n=0 is invalid"), (dict(eval_seq_len=128), "eval_seq_len=128 is more "
+                      "than stage 'a'"), (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(eval_seq_len=0), "eval_seq_len=0")):
+        with pytest.raises(ValueError, match=match):
+            run_stages([s], tmp_path / "x", domains=DOMAINS, **kw)
+        assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match="n=0 is invalid"):
+        retention(jaxlm.build_model(MODEL, seed=0, tokenizer=jaxlm.data.ByteTokenizer()), DOMAINS, n=0)
 
 
 def test_a_preempted_stage_stops_the_schedule_and_a_rerun_resumes_it(tmp_path, monkeypatch):
