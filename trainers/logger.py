@@ -15,6 +15,7 @@ were given).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -105,6 +106,19 @@ class MetricsLogger:
 
     def count_tokens(self, n: float) -> None:
         self._tokens_since += n
+
+    def start_clock(self) -> None:
+        """Start the first throughput window now (setup before the first step is not training)."""
+        self._last_time, self._tokens_since = time.perf_counter(), 0.0
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """Time spent inside (an evaluation) is left out of the ``tokens_per_s`` window."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._last_time += time.perf_counter() - start
 
     def log(self, step: int, metrics: dict[str, Any], *, kind: str = "train") -> dict[str, Any]:
         """Write one record to metrics.jsonl and TensorBoard (both flushed) and show it;

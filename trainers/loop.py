@@ -215,14 +215,16 @@ def _loop(cfg: ExperimentConfig, out_dir: Path, algo: Algorithm, state: TrainSta
     config_dict = cfg.to_dict()
 
     def evaluate(k: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        result, samples = algo.evaluate(state, k)
-        logger.log(k, result, kind="eval")
+        with logger.untimed():  # not in the next record's tokens_per_s
+            result, samples = algo.evaluate(state, k)
+            logger.log(k, result, kind="eval")
         return result, samples
 
     k = start
     final_eval: dict[str, Any] = {}
     samples: list[dict[str, Any]] = []
     stopped_early = False
+    logger.start_clock()
     if start == 0 and t.eval_every:
         evaluate(0)
     elif t.eval_every and 0 < start < t.steps and start % t.eval_every == 0:

@@ -107,3 +107,30 @@ def test_plot_curves_reads_a_torn_file(tmp_path):
     lines = [json.dumps({"step": s, "kind": "train", "loss": 1.0 / s}) for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "ki')
     assert plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png") == tmp_path / "curves.png"
+
+
+def test_tokens_per_s_counts_training_time_only(tmp_path, monkeypatch):
+    """Setup before the first step and evaluations inside ``untimed`` are left out of the
+    throughput window (the first record read 40 tok/s against ~1850 after it, the step-0
+    evaluation counted as training)."""
+    import trainers.logger as logger_module
+
+    now = [100.0]
+    monkeypatch.setattr(logger_module.time, "perf_counter", lambda: now[0])
+    log = MetricsLogger(tmp_path, total_steps=4, progress=False)
+    now[0] += 50.0  # setup (restoring a checkpoint, building the data)
+    log.start_clock()
+    with log.untimed():
+        now[0] += 30.0  # the step-0 evaluation
+        log.log(0, {"loss": 1.0}, kind="eval")
+    now[0] += 2.0  # two steps of 100 tokens
+    log.count_tokens(200)
+    assert log.log(2, {"loss": 1.0})["tokens_per_s"] == pytest.approx(100.0)
+    now[0] += 1.0
+    log.count_tokens(100)
+    with log.untimed():
+        now[0] += 7.0  # a periodic evaluation between logs
+    now[0] += 1.0
+    log.count_tokens(100)
+    assert log.log(4, {"loss": 1.0})["tokens_per_s"] == pytest.approx(100.0)
+    log.close()
