@@ -752,11 +752,16 @@ def read_jsonl(path: str | os.PathLike, *, what: str = "JSON-lines file", warn: 
     return JsonlContents(records, None, complete)
 
 
+#: the UTF-8 byte-order mark some editors write at the start of a text file
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
     """``(line number, line)`` of each non-blank line of a UTF-8 JSON Lines file, split at
     ``\\n`` only (``str.splitlines`` would also split at U+2028, U+2029 and U+0085, which
-    ``json.dumps(..., ensure_ascii=False)`` writes raw inside strings)."""
-    for n, raw in enumerate(Path(path).read_bytes().split(b"\n"), 1):
+    ``json.dumps(..., ensure_ascii=False)`` writes raw inside strings). A UTF-8 byte-order mark
+    at the start (as Windows editors write one) is not part of the first line."""
+    for n, raw in enumerate(Path(path).read_bytes().removeprefix(UTF8_BOM).split(b"\n"), 1):
         try:
             line = raw.decode("utf-8").removesuffix("\r")
         except UnicodeDecodeError as e:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxlm.data.chat import REASONING_FIELDS
+from jaxlm.fileio import UTF8_BOM
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -43,6 +44,9 @@ def _token_fields(row: dict[str, Any], where: str) -> dict[str, Any]:
             v = row[k]
             if not isinstance(v, list) or not all(_is_number(x) for x in v):
                 raise DataError(f"{where}: column {k!r} must be a list of finite numbers (one per token)")
+            if any(x > 1e-6 for x in v):  # float32 rounding of a log-prob of 0 allowed
+                raise DataError(f"{where}: column {k!r} must hold log-probabilities (<= 0); a positive value "
+                                "(e.g. a negative log-likelihood stored with its sign) is not one")
             out[k] = v
     widths = set()
     for k in TOPK_FIELDS:
@@ -151,9 +155,11 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
 
 def _jsonl_rows(path: Path):
     """``(line number, parsed value)`` of each non-blank line; a line that is not UTF-8 or not
-    JSON raises `DataError` naming the file, line (and byte offset)."""
-    offset = 0
-    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+    JSON raises `DataError` naming the file, line (and byte offset). A UTF-8 byte-order mark at
+    the start is skipped."""
+    data = path.read_bytes()
+    offset = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
+    for lineno, raw in enumerate(data[offset:].split(b"\n"), 1):
         start, offset = offset, offset + len(raw) + 1
         try:
             line = raw.decode("utf-8")

@@ -38,12 +38,35 @@ def _jsonl(path, rows):
         ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b",
                                                           "reasoning_content": 3}]},
          r"data.jsonl:2: messages\[1\]: a assistant message's 'reasoning_content' must be a string"),
+        # negative log-likelihoods stored with their sign are not log-probabilities
+        ({"prompt": "a", "completion": "bc", "behavior_logprobs": [0.0, 2.3, 0.7]},
+         r"data.jsonl:2: column 'behavior_logprobs' must hold log-probabilities \(<= 0\)"),
+        ({"prompt": "a", "completion": "bc", "teacher_logprobs": [0.0, -2.3, 1e-3]},
+         r"data.jsonl:2: column 'teacher_logprobs' must hold log-probabilities"),
     ],
 )
 def test_malformed_jsonl_rows_name_file_and_line(tmp_path, bad, match):
     path = _jsonl(tmp_path / "data.jsonl", [{"prompt": "a", "completion": "b"}, bad])
     with pytest.raises(DataError, match=match):
         read_rows(path)
+
+
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
+    """Windows editors start UTF-8 files with a byte-order mark: every jsonl reader skips it
+    (it was refused as invalid JSON on line 1)."""
+    from jaxlm.data.files import read_prompts
+    from jaxlm.fileio import jsonl_lines
+
+    rows = [{"prompt": "é", "completion": "b"}, {"prompt": "c", "completion": "d"}]
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows).encode())
+    assert read_rows(path) == read_rows(_jsonl(tmp_path / "plain.jsonl", rows))
+    assert [r["prompt"] for r in read_prompts(path)] == ["é", "c"]
+    assert [json.loads(line) for _, line in jsonl_lines(path)] == rows
+    bad = tmp_path / "bad.jsonl"  # byte offsets in errors still count from the file's start
+    bad.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a", "completion": "b"}\n{"prompt": "\xff"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not UTF-8 text \(byte 50 of the file"):
+        read_rows(bad)
 
 
 def test_reasoning_and_tool_call_ids_are_kept(tmp_path):
