@@ -112,12 +112,15 @@ class LongTailedRegression(Task):
         lo, hi = self.value_range
         return hi - lo
 
-    def _draw_split(self, rng, split: str) -> dict:
-        p = _frequencies(self.n_bins, float(self.imbalance))
+    def _bin_probabilities(self, split: str) -> np.ndarray:
         if split == "eval" and self.balanced_eval:
-            p = np.full(self.n_bins, 1.0 / self.n_bins)
+            return np.full(self.n_bins, 1.0 / self.n_bins)
+        return _frequencies(self.n_bins, float(self.imbalance))
+
+    def _draw_split(self, rng, split: str, b: int | None = None) -> dict:
         bins, units = self._codes()
-        b = int(rng.choice(self.n_bins, p=p))
+        if b is None:
+            b = int(rng.choice(self.n_bins, p=self._bin_probabilities(split)))
         u = int(rng.integers(0, self.bin_width))
         y = b * self.bin_width + u
         noise = "".join(_NOISE_LETTERS[i] for i in rng.integers(0, len(_NOISE_LETTERS), self.noise_letters))
@@ -126,13 +129,21 @@ class LongTailedRegression(Task):
     def example(self, index: int, split: str = "train") -> dict:
         """The bin from the split's distribution, the unit uniform. A prompt belongs to train
         or eval by the hash of its text, as for every task: held-out prompts are never
-        trained on."""
+        trained on. A held-out example's bin is drawn once and only its unit and letters are
+        redrawn until the prompt hashes to eval, so the held-out bins follow their
+        distribution exactly (redrawing the bin too weighted each bin by its share of
+        eval-hashed prompts: 0.65x-1.35x of uniform at the defaults); a bin with no held-out
+        prompt at all falls back to redrawing the bin."""
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is invalid: must be one of {SPLITS}")
         tries = split_draws(self.eval_fraction)
-        for attempt in range(tries):
+        fixed_bin = None
+        if split == "eval":
+            rng = np.random.default_rng([self.seed, index, SPLITS.index(split), tries])
+            fixed_bin = int(rng.choice(self.n_bins, p=self._bin_probabilities(split)))
+        for attempt in range(2 * tries if split == "eval" else tries):
             rng = np.random.default_rng([self.seed, index, attempt, SPLITS.index(split)])
-            ex = self._draw_split(rng, split)
+            ex = self._draw_split(rng, split, fixed_bin if attempt < tries else None)
             if _split_of(ex["prompt"] + "\x00" + ex["completion"] + "\x00", self.eval_fraction) == split:
                 return ex
         raise RuntimeError(f"{type(self).__name__}: no {split} example after {tries} draws (eval_fraction="

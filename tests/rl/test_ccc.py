@@ -295,6 +295,22 @@ def test_long_tailed_regression_task():
         LongTailedRegression(few_below=0.5, many_above=0.2)
 
 
+def test_held_out_bins_follow_their_distribution_exactly():
+    """Uniform held-out bins (DIR's balanced test set), or the training frequencies with
+    ``balanced_eval=False``: chi-square against the stated distribution. Redrawing the bin
+    with each draw weighted bins by their share of eval-hashed prompts (0.65x-1.35x)."""
+    from scipy import stats
+
+    for task in (LongTailedRegression(), LongTailedRegression(balanced_eval=False, seed=3)):
+        n = 6000
+        counts = np.bincount([task.example(i, "eval")["bin"] for i in range(n)], minlength=task.n_bins)
+        want = np.full(task.n_bins, 1 / task.n_bins) if task.balanced_eval else task.bin_frequencies()
+        assert stats.chisquare(counts, want * n).pvalue > 1e-3, counts
+    tiny = LongTailedRegression(bin_width=2, noise_letters=0)  # 20 prompts: most bins have no held-out one
+    held_out = [tiny.example(i, "eval") for i in range(20)]
+    assert {e["prompt"] for e in held_out}.isdisjoint({tiny.example(i, "train")["prompt"] for i in range(200)})
+
+
 def test_task_is_a_config_source():
     from trainers.recipes import load_config
 
