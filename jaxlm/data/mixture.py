@@ -34,6 +34,10 @@ class Mixture(Task):
     """Sampling probability of each component; they sum to 1."""
 
     def __post_init__(self):
+        default = next(f.default for f in dataclasses.fields(Task) if f.name == "eval_fraction")
+        if self.eval_fraction != default:
+            raise ValueError(f"Mixture.eval_fraction={self.eval_fraction!r} is not used: each domain holds out its "
+                             "own share of its prompts; set eval_fraction on the components")
         n = len(self.components)
         if not n:
             raise ValueError("Mixture.components is empty: name at least one domain")

@@ -53,6 +53,9 @@ def test_examples_are_their_domains_own_and_splits_are_kept():
     (dict(components=(Arithmetic(), Files()), names=("a", "f")), "domain 'f' is a Files, not a synthetic task"),
     (dict(components=(Arithmetic(), GraphLabels())), "domain 'markov' is a GraphLabels, which encodes its own arrays"),
     (dict(components=(ConditionedDigits(), Arithmetic())), "domain 'arithmetic' is a ConditionedDigits, which encodes"),
+    # the held-out share is each domain's own: a mixture's was silently ignored (even 7.0)
+    (dict(eval_fraction=0.5), r"Mixture.eval_fraction=0.5 is not used: .* set eval_fraction on the components"),
+    (dict(eval_fraction=7.0), r"Mixture.eval_fraction=7.0 is not used"),
 ])
 def test_bad_mixtures_name_the_problem(kwargs, match):
     with pytest.raises(ValueError, match=match):
