@@ -20,7 +20,8 @@ Assistant masks (`encode_chat`), the tokens trained in SFT:
   prompt), up to and including the last special token in it (the end-of-turn token, e.g.
   ``<|im_end|>``, ``<|eot_id|>``); text after it (a newline between turns) is not trained, and
   with no special token in it all of it is. This needs a template whose rendering of
-  ``messages[:i + 1]`` starts every longer conversation's rendering; one that rewrites
+  ``messages[:i + 1]`` starts every longer conversation's rendering, up to special tokens it
+  writes only at the conversation's end (Phi-3's closing ``eos_token``); one that rewrites
   earlier turns when later ones follow raises `ChatTemplateError` (use ``{% generation %}``);
 - the built-in format: each assistant content + ``\\n``, and the final EOS when the conversation
   ends with an assistant turn (after a final user turn the EOS is context, as a template leaves it).
@@ -294,6 +295,11 @@ class ChatTemplate:
                     f"its start could not be found; mark the assistant output with {{% generation %}} ... "
                     f"{{% endgeneration %}} in the template")
             if not text.startswith(upto):
+                # a template that ends a conversation with an end-of-text token (Phi-3's
+                # `{% else %}{{ eos_token }}`): that token is not there once later turns follow
+                cut = self._closing_tokens_cut(upto, text)
+                upto = upto[:cut] if cut is not None and cut > len(prompt) else upto
+            if not text.startswith(upto):
                 at = _first_difference(upto, text)
                 raise ChatTemplateError(
                     f"{self.origin}: the template renders messages[:{i + 1}] differently when later messages "
@@ -312,6 +318,20 @@ class ChatTemplate:
             end_token = self.end_of_turn(upto, len(prompt))
             spans.append((len(prompt), len(upto) if end_token is None else end_token[1]))
         return text, spans
+
+    def _closing_tokens_cut(self, upto: str, text: str) -> int | None:
+        """The longest ``k`` with ``text.startswith(upto[:k])`` where ``upto[k:]`` is only special
+        tokens and whitespace (what a template writes after the last message), or None."""
+        k = len(upto)
+        while not text.startswith(upto[:k]):
+            if k and upto[k - 1].isspace():
+                k -= 1
+                continue
+            token = next((t for t in self.end_tokens if upto.endswith(t, 0, k)), None)
+            if token is None:
+                return None
+            k -= len(token)
+        return k
 
     def _before_content(self, messages, i: int, kw: dict, upto: str) -> str | None:
         """What the template writes before assistant message ``i``'s content, found by rendering

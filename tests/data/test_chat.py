@@ -335,6 +335,39 @@ def test_structured_tool_calls_match_transformers_and_train_only_the_actions(cha
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call><|im_end|>42<|im_end|>')
 
 
+# Phi-3 / Phi-3.5-mini's format: a rendering without a generation prompt ends with eos_token,
+# which is not there once later turns follow (written here with ChatML's special tokens).
+PHI3_STYLE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
+    "{{'<|im_start|>system\n' + message['content'] + '<|im_end|>\n'}}{% elif message['role'] == 'user' %}"
+    "{{'<|im_start|>user\n' + message['content'] + '<|im_end|>\n'}}{% elif message['role'] == 'assistant' %}"
+    "{{'<|im_start|>assistant\n' + message['content'] + '<|im_end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+
+def test_template_closing_the_conversation_with_eos_trains_every_turn(family_dirs, tmp_path):
+    """Each assistant turn is located though rendering the conversation up to it adds an EOS
+    that the whole conversation has only at its end (it was refused as a template rewriting
+    earlier turns); the ids are transformers'."""
+    import shutil
+
+    d = tmp_path / "phi3"
+    shutil.copytree(family_dirs["chatml"], d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>",
+                                                         "chat_template": PHI3_STYLE}))
+    ours, hf = load_pair(d)
+    one = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    two = one + [{"role": "user", "content": "how are you"}, {"role": "assistant", "content": "fine"}]
+    user_last = one + [{"role": "user", "content": "thanks"}]
+    for chat, trained in ((one, "hello<|im_end|>\n<|endoftext|>"), (two, "hello<|im_end|>fine<|im_end|>\n<|endoftext|>"),
+                          (user_last, "hello<|im_end|>")):
+        ids, mask = encode_chat(ours, chat)
+        assert ids == hf_ids(hf, chat)
+        assert ours.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) == trained
+
+
 def test_template_that_rewrites_earlier_turns(chatml):
     """Thinking stripped from earlier turns: the prefix method cannot place the first reply and
     says so; with {% generation %} the mask comes from the tags and matches transformers."""
