@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import chex
 import jax
@@ -90,19 +91,25 @@ class BeamState:
     grammar_state: jax.Array | None = None  # [B, K] int32 with grammar=: each running beam's state
 
 
-def check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences) -> None:
-    """Clear errors for beam-search settings (field named, allowed values stated)."""
+def check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences):
+    """Clear errors for beam-search settings (field named, allowed values stated); returns
+    them as Python values (numpy scalars included: ``np.True_`` is True, not a truthy value
+    that the ``is True`` rule would read as False)."""
     if isinstance(num_beams, bool) or not isinstance(num_beams, (int, np.integer)) or num_beams < 1:
         raise ValueError(f"num_beams={num_beams!r} is invalid: must be a positive int (1: no beam search)")
-    if not isinstance(length_penalty, (int, float)) or isinstance(length_penalty, bool) \
+    if not isinstance(length_penalty, numbers.Real) or isinstance(length_penalty, (bool, np.bool_)) \
             or not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty={length_penalty!r} is invalid: must be a finite float")
-    if early_stopping not in EARLY_STOPPING or isinstance(early_stopping, int) and not isinstance(early_stopping, bool):
+    if isinstance(early_stopping, np.bool_):
+        early_stopping = bool(early_stopping)
+    if not (early_stopping is True or early_stopping is False
+            or (isinstance(early_stopping, str) and early_stopping == "never")):
         raise ValueError(f"early_stopping={early_stopping!r} is invalid: must be True, False or 'never'")
     if isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, (int, np.integer)) \
             or not 1 <= num_return_sequences <= num_beams:
         raise ValueError(f"num_return_sequences={num_return_sequences!r} is invalid: must be an int in "
                          f"[1, num_beams={num_beams}]")
+    return int(num_beams), float(length_penalty), early_stopping, int(num_return_sequences)
 
 
 def _along_beams(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -140,7 +147,8 @@ def beam_search_tokens(
     keeps the first ``num_return_sequences``). ``condition`` and ``interventions`` are passed
     to every forward, as in `jaxlm.inference.sampler.generate_tokens`; ``grammar`` with
     ``grammar_start [B]`` constrains every beam of prompt ``b`` (module docstring)."""
-    check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences)
+    num_beams, length_penalty, early_stopping, num_return_sequences = check_beam_settings(
+        num_beams, length_penalty, early_stopping, num_return_sequences)
     model = nnx.merge(graphdef, params)
     B, P = prompt_tokens.shape
     K, N = num_beams, max_new_tokens

@@ -12,6 +12,7 @@ search `jaxlm.inference.beam_search.BeamRows` (each running beam a row); all hav
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Callable, Sequence
 
 import jax
@@ -34,8 +35,9 @@ class Temperature:
     t: float
 
     def __post_init__(self):
-        if isinstance(self.t, bool) or not isinstance(self.t, (int, float)) or not 0 < self.t < float("inf"):
+        if isinstance(self.t, (bool, np.bool_)) or not isinstance(self.t, numbers.Real) or not 0 < self.t < float("inf"):
             raise ValueError(f"temperature={self.t!r} is invalid: must be a finite number > 0 (use greedy for 0)")
+        object.__setattr__(self, "t", float(self.t))  # numpy scalars too; equal settings hash equal
         if self.t < MIN_TEMPERATURE:  # float32 flushes smaller divisors towards 0 (0 / 0 at the argmax)
             raise ValueError(f"temperature={self.t!r} is invalid: below {MIN_TEMPERATURE:g} sampling is greedy "
                              "decoding; use temperature=0")
@@ -101,8 +103,9 @@ class TopP:
     p: float
 
     def __post_init__(self):
-        if not 0 < self.p <= 1:
-            raise ValueError(f"top_p={self.p!r} is invalid: must be in (0, 1]")
+        if isinstance(self.p, (bool, np.bool_)) or not isinstance(self.p, numbers.Real) or not 0 < self.p <= 1:
+            raise ValueError(f"top_p={self.p!r} is invalid: must be a number in (0, 1] (True is not one)")
+        object.__setattr__(self, "p", float(self.p))
 
     def __call__(self, logits, state=None):
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)

@@ -496,8 +496,8 @@ def generate(
                 "decoding: use where='last' or where='all' with generate"
             )
     rng = _check_rng(rng)
-    check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences)
-    num_beams, num_return_sequences = int(num_beams), int(num_return_sequences)
+    num_beams, length_penalty, early_stopping, num_return_sequences = check_beam_settings(
+        num_beams, length_penalty, early_stopping, num_return_sequences)
     if num_beams > 1:
         if draft is not None or early_exit is not None or decode_segments is not None:
             raise ValueError("num_beams > 1 does not combine with draft=, early_exit= or decode_segments=")

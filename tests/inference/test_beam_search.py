@@ -140,6 +140,11 @@ def test_rows_are_independent_of_the_batch(pair):
         (dict(num_beams=2, num_return_sequences=3), "num_return_sequences=3 is invalid"),
         (dict(num_return_sequences=2), "num_return_sequences=2 is invalid"),
         (dict(num_beams=2, length_penalty=float("nan")), "length_penalty=nan is invalid"),
+        # equal to True / False under ==, but not the rule: 1.0 and 0.0 were run as False
+        (dict(num_beams=2, early_stopping=1.0), "early_stopping=1.0 is invalid"),
+        (dict(num_beams=2, early_stopping=0.0), "early_stopping=0.0 is invalid"),
+        (dict(num_beams=2, early_stopping=1), "early_stopping=1 is invalid"),
+        (dict(num_beams=2, length_penalty=np.True_), "length_penalty=.*True.* is invalid"),
         (dict(num_beams=2, temperature=0.7), "deterministic beam search"),
         (dict(num_beams=2, top_p=0.9), "deterministic beam search"),
         (dict(num_beams=2, decode_segments=2), "does not combine"),
@@ -148,6 +153,18 @@ def test_rows_are_independent_of_the_batch(pair):
 def test_bad_beam_settings(pair, kwargs, match):
     with pytest.raises(ValueError, match=match):
         jaxlm.generate(pair["ours"], [[3, 4]], max_new_tokens=4, **kwargs)
+
+
+def test_numpy_settings_are_the_python_ones(pair):
+    """``np.True_`` is early stopping (it passed the check and ran the False rule) and a
+    float32 length penalty is a length penalty (it was refused)."""
+    model, stop = pair["ours"], int(pair["greedy"][0, 3])
+    kw = dict(max_new_tokens=N, num_return_sequences=3, stop_tokens=[stop], pad_id=PAD)
+    want = jaxlm.generate(model, pair["prompts"], num_beams=3, length_penalty=0.5, early_stopping=True, **kw)
+    got = jaxlm.generate(model, pair["prompts"], num_beams=np.int64(3), length_penalty=np.float32(0.5),
+                         early_stopping=np.True_, **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.beam_scores), np.asarray(want.beam_scores))
 
 
 @pytest.fixture(scope="module")

@@ -194,6 +194,19 @@ def test_tiny_temperatures_sample_the_argmax(model):
         Temperature(1e-35)
 
 
+def test_processor_classes_take_numpy_numbers_and_refuse_bools():
+    from jaxlm.inference.logits_processors import TopK, TopP
+
+    assert Temperature(np.float32(0.5)) == Temperature(0.5) and type(Temperature(np.int64(2)).t) is float
+    assert TopP(np.float32(0.5)) == TopP(0.5) and TopK(np.int64(3)) == TopK(3)
+    for bad in (True, np.True_, "0.5"):  # True == 1 would skip the filter silently
+        with pytest.raises(ValueError, match="top_p=.* is invalid"):
+            TopP(bad)
+    for bad in (True, np.True_, "0.5", float("inf")):
+        with pytest.raises(ValueError, match="temperature=.* is invalid"):
+            Temperature(bad)
+
+
 def test_user_processor_composes(model):
     """A pure (logits, state) -> logits function, e.g. a mask banning all but two tokens."""
     allowed = jnp.zeros(CFG.vocab_size, bool).at[jnp.array([11, 12])].set(True)
