@@ -96,7 +96,8 @@ def model_from_flat(
     """Build a `Transformer` from a flat ``{name: array}`` without random initialisation.
 
     Every expected name must be present with the expected shape (else ``KeyError`` /
-    ``ValueError`` naming it); values are cast to ``config.param_dtype``. ``place``
+    ``ValueError`` naming it); values are cast to the dtype initialisation gives each variable
+    (``config.param_dtype`` for weights). ``place``
     (name, logical axes, array) -> device array lets the caller shard on load. ``release``:
     delete each entry from ``flat`` (a mutable mapping) once it is used, so a caller that
     hands over its only references holds one copy of the weights, not two (stacking layers
@@ -107,7 +108,6 @@ def model_from_flat(
     model = _abstract(config)
     graphdef, state = nnx.split(model)
     flat_state = nnx.to_flat_state(state)
-    dtype = config.weight_dtype
     for path, var in flat_state:
         name = _path_name(path)
         if config.scan_layers and name.startswith("layers."):
@@ -122,7 +122,9 @@ def model_from_flat(
         if release:
             for k in keys:
                 del flat[k]
-        value = value.astype(var.get_value().dtype if isinstance(var, RopeFrequencies) else dtype)
+        # each variable's own dtype as initialisation makes it (config.param_dtype for weights;
+        # float32 for RoPE tables and the sink logits, which the cast to weight_dtype rounded)
+        value = value.astype(var.get_value().dtype)
         axes = var.get_metadata().get("out_sharding")
         var.set_value(place(name, axes, value) if place is not None else jax.numpy.asarray(value))
     return nnx.merge(graphdef, nnx.from_flat_state(flat_state))

@@ -152,3 +152,25 @@ def test_variants_load_hf_base_weights(tmp_path):
         model = jaxlm.load_hf(tmp_path, dtype="float32", **kw)
         out = np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions), mask=jnp.asarray(mask)).logits)
         np.testing.assert_allclose(out[mask], ref[mask], atol=1e-4, err_msg=str(kw))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_rebuilding_from_flat_params_keeps_each_variables_dtype(scan_layers):
+    """The sink logits are float32 in a bf16 model (as initialisation makes them and
+    `param_shapes` states): rebuilding from flat params (compression, QAT export, Q-FIT,
+    unrolling) keeps them exact (they were rounded to bf16: 0.3001 -> 0.30078125)."""
+    from jaxlm.models.params import param_shapes
+
+    cfg = BASE.replace(attention="sink", param_dtype="bfloat16", scan_layers=scan_layers)
+    model = jaxlm.build_model(cfg, seed=0)
+    sinks = np.asarray([0.3001, -1.2345, 2.7183, 0.1111], np.float32)
+    flat = flat_params(model)
+    flat = {**flat, **{k: jnp.asarray(sinks) for k in flat if k.endswith("attn.sink")}}
+    rebuilt = flat_params(model_from_flat(cfg, flat))
+    shapes = param_shapes(cfg)
+    for name, value in rebuilt.items():
+        assert value.dtype == shapes[name].dtype, name
+    for k in (k for k in rebuilt if k.endswith("attn.sink")):
+        assert rebuilt[k].dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(rebuilt[k]), sinks)
+    assert rebuilt["embed"].dtype == jnp.bfloat16
