@@ -78,6 +78,15 @@ def _apply_block(graphdef, layer_state, x, positions, mask, kv, names, aux):
     return x, new_kv, taps.values
 
 
+def _head_logits(h: jax.Array, kernel) -> jax.Array:
+    """An untied head's logits in float32: a dense kernel accumulates and returns float32 (as
+    the tied head does); a structured (quantized) kernel goes through `linear`."""
+    if isinstance(kernel, jax.Array):
+        flat = jnp.dot(h.reshape(-1, h.shape[-1]), kernel.astype(h.dtype), preferred_element_type=jnp.float32)
+        return flat.reshape(*h.shape[:-1], kernel.shape[-1])
+    return linear(h, kernel).astype(jnp.float32)
+
+
 class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, tokenizer=None):
         c = self.config = config
@@ -125,15 +134,12 @@ class Transformer(nnx.Module):
         if self.lm_head is None:
             emb = self.embed[...].astype(h.dtype)
             return jnp.einsum("...d,vd->...v", h, emb, preferred_element_type=jnp.float32)
-        kernel = self.lm_head.kernel.get_value()
-        if isinstance(kernel, jax.Array):  # float32 accumulation and output, as the tied head
-            flat = jnp.dot(h.reshape(-1, h.shape[-1]), kernel.astype(h.dtype), preferred_element_type=jnp.float32)
-            return flat.reshape(*h.shape[:-1], kernel.shape[-1])
-        return linear(h, kernel).astype(jnp.float32)
+        return _head_logits(h, self.lm_head.kernel.get_value())
 
     def unembed_next(self, h: jax.Array) -> jax.Array:
-        """Final hidden ``[..., D]`` -> the next-token head's logits ``[..., V]`` in float32."""
-        return linear(h, self.next_head.kernel.get_value()).astype(jnp.float32)
+        """Final hidden ``[..., D]`` -> the next-token head's logits ``[..., V]`` in float32
+        (accumulated as `unembed`'s, so the two heads agree while their kernels do)."""
+        return _head_logits(h, self.next_head.kernel.get_value())
 
     def backbone(
         self,

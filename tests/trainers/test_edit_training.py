@@ -273,6 +273,13 @@ def test_add_edit_head_keeps_the_model_and_copies_its_head():
     np.testing.assert_allclose(np.asarray(after.logits[..., :260]), np.asarray(before.logits), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(after.logits[..., 260]), 0.0)
     np.testing.assert_array_equal(np.asarray(after.next_logits), np.asarray(after.logits))
+    # in bf16 too: both heads accumulate and return float32 (the next-token head's logits were
+    # rounded to bf16 first, 0.03 off on logits of ~10)
+    bf16 = build_model(ModelConfig.tiny(vocab_size=260, mode="diffusion", mask_token_id=MASK, init_std=0.5,
+                                        param_dtype="bfloat16"), seed=4)
+    out = add_edit_head(bf16)(x)
+    assert out.next_logits.dtype == out.logits.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out.next_logits), np.asarray(out.logits))
     # tied embeddings: the current-token head is the embedding (<|del|>'s row the mean one); the copy matches it
     tied = build_model(ModelConfig.tiny(vocab_size=260, mode="diffusion", mask_token_id=MASK, init_std=0.3,
                                         tie_embeddings=True), seed=4)
