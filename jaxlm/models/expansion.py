@@ -19,6 +19,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxlm.models.config import _LAYER_FIELDS
@@ -69,6 +70,12 @@ def expand_blocks(model: Transformer, after: Sequence[int]) -> Transformer:
     >>> bigger = expand_blocks(model, after=[model.config.n_layers - 1])   # one block on top
     """
     c = model.config
+    structured = sorted({type(leaf).__name__ for leaf in jax.tree.leaves(
+        nnx.to_pure_dict(nnx.state(model)), is_leaf=lambda x: not isinstance(x, dict))
+        if leaf is not None and not isinstance(leaf, (jax.Array, np.ndarray))})
+    if structured:
+        raise ValueError(f"expand_blocks needs dense weights, but the model holds {structured} (a quantized "
+                         "model): expand the blocks before quantizing")
     src = source_blocks(after, c.n_layers)
     inserted = set(inserted_block_indices(after, c.n_layers))
     changes = {"n_layers": len(src)}

@@ -67,3 +67,13 @@ def test_bad_indices_are_named(after):
     model = jaxlm.build_model(jaxlm.ModelConfig.tiny(**BASE), seed=0)
     with pytest.raises(ValueError, match="after"):
         jaxlm.expand_blocks(model, after)
+
+
+def test_a_quantized_model_is_refused_by_name():
+    """Its projections are QArray codes, not arrays to copy and zero (this crashed inside
+    jnp.zeros_like, printing the whole array)."""
+    from jaxlm.quant import QuantRecipe, quantize_model
+
+    q = quantize_model(jaxlm.build_model(jaxlm.ModelConfig.tiny(**BASE), seed=1), QuantRecipe())
+    with pytest.raises(ValueError, match=r"expand_blocks needs dense weights, but the model holds \['QArray'\]"):
+        jaxlm.expand_blocks(q, [1])
