@@ -34,7 +34,7 @@ from scipy import stats
 
 def preference_entropy(p) -> np.ndarray:
     """Binary entropy ``-p log p - (1 - p) log(1 - p)`` in nats (0 at p = 0 or 1); ``p`` must be
-    probabilities (NaN read as entropy 0, the most certain score)."""
+    probabilities in [0, 1] (NaN is refused: read as entropy 0 it would be the most certain score)."""
     p = np.asarray(p, np.float64)
     bad = ~((p >= 0) & (p <= 1))
     if bad.any():
