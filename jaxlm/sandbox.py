@@ -6,7 +6,8 @@ size and open files; a wall-clock timeout kills its whole process group. Inside 
 an audit hook (PEP 578) installed before the program runs ends the process at once, with
 exit status `VIOLATION_EXIT` (and a word on a pipe only the guard writes to, so a program's
 own ``exit(113)`` is not taken for one), when the program tries to write, delete, rename or create a
-file outside its directory (SQLite databases and FIFOs included), start a process, open a
+file outside its directory (SQLite databases and FIFOs included; paths relative to a
+directory descriptor, and files changed through a descriptor, are resolved), start a process, open a
 network socket or load a C library via ctypes. The program is stopped, not merely refused,
 so catching the error cannot hide it.
 
@@ -51,6 +52,13 @@ def _inside(path, dir_fd=None):
         return False
     return p == _ROOT or p.startswith(_ROOT + _os.sep)
 
+def _inside_fd(fd):  # the file an open descriptor refers to (a pipe or socket is not a path)
+    try:
+        target = _os.readlink("/proc/self/fd/%%d" %% fd)
+    except Exception:
+        return False
+    return not target.startswith("/") or _inside(target)
+
 def _stop(what):
     try:  # the parent's own channel: only a stop writes there, so an exit status alone is no violation
         _os.write(@VFD@, what.encode("utf-8", "replace"))
@@ -83,6 +91,8 @@ def _hook(event, args):
             _stop("write to %%r outside the sandbox directory" %% (path,))
     elif event in _PATH_EVENTS:
         fds = _DIR_FDS.get(event, ())
+        if args and isinstance(args[0], int) and not isinstance(args[0], bool) and not _inside_fd(args[0]):
+            _stop("%%s on descriptor %%d, a file outside the sandbox directory" %% (event, args[0]))
         for i, a in enumerate(args[:2]):
             fd = args[fds[i]] if i < len(fds) and fds[i] < len(args) else None
             if isinstance(a, (str, bytes, _os.PathLike)) and not _inside(a, fd if isinstance(fd, int) else None):
@@ -113,7 +123,7 @@ def _no_special_files(name):  # os.mkfifo / os.mknod raise no audit event
 def _open_at(path, flags, mode=0o777, *, dir_fd=None):  # the "open" event does not carry dir_fd
     if flags & _WRITE and not _inside(path, dir_fd):
         _stop("write to %%r outside the sandbox directory" %% (path,))
-    return _posix.open(path, flags, mode, dir_fd=dir_fd)
+    return _posix_open(path, flags, mode, dir_fd=dir_fd)
 
 
 def _no_attach(connect):  # SQL's ATTACH and VACUUM INTO open database files with no event
@@ -132,10 +142,11 @@ except ImportError:
     pass
 
 import posix as _posix
+_posix_open = _posix.open
 for _name in ("mkfifo", "mknod"):
     if hasattr(_posix, _name):
         setattr(_os, _name, _no_special_files(_name))
-_os.open = _open_at
+_os.open = _posix.open = _open_at  # posix.open too: os.open is that function
 ''' % {"exit": VIOLATION_EXIT}
 
 def canonical_repr(v, _open=None):

@@ -66,6 +66,12 @@ def test_a_well_behaved_program_runs():
     ("import sqlite3\nsqlite3.connect('/tmp/jaxlm-sandbox-escape.txt')", "violation"),  # SQLite opens files itself
     ("import sqlite3\nsqlite3.connect('file:/tmp/jaxlm-sandbox-escape.txt?mode=rwc', uri=True)", "violation"),
     ("import os\nos.mkfifo('/tmp/jaxlm-sandbox-escape.txt')", "violation"),  # no audit event of its own
+    # posix.open is os.open under another name (it skipped the dir_fd check)
+    ("import posix\nd = posix.open('/tmp', posix.O_RDONLY)\nposix.open('jaxlm-sandbox-escape.txt', "
+     "posix.O_WRONLY | posix.O_CREAT, dir_fd=d)", "violation"),
+    # a descriptor of a file outside, opened for reading (allowed), then changed through it
+    # (the mode it already has: harmless were the guard to miss it)
+    ("import os\nfd = os.open('/', os.O_RDONLY)\nos.chmod(fd, os.stat('/').st_mode & 0o7777)", "violation"),
     # SQL opens files too: ATTACH and VACUUM INTO are refused (they wrote outside)
     ("import sqlite3\nsqlite3.connect(':memory:').execute(\"ATTACH DATABASE '/tmp/jaxlm-sandbox-escape.txt' AS x\")",
      "error"),
@@ -82,6 +88,12 @@ def test_misbehaving_programs_are_stopped(program, status):
     if status == "violation":
         assert r.returncode == VIOLATION_EXIT and ("sandbox violation" in r.stderr or "os.close(2)" in program)
     assert not os.path.exists("/tmp/jaxlm-sandbox-escape.txt")
+
+
+def test_descriptors_of_the_programs_own_files_and_pipes_are_allowed():
+    r = run_python("import os\nfd = os.open('x.txt', os.O_WRONLY | os.O_CREAT)\nos.chmod(fd, 0o600)\nos.utime(fd)\n"
+                   "os.truncate(fd, 0)\nr, w = os.pipe()\nos.write(w, b'x')\nprint(os.read(r, 1).decode())", limits=FAST)
+    assert r.ok and r.stdout.strip() == "x", r
 
 
 def test_calls_fail_one_by_one_and_the_process_survives():
