@@ -32,7 +32,10 @@ READ_SITES = ("attn_out", "resid_mid", "mlp_in", "mlp_out", "hidden")
 
 
 def _check_layer(name: str, layer, n_layers: int) -> int:
-    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < n_layers:
+    """An integer scalar (Python, numpy, or a 0-d JAX array such as ``jnp.argmax``'s) in range."""
+    if isinstance(layer, jax.Array) and layer.ndim == 0 and jnp.issubdtype(layer.dtype, jnp.integer):
+        layer = int(layer)
+    if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < n_layers:
         raise ValueError(f"{name}={layer!r} is invalid: must be an int in [0, {n_layers})")
     return int(layer)
 

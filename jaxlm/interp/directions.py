@@ -113,7 +113,8 @@ def capture(model, tokens, mask=None, sites: Sequence[str] | str = ("hidden",), 
 
 
 def _class_cells(acts, labels, groups, n_classes):
-    """Cell means ``M [G, E, L, D]`` of the activations of each (group, class)."""
+    """Cell means ``M [G, E, L, D]`` of the activations of each (group, class), less the first
+    example's activations (a shift that every direction, a difference of cell means, ignores)."""
     acts = jnp.asarray(acts, jnp.float32)
     if acts.ndim != 3:
         raise ValueError(f"acts must be [L, N, D] (layers, examples, width), got shape {acts.shape}")
@@ -147,7 +148,12 @@ def _class_cells(acts, labels, groups, n_classes):
             f"({int((counts == 0).any(axis=1).sum())} incomplete group(s))"
         )
     cell = jnp.asarray(group_ids * E + labels)
-    sums = jax.ops.segment_sum(jnp.moveaxis(acts, 1, 0), cell, num_segments=G * E)  # [G*E, L, D]
+    # relative to one example's activations: every direction is a difference of cell means, so
+    # the shift changes nothing but rounding; rows equal to it are exactly 0, so classes with
+    # identical activations and unequal counts give u = 0 (their float32 means differed by an ulp
+    # of the activations' size, normalised to a unit vector of noise)
+    shifted = jnp.moveaxis(acts - acts[:, :1], 1, 0)
+    sums = jax.ops.segment_sum(shifted, cell, num_segments=G * E)  # [G*E, L, D]
     cells = sums / jnp.asarray(counts.reshape(-1), jnp.float32)[:, None, None]
     L, _, D = acts.shape
     return cells.reshape(G, E, L, D)

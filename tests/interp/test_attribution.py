@@ -126,3 +126,16 @@ def test_bad_inputs_are_named(model, batch):
         head_importance(model, empty, None, v, 0)
     with pytest.raises(ValueError, match="tokens holds no rows"):
         neuron_contributions(model, empty, None, v, 0)
+
+
+def test_a_layer_may_be_any_integer_scalar(model, batch):
+    """``jnp.argmax`` over per-layer scores gives a 0-d JAX array: it is a layer index (it was
+    refused as 'Array(1) is invalid'); bools and 0-d floats are not."""
+    tokens, mask = batch
+    v = _unit(64)
+    want = np.asarray(neuron_contributions(model, tokens, mask, v, 1))
+    for layer in (jnp.int32(1), jnp.asarray(1), np.int64(1)):
+        np.testing.assert_array_equal(np.asarray(neuron_contributions(model, tokens, mask, v, layer)), want)
+    for bad in (True, jnp.asarray(1.0), jnp.asarray([1])):
+        with pytest.raises(ValueError, match="layer=.* is invalid"):
+            neuron_contributions(model, tokens, mask, v, bad)

@@ -142,6 +142,28 @@ def test_pca_of_a_class_without_a_mean_difference_is_zero():
     np.testing.assert_array_equal(out, 0.0)
 
 
+@pytest.mark.parametrize("counts", [(3, 5), (1, 6), (4, 4)])
+def test_identical_classes_of_unequal_size_have_no_direction(counts):
+    """Identical rows (prompts ending in one token at layer 0) in classes of different sizes:
+    their float32 means differed by an ulp, normalised into a unit vector of noise."""
+    rng = np.random.default_rng(1)
+    row = (rng.normal(size=(2, 1, 16)) * 8).astype(np.float32)
+    n = sum(counts)
+    acts = np.broadcast_to(row, (2, n, 16)).copy()
+    acts[1] = rng.normal(size=(n, 16)).astype(np.float32)  # layer 1 does differ
+    labels = np.array([0] * counts[0] + [1] * counts[1])
+    for fn in (mean_difference_directions, pca_directions):
+        out = np.asarray(fn(acts, labels))
+        np.testing.assert_array_equal(out[:, 0], 0.0)
+        np.testing.assert_allclose(np.linalg.norm(out[:, 1], axis=-1), 1.0, rtol=1e-5)
+    # and the directions of ordinary data are those of the unshifted float64 definition
+    acts = (rng.normal(size=(2, n, 16)) + 50.0).astype(np.float32)
+    a = acts.astype(np.float64)
+    u = a[:, labels == 0].mean(1) - a[:, labels == 1].mean(1)
+    want = np.stack([u / 2, -u / 2]) / np.linalg.norm(u / 2, axis=-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(mean_difference_directions(acts, labels)), want, atol=2e-5)
+
+
 def test_bad_inputs_are_named():
     acts, labels, groups = _data(E=2, G=3)
     with pytest.raises(ValueError, match="acts must be"):
