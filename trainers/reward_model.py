@@ -58,7 +58,11 @@ class RewardModel(nnx.Module):
 
     def __call__(self, tokens: jax.Array, mask: jax.Array) -> jax.Array:
         positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-        h = self.lm.backbone(tokens, positions, mask=mask).hidden[:, -1].astype(jnp.float32)  # left-padded
+        hidden = self.lm.backbone(tokens, positions, mask=mask).hidden
+        # the last real position of each row, left- or right-padded (the last column of a
+        # right-padded row is padding)
+        last = mask.shape[1] - 1 - jnp.argmax(mask[:, ::-1], axis=1)
+        h = hidden[jnp.arange(hidden.shape[0]), last].astype(jnp.float32)
         return self.head(h)[:, 0]
 
     def p_compliant(self, scores: jax.Array) -> jax.Array:
@@ -163,8 +167,16 @@ def train_reward_model(model: RewardModel, points: Sequence[tuple[str, bool]], p
     if not points or not pairs:
         raise ValueError("train_reward_model needs at least one point and one pair")
     tok = model.tokenizer
+    fits = _width(model, encode_prompts(tok, [p[0] for p in points] + [q for p in pairs for q in p]))
     if width is None:
-        width = _width(model, encode_prompts(tok, [p[0] for p in points] + [q for p in pairs for q in p]))
+        width = fits
+    elif isinstance(width, bool) or not isinstance(width, (int, np.integer)) or not 1 <= width <= model.lm.config.max_seq_len:
+        raise ValueError(f"width={width!r} is invalid: must be an int in [1, ModelConfig.max_seq_len="
+                         f"{model.lm.config.max_seq_len}]")
+    bad = [i for i, p in enumerate(points) if not (isinstance(p[1], (bool, np.bool_)) or p[1] in (0, 1))]
+    if bad:
+        raise ValueError(f"point {bad[0]} has label {points[bad[0]][1]!r}: a point's label is compliant or not "
+                         "(a bool, or 0 / 1)")
     pt_tokens, pt_mask = _encode(tok, [p[0] for p in points], width)
     labels = np.asarray([float(p[1]) for p in points], np.float32)
     ch_tokens, ch_mask = _encode(tok, [p[0] for p in pairs], width)
@@ -190,6 +202,8 @@ def train_reward_model(model: RewardModel, points: Sequence[tuple[str, bool]], p
 
 def score_texts(model: RewardModel, texts: Sequence[str], *, batch_size: int = 64) -> np.ndarray:
     """Scores ``[N]`` of texts, ``batch_size`` at a time."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} is invalid: must be an int >= 1")
     if not len(texts):
         return np.zeros(0, np.float32)
     width = _width(model, encode_prompts(model.tokenizer, texts))

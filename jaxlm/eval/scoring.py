@@ -59,6 +59,12 @@ def _check_candidates(model, candidates) -> np.ndarray:
     return cand
 
 
+def _check_batching(batch_size, bucket) -> None:
+    for name, v in (("batch_size", batch_size), ("bucket", bucket)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name}={v!r} is invalid: must be an int >= 1")
+
+
 def _left_pad(rows: list[list[int]], width: int, n_rows: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
     tokens = np.full((n_rows, width), pad, np.int32)
     mask = np.zeros((n_rows, width), bool)
@@ -76,6 +82,7 @@ def branched_candidate_logprobs(model, groups: Sequence[Sequence[str]] | Sequenc
     group's common token prefix computed once (module docstring). Every group has ``G``
     prompts; identical prompts are fine (each branch keeps at least its last token)."""
     cand = _check_candidates(model, candidates)
+    _check_batching(batch_size, bucket)
     if not len(groups):
         return np.zeros((0, 0, cand.size), np.float32)
     G = len(groups[0])
@@ -150,6 +157,7 @@ def candidate_logprobs(model, prompts: Sequence[str] | Sequence[Sequence[int]], 
     log-softmax, not renormalised). Prompts of any lengths are left-padded to a multiple of
     ``bucket`` and run ``batch_size`` at a time (one compilation per padded shape)."""
     cand = _check_candidates(model, candidates)
+    _check_batching(batch_size, bucket)
     tok = model.tokenizer
     ids = encode_prompts(tok, prompts, add_bos=add_bos)
     limit = model.config.max_seq_len

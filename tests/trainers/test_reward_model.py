@@ -49,6 +49,32 @@ def test_score_is_the_head_on_the_last_hidden_state(rm):
         assert s == pytest.approx(want, abs=1e-4)
 
 
+def test_right_padded_rows_are_scored_at_their_last_real_token(rm):
+    """The score reads the last real position whatever the padding side (a right-padded batch
+    was scored at its last pad column, and csrm_loss trained there)."""
+    texts = ["hello world", "a much longer second text"]
+    want = score_texts(rm, texts)
+    ids = [rm.tokenizer.encode(t, add_bos=True) for t in texts]
+    T = 32
+    tokens, mask = np.zeros((2, T), np.int32), np.zeros((2, T), bool)
+    for r, row in enumerate(ids):
+        tokens[r, :len(row)], mask[r, :len(row)] = row, True
+    np.testing.assert_allclose(np.asarray(rm(jnp.asarray(tokens), jnp.asarray(mask))), want, atol=1e-5)
+
+
+def test_training_inputs_are_checked(rm):
+    points, pairs = [("safe text", True), ("bad text", 0)], [("good", "bad")]
+    with pytest.raises(ValueError, match=r"width=200 is invalid: must be an int in \[1, ModelConfig.max_seq_len=96\]"):
+        train_reward_model(rm, points, pairs, RewardModelConfig(steps=1), width=200)
+    with pytest.raises(ValueError, match="text 0 has 101 tokens"):  # an explicit width no longer skips the check
+        train_reward_model(rm, [("x" * 100, True)], pairs, RewardModelConfig(steps=1), width=64)
+    with pytest.raises(ValueError, match="point 1 has label 2"):  # an unbounded BCE target
+        train_reward_model(rm, [("a", 1), ("b", 2)], pairs, RewardModelConfig(steps=1))
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match=f"batch_size={bad!r} is invalid"):
+            score_texts(rm, ["a"], batch_size=bad)
+
+
 def test_training_lowers_the_joint_loss(rm):
     base = safety.items(n=12)
     points, pairs = safety.augment(base, safety.all_configs(), per_item=2)
