@@ -64,9 +64,12 @@ def test_missing_model_directory(tmp_path, capsys):
     _fails(["eval", "--model", tmp_path / "nothing-here"], capsys, str(tmp_path / "nothing-here"), "does not exist")
     # the writing verbs name it before locking their output (the lock left empty parent directories)
     missing = tmp_path / "nothing-here"
+    requests = tmp_path.parent / f"{tmp_path.name}-requests.jsonl"
+    requests.write_text('{"prompt": "x", "target_new": " y"}\n')
     for argv in (["quantize", missing, "--out", tmp_path / "q" / "a" / "out"],
                  ["compress", missing, "--out", tmp_path / "k" / "a" / "out"],
-                 ["convert", missing, tmp_path / "c" / "a" / "out"]):
+                 ["convert", missing, tmp_path / "c" / "a" / "out"],
+                 ["edit", missing, "--requests", requests, "--method", "finetune", "--out", tmp_path / "e" / "a" / "out"]):
         _fails(argv, capsys, str(missing), "does not exist")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
@@ -186,6 +189,29 @@ def test_overwrite_refuses_a_training_run_in_progress(verb, checkpoint, tmp_path
     assert (out / "config.json").read_text() == "{}"
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["quantize", "--method", "twinquant", "--rank", "0"], "--rank 0.0 is invalid"),
+    (["quantize", "--method", "twinquant", "--rank", "-2"], "--rank -2.0 is invalid"),
+    (["quantize", "--calibration-n", "0"], "--calibration-n=0 is invalid: --method wush needs calibration"),
+    (["quantize", "--method", "rtn", "--inner", "gptq", "--calibration-n", "0"], "--inner gptq needs calibration"),
+    (["compress", "--calib", "0"], "--calib=0 is invalid: must be >= 1"),
+])
+def test_settings_the_method_cannot_use_are_refused_before_loading(checkpoint, tmp_path, capsys, argv, needle):
+    """They were refused only once the model was loaded and the transform had begun (progress
+    bars, then the error)."""
+    verb, rest = argv[0], argv[1:]
+    _fails([verb, checkpoint, "--out", tmp_path / "out", "--eval-n", "0", *rest], capsys, needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_logprobs_writes_only_jsonl(checkpoint, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n')
+    _fails(["logprobs", checkpoint, "--data", data, "--out", tmp_path / "scored.parquet"], capsys,
+           "writes a .jsonl file")
+    assert not (tmp_path / "scored.parquet").exists()
+
+
 def test_dtype_for_a_jaxlm_checkpoint_is_a_usage_error(checkpoint, capsys):
     _fails(["generate", "--model", checkpoint, "--prompt", "1+1=", "--dtype", "bfloat16"], capsys,
            "--dtype applies to HF directories", "jaxlm checkpoint")
@@ -225,6 +251,16 @@ def test_edit_refuses_to_replace_a_report_and_writes_strict_json(checkpoint, tmp
     _fails(["edit", checkpoint, "--requests", tmp_path / "requests.jsonl", "--report", report], capsys,
            "--report", "exists", "--overwrite")
     assert json.loads(report.read_text()) == {"precious": True}
+    # a report path that is a directory, or the requests file, is refused before the edit runs
+    # (a directory failed after the edit, the edited model already saved)
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"prompt": "x", "target_new": " y"}\n')
+    (tmp_path / "dir").mkdir()
+    _fails(["edit", checkpoint, "--requests", requests, "--method", "finetune", "--out", tmp_path / "edited",
+            "--report", tmp_path / "dir", "--overwrite"], capsys, "is a directory")
+    _fails(["edit", checkpoint, "--requests", requests, "--report", requests, "--overwrite"], capsys,
+           "--report and --requests name the same path")
+    assert not (tmp_path / "edited").exists()
     # an unmeasured metric (NaN) is written as null, which strict JSON parsers accept
     atomic_write_json(tmp_path / "sub" / "r.json", {"retention": float("nan"), "rows": [1.0, float("inf")]})
     strict = json.loads((tmp_path / "sub" / "r.json").read_text(),

@@ -97,6 +97,15 @@ def test_bad_input_names_the_file_line_argument_or_field(pair, tmp_path, capsys)
     (tmp_path / "taken").mkdir()
     _fails(base + prompts + ["--save-draft", str(tmp_path / "taken")], capsys, "exists; pass --overwrite")
     _fails(base + prompts + ["spec:osd", "--spec.chunk-size", "0"], capsys, "OnlineSpecConfig.chunk_size=0")
+    # two outputs on one path: the report overwrote the completions, exit 0
+    same = str(tmp_path / "same.json")
+    _fails(base + prompts + ["--completions", same, "--report", same], capsys,
+           "--completions and --report name the same path")
+    _fails(base + prompts + ["--report", str(root / "prompts.jsonl")], capsys, "--report and --prompts name the same")
+    _fails(base + prompts + ["--report", str(tmp_path / "taken")], capsys, "is a directory")
+    (tmp_path / "plain").write_text("x")  # an existing file cannot become the draft directory (found at the end)
+    _fails(base + prompts + ["--save-draft", str(tmp_path / "plain"), "--overwrite"], capsys, "is a file")
+    assert not (tmp_path / "same.json").exists()
     # a prompt too long for the models is found before any chunk is served (it failed after
     # serving and training on the chunks before it, writing nothing)
     long = tmp_path / "long.jsonl"

@@ -363,6 +363,20 @@ def _load(path: Path, **kwargs):
     return load_model(path, **kwargs)
 
 
+def _distinct_outputs(**paths: Path | None) -> None:
+    """The command's output flags name different files, none of them an input (two outputs
+    on one path: the second overwrote the first, which was lost)."""
+    seen: dict[Path, str] = {}
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        key = Path(path).resolve()
+        if key in seen:
+            raise UsageError(f"--{seen[key].replace('_', '-')} and --{flag.replace('_', '-')} name the same path "
+                             f"{path}: give each its own")
+        seen[key] = flag
+
+
 def run_generate(args: GenerateArgs) -> list[str]:
     import jaxlm
 
@@ -492,7 +506,7 @@ def run_quantize(args: QuantizeArgs):
     if args.rank is not None and args.method != "twinquant":
         raise UsageError(f"--rank applies to --method twinquant only (got --method {args.method})")
     rank = args.rank
-    if rank is not None and not math.isfinite(rank):
+    if rank is not None and (not math.isfinite(rank) or rank <= 0):
         raise UsageError(f"--rank {rank} is invalid: an integer >= 1 or a fraction in (0, 1)")
     if rank is not None and rank >= 1:
         if rank != int(rank):
@@ -501,6 +515,9 @@ def run_quantize(args: QuantizeArgs):
     for name in ("calibration_n", "eval_n"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 0")
+    if args.calibration_n == 0 and (args.method in ("wush", "twinquant") or args.inner == "gptq"):
+        needs = "--inner gptq" if args.inner == "gptq" else f"--method {args.method}"
+        raise UsageError(f"--calibration-n=0 is invalid: {needs} needs calibration texts")
     report = quantize_checkpoint(
         args.model, args.out, method=args.method, fmt=args.format, inner=args.inner,
         weights_only=args.weights_only, rank=rank, task=args.task, calibration_n=args.calibration_n,
@@ -520,9 +537,10 @@ def run_compress(args: CompressArgs):
                       qk_rope_refit=args.qk_rope_refit, qk_refit_rank=args.qk_refit_rank)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    for name in ("calib", "eval_n"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 0")
+    if args.calib < 1:
+        raise UsageError(f"--calib={args.calib} is invalid: must be >= 1 (A^3 needs calibration texts)")
+    if args.eval_n < 0:
+        raise UsageError(f"--eval-n={args.eval_n} is invalid: must be >= 0")
     report = compress_checkpoint(args.model, args.out, method=args.method, a3=a3, task=args.task,
                                  calibration_n=args.calib, eval_n=args.eval_n, overwrite=args.overwrite,
                                  overwrite_hint=_OVERWRITE_HINT, progress=True)
@@ -537,6 +555,9 @@ def run_edit(args: EditArgs) -> dict:
         raise UsageError("--out saves one edited model: pick one --method, not all")
     if args.report is not None and args.report.exists() and not args.overwrite:
         raise UsageError(f"--report {args.report} exists; {_OVERWRITE_HINT}")
+    _distinct_outputs(report=args.report, out=args.out, requests=args.requests)
+    if args.report is not None and args.report.is_dir():  # found only after the edit, the model saved
+        raise UsageError(f"--report {args.report} is a directory: name the JSON file to write")
     report, runs = edit_checkpoint(
         args.model, args.requests, method=args.method, batches=args.batches, corpus=args.corpus,
         corpus_size=args.corpus_size, capability=args.capability, capability_n=args.capability_n,
@@ -557,6 +578,15 @@ def run_edit(args: EditArgs) -> dict:
 
 def run_serve_stream(args: ServeStreamArgs):
     from trainers.serve_stream import serve_prompt_file
+
+    _distinct_outputs(completions=args.completions, report=args.report, save_draft=args.save_draft,
+                      prompts=args.prompts)
+    for flag in ("completions", "report"):
+        path = getattr(args, flag)
+        if path is not None and path.is_dir():
+            raise UsageError(f"--{flag} {path} is a directory: name the file to write")
+    if args.save_draft is not None and args.save_draft.exists() and not args.save_draft.is_dir():
+        raise UsageError(f"--save-draft {args.save_draft} is a file: name a directory for the draft checkpoint")
 
     spec = args.spec
     print(f"serving {args.prompts} in chunks of {spec.chunk_size}, draft adapted by {spec.method}; "
@@ -580,6 +610,9 @@ def run_serve_stream(args: ServeStreamArgs):
 
 def run_logprobs(args: LogprobsArgs) -> Path:
     from trainers.annotate import annotate_file
+
+    if args.out.suffix != ".jsonl":  # before the model is loaded
+        raise UsageError(f"--out {args.out}: `jaxlm logprobs` writes a .jsonl file")
 
     out = annotate_file(_load(args.model), args.data, args.out, as_=args.as_, top_k=args.top_k,
                         batch_size=args.batch_size, overwrite=args.overwrite)

@@ -111,8 +111,9 @@ def compress_checkpoint(
     so it may be the input directory itself."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} is invalid: must be one of {METHODS}")
-    if isinstance(calibration_n, bool) or not isinstance(calibration_n, int) or calibration_n < 0:
-        raise ValueError(f"calibration_n={calibration_n!r} is invalid: must be an int >= 0")
+    if isinstance(calibration_n, bool) or not isinstance(calibration_n, int) or calibration_n < 1:
+        raise ValueError(f"calibration_n={calibration_n!r} is invalid: must be an int >= 1 (A^3's closed forms "
+                         "need calibration texts)")
     task = Arithmetic() if task is None else task
     run = transform_checkpoint(
         model, out, lambda m: compress_with(m, method, task_texts(task, calibration_n), a3), task=task, eval_n=eval_n,

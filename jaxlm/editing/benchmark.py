@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxlm.checkpoint import load_model, save_checkpoint
+from jaxlm.checkpoint import _check_source_exists, load_model, save_checkpoint
 from jaxlm.data.facts import FactWorld, check_request, read_requests
 from jaxlm.data.tasks import Arithmetic
 from jaxlm.editing.crispedit import GradientEditConfig, sequential_edit
@@ -151,6 +151,7 @@ def edit_checkpoint(
             raise ValueError("requests is empty: give at least one edit request")
     corpus = FactWorld() if corpus is None else corpus
     capability = Arithmetic() if capability is None else capability
+    _check_source_exists(model)  # before the lock, which creates the output's parent directories
     lock = DirectoryLock(out, beside=True, what="edited model being written") if out is not None else None
     with lock or contextlib.nullcontext():
         if out is not None and Path(out).exists() and not overwrite:

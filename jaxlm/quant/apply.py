@@ -5,6 +5,7 @@ calibration_texts)`` -> a new model (the quickstart's stage), and
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Sequence
@@ -116,6 +117,12 @@ def quantize_checkpoint(
         raise ValueError(f"rank applies to method twinquant only (got method={method!r})")
     if isinstance(calibration_n, bool) or not isinstance(calibration_n, int) or calibration_n < 0:
         raise ValueError(f"calibration_n={calibration_n!r} is invalid: must be an int >= 0")
+    # before anything is loaded: these failed only once the transform had started
+    if calibration_n == 0 and (method in ("wush", "twinquant") or inner == "gptq"):
+        needs = f"inner={inner!r}" if inner == "gptq" else f"method={method!r}"
+        raise ValueError(f"calibration_n=0 is invalid: {needs} needs calibration texts (inputs of each layer)")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, float)) or not 0 < rank < math.inf):
+        raise ValueError(f"rank={rank!r} is invalid: an integer >= 1 or a fraction in (0, 1)")
     task = Arithmetic() if task is None else task
     run = transform_checkpoint(
         model, out,
