@@ -204,6 +204,20 @@ def test_settings_the_method_cannot_use_are_refused_before_loading(checkpoint, t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("argv, needles", [
+    # a nested section's own check: tyro's panel named it "__tyro-dummy-inner__.gradient"
+    (["edit", "MODEL", "--requests", "r.jsonl", "--gradient.epochs", "0"],
+     ("--gradient: epochs=0 is invalid", "see jaxlm edit --help")),
+    (["eval", "--model", "m", "source:countdown", "--source.n-numbers", "0"], ("--source:", "n_numbers=0")),
+    (["generate", "--model", "m", "--max-new-tokens", "abc"], ("--max-new-tokens: invalid literal", "Tokens to generate")),
+    (["generate", "--model", "m", "--max-new-tokenz", "3"], ("unrecognized option(s): --max-new-tokenz", "closest: --max-new-tokens")),
+    (["judge"], ("missing MODEL, --pairs, --out (required by jaxlm judge)",)),
+])
+def test_parse_errors_are_one_or_two_lines(capsys, argv, needles):
+    """tyro's boxed panels (5-10 lines, its internal names) in the CLI's one- or two-line form."""
+    _fails(argv, capsys, *needles, absent=("Traceback", "__tyro", "╭", "│"))
+
+
 def test_logprobs_writes_only_jsonl(checkpoint, tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "a", "completion": "b"}\n')

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -691,12 +693,29 @@ def _config_help(argv: list[str]) -> bool:
 
 def _parse(union, argv: list[str]):
     """tyro's parse; its help text (``-h``) printed without reStructuredText markup."""
+    import contextlib
+    import io
+
     kwargs = dict(args=argv, prog="jaxlm",
                   description="jaxlm: train, evaluate, decode, serve, convert, quantize, compress and edit models.")
     if not {"-h", "--help"} & set(argv):
-        return tyro.cli(union, **kwargs)
-    import contextlib
-    import io
+        err = io.StringIO()
+        columns = os.environ.get("COLUMNS")
+        os.environ["COLUMNS"] = "400"  # tyro's messages one line each
+        try:
+            with contextlib.redirect_stderr(err):
+                return tyro.cli(union, **kwargs)
+        except SystemExit as e:
+            if e.code in (0, None):
+                raise
+            verb = next((a for a in argv if a in VERBS), None)
+            print(f"jaxlm: error: {_usage_error(err.getvalue(), verb)}", file=sys.stderr)
+            raise SystemExit(2) from None
+        finally:
+            if columns is None:
+                os.environ.pop("COLUMNS", None)
+            else:
+                os.environ["COLUMNS"] = columns
 
     from trainers.config_help import plain
 
@@ -706,6 +725,43 @@ def _parse(union, argv: list[str]):
             return tyro.cli(union, **kwargs)
     finally:
         sys.stdout.write(plain(text.getvalue()))
+
+
+def _usage_error(text: str, verb: str | None) -> str:
+    """tyro's boxed parse error as at most two lines in the command's terms (its own
+    ``__tyro-dummy-inner__`` name for a nested section becomes the section's flag)."""
+    rule = set("─-━═ ")
+    raw = [line.strip().strip("│").strip() for line in text.splitlines()]
+    lines = []
+    for i, line in enumerate(raw):
+        if not line or line[0] in "╭╰" or set(line) <= rule or line.startswith(("For full helptext", "jaxlm ")) \
+                or "--help" in line:
+            continue
+        if not any(raw[:i]) and i + 1 < len(raw) and raw[i + 1] and set(raw[i + 1]) <= rule:
+            continue  # without a box (not a terminal), the title is the first line, above a rule
+        lines.append(line)
+    help_hint = f"see jaxlm {verb} --help" if verb else "see jaxlm --help"
+    if not lines:
+        return help_hint
+    first, rest = lines[0], lines[1:]
+    nested = re.match(r"Error parsing __tyro[\w-]*\.([\w.]+): (.*)", first)
+    flag = re.match(r"Error parsing (--[\w.-]+): (.*)", first)
+    if nested:
+        first = f"--{nested.group(1).replace('_', '-')}: {nested.group(2)}"
+    elif flag:
+        first = f"{flag.group(1)}: {flag.group(2)}"
+        about = [line for line in rest if not line.startswith("Argument helptext")]
+        if about:
+            return first + "\n" + " ".join(about)[:200]
+    elif first.startswith("Unrecognized options:"):
+        first = "unrecognized option(s): " + first[len("Unrecognized options:"):].strip()
+        close = [line.split()[0] for line in rest if line.startswith("--")]
+        if close:
+            return first + "\nclosest: " + ", ".join(close)
+    elif first.startswith("Missing from"):
+        needed = [line.split()[0] for line in rest if not line.endswith("(required)")]  # names, not helptexts
+        first = f"missing {', '.join(needed) or 'arguments'} (required by {first[len('Missing from '):].rstrip(':')})"
+    return first + "\n" + help_hint
 
 
 VERBS = {
