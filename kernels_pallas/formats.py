@@ -207,10 +207,24 @@ def e4m3_block_scale(ratio: jax.Array) -> jax.Array:
 
 
 def decode_scales(scales: jax.Array, kind: str) -> jax.Array:
-    """Stored block scales -> float32 multipliers (``e8m0`` bytes, ``e4m3`` or float)."""
+    """Stored block scales -> float32 multipliers (``e8m0`` bytes, ``e4m3`` or float). E8M0's
+    smallest scale, ``2^-127``, is subnormal: multiplying by it flushes to zero on XLA:CPU, so
+    decoders apply scales with `apply_scales`."""
     if kind == "e8m0":
         return e8m0_decode(scales)
     return scales.astype(jnp.float32)
+
+
+def apply_scales(vals: jax.Array, scales: jax.Array, kind: str) -> jax.Array:
+    """``vals * decode_scales(scales, kind)`` (broadcasting), with an E8M0 scale applied as two
+    normal powers of two (as `times_pow2`): a block whose scale byte is 0 (amax about 1e-38, a
+    normal float32) decoded to zeros through the subnormal ``2^-127``."""
+    if kind == "e8m0":
+        byte = scales.astype(jnp.int32)
+        e = jnp.minimum(byte, 254) - 127
+        half = jnp.right_shift(e, 1)  # floor(e / 2) in shifts and adds only (kernels run this too)
+        return jnp.where(byte == 255, jnp.float32(jnp.nan), vals * pow2(half) * pow2(e - half))
+    return vals * scales.astype(jnp.float32)
 
 
 def expand_rows(s: jax.Array, rows_per_scale: int) -> jax.Array:
@@ -223,5 +237,5 @@ def dequantize_packed_rows(packed: jax.Array, scales: jax.Array, *, element: str
     """Packed codes ``[K/2, N]`` (even row k in the low nibble) and scales ``[K/block, N]`` ->
     the even-row and odd-row weights ``[K/2, N]`` each, float32 (global scale not applied)."""
     decode = DECODERS[element]
-    s = expand_rows(decode_scales(scales, scale_kind), block // 2)
-    return decode(packed & 0xF) * s, decode(packed >> 4) * s
+    s = expand_rows(scales, block // 2)
+    return apply_scales(decode(packed & 0xF), s, scale_kind), apply_scales(decode(packed >> 4), s, scale_kind)

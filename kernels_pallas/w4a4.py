@@ -16,17 +16,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas import w4a16
-from kernels_pallas.formats import DECODERS, decode_scales, dequantize_packed_rows
+from kernels_pallas.formats import DECODERS, apply_scales, dequantize_packed_rows
 
 
 def _dequantize_packed_cols(codes, scales, *, element, block, scale_kind):
     """Activation codes ``[M, K/2]`` (even k low nibble), scales ``[M, K/block]`` ->
     even-column and odd-column values ``[M, K/2]`` each (float32)."""
     decode = DECODERS[element]
-    s = decode_scales(scales, scale_kind)
-    M, nb = s.shape
-    s = jnp.broadcast_to(s[:, :, None], (M, nb, block // 2)).reshape(M, nb * block // 2)
-    return decode(codes & 0xF) * s, decode(codes >> 4) * s
+    M, nb = scales.shape
+    s = jnp.broadcast_to(scales[:, :, None], (M, nb, block // 2)).reshape(M, nb * block // 2)
+    return apply_scales(decode(codes & 0xF), s, scale_kind), apply_scales(decode(codes >> 4), s, scale_kind)
 
 
 def reference(xc, xs, xg, wc, ws, wg, *, x_fmt, w_fmt, alpha=1.0, compute_dtype=jnp.bfloat16, out_dtype=jnp.float32):

@@ -54,8 +54,8 @@ def flat_params(model: Transformer) -> dict[str, jax.Array]:
         value = var.get_value()
         if config.scan_layers and name.startswith("layers."):
             rest = name[len("layers."):]
-            for i in range(config.n_layers):
-                out[f"layers.{i}.{rest}"] = value[i]
+            for i in range(config.n_layers):  # a structured weight (QArray) is sliced leaf by leaf, as scan does
+                out[f"layers.{i}.{rest}"] = jax.tree.map(lambda a, i=i: a[i], value)
         else:
             out[name] = value
     return out

@@ -211,14 +211,18 @@ def quantize(x: jax.Array, fmt: str | QFormat, *, axis: int = -2, global_scale=N
         codes = F.ENCODERS[fmt.element](v)
         scales = s
     elif fmt.element == "int4":
-        s = jnp.minimum(amax / 7.0, F16_MAX).astype(jnp.float16)  # saturate, never an inf scale
+        # saturate a finite amax, never an inf scale; a block holding inf or NaN gets a NaN scale
+        # and decodes to NaN, as MXFP4 / NVFP4 blocks do (clamped, the inf read as a finite number)
+        s = jnp.where(jnp.isfinite(amax), jnp.minimum(amax / 7.0, F16_MAX), jnp.nan).astype(jnp.float16)
         s32 = s.astype(jnp.float32)
         v = jnp.where(s32[..., None] > 0, xb / jnp.where(s32 > 0, s32, 1.0)[..., None], 0.0)
         codes = F.int4_encode(v)
         scales = s
     elif fmt.element == "int4m":  # RMS-scaled midrise (WUSH): s = c_4 * 2/15 * rms(x_g)
         rms = jnp.sqrt(jnp.mean(jnp.square(xb), axis=-1))
-        s = jnp.minimum(INT4_RMS_C * 2.0 / 15.0 * rms, F16_MAX).astype(jnp.float16)
+        finite = jnp.all(jnp.isfinite(xb), axis=-1)  # not isfinite(rms): x^2 of a finite 1e20 overflows
+        s = jnp.where(finite, jnp.minimum(INT4_RMS_C * 2.0 / 15.0 * rms, F16_MAX), jnp.nan)
+        s = s.astype(jnp.float16)
         s32 = s.astype(jnp.float32)
         v = jnp.where(s32[..., None] > 0, xb / jnp.where(s32 > 0, s32, 1.0)[..., None], 0.0)
         codes = F.int4m_encode(v)
@@ -237,9 +241,10 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     codes = F.unpack_nibbles(jnp.moveaxis(q.codes, q.axis, -1), axis=-1)
     vals = F.DECODERS[fmt.element](codes)
     vals = vals.reshape(*vals.shape[:-1], vals.shape[-1] // fmt.block, fmt.block)  # explicit: empty arrays
-    s = F.decode_scales(jnp.moveaxis(q.scales, q.axis, -1), fmt.scale_kind)
+    s = jnp.moveaxis(q.scales, q.axis, -1)
     g = jnp.moveaxis(q.global_scale, q.axis, -1)
-    out = (vals * s[..., None]).reshape(*vals.shape[:-2], vals.shape[-2] * fmt.block) * g * fmt.alpha
+    out = F.apply_scales(vals, s[..., None], fmt.scale_kind)
+    out = out.reshape(*vals.shape[:-2], vals.shape[-2] * fmt.block) * g * fmt.alpha
     dtype = jnp.dtype(dtype or q.dtype)
     if jnp.issubdtype(dtype, jnp.floating):  # a value rounded up past the dtype's range saturates
         top = float(jnp.finfo(dtype).max)

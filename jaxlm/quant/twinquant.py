@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +123,11 @@ class TwinQuantConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}={v!r} is invalid: must be a positive int")
+        for name in ("lr_subspace", "lr_transform"):  # NaN / inf gave all-NaN weights, < 0 ascent
+            v = getattr(self, name)
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real) or not 0 < v < math.inf:
+                raise ValueError(f"TwinQuantConfig.{name}={v!r} is invalid: must be a finite number > 0")
+            object.__setattr__(self, name, float(v))  # a static argument of the compiled loop
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "act", "steps", "batch", "lr_P", "lr_T"))

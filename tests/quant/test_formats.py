@@ -212,6 +212,20 @@ def test_mxfp4_block_with_nan_or_inf_decodes_to_nan(rule):
     assert np.isnan(np.asarray(F.e8m0_decode(jnp.asarray([255], jnp.uint8)))).all()
 
 
+@pytest.mark.parametrize("fmt", ["int4:group=32", "int4:group=32,scale=rms"])
+def test_int4_group_with_nan_or_inf_decodes_to_nan(fmt):
+    """As MXFP4 / NVFP4: a group holding inf or NaN decodes to NaN and its neighbours are
+    untouched (an inf was clamped into a finite scale: the group read [458528, 0, 0, ...]);
+    a huge finite group still saturates to finite values."""
+    w = np.ones((3, 64), np.float32)
+    w[0, 3], w[1, 40], w[2, 0] = np.inf, np.nan, 1e20
+    d = np.asarray(Q.dequantize(Q.quantize(jnp.asarray(w), fmt, axis=-1)))
+    assert np.isnan(d[0, :32]).all() and np.isnan(d[1, 32:]).all()
+    assert np.isfinite(d[0, 32:]).all() and np.isfinite(d[1, :32]).all() and np.isfinite(d[2]).all()
+    np.testing.assert_allclose(d[0, 32:], 1.0, rtol=0.2)
+    assert d[2, 0] > 1e4  # saturated at float16's range, finite
+
+
 @pytest.mark.parametrize("amax", [1e-35, 3e-36, 1e-37])
 def test_nvfp4_of_a_tiny_finite_tensor_stays_finite(amax):
     """Below ~3e-35 the tensor scale amax / 2688 is subnormal and XLA:CPU flushes it to 0: every
@@ -269,6 +283,31 @@ def test_mxfp4_near_the_dtypes_maximum_saturates(rule):
     d32 = np.asarray(Q.dequantize(Q.quantize(x32, Q.mxfp4(rule), axis=-1)))
     assert np.isfinite(d32).all() and d32[0, 0] >= 2e38 and d32[0, 1] <= -1e38
     np.testing.assert_allclose(d32[0, 2:], 5e37, rtol=0.5)  # not flushed to zero
+
+
+@pytest.mark.parametrize("rule", ["ocp", "ceil"])
+def test_mxfp4_at_the_smallest_scale_decodes_its_normal_values(rule):
+    """A block of amax ~3e-38 (normal float32) gets E8M0 byte 0, scale 2^-127, which is
+    subnormal: multiplied by it, the block decoded to zeros on CPU (dense dequantize and the
+    W4A16 reference both). Codes times 2^-127 that are normal floats must come back as the OCP
+    definition gives them (those that are subnormal themselves flush, as any float32 math on
+    this backend does)."""
+    from jaxlm.quant.linear import quantized_linear
+
+    w = np.full((1, 32), 1e-38, np.float32)
+    w[0, 0], w[0, 1] = 3e-38, -3e-38
+    q = Q.quantize(jnp.asarray(w), Q.mxfp4(rule), axis=-1)
+    assert int(np.asarray(q.scales).ravel()[0]) == 0
+    x = w.astype(np.float64)  # OCP: e = floor(log2(amax)) - 2, clamped to E8M0's range
+    e = max(np.floor(np.log2(np.abs(x).max())) - 2, -127)
+    ref = (np.clip(x / 2.0 ** e, -6, 6).astype(np.float32).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
+           * 2.0 ** e)
+    normal = np.abs(ref) >= np.finfo(np.float32).tiny
+    d = np.asarray(Q.dequantize(q), np.float64)
+    assert normal[0, :2].all()
+    np.testing.assert_array_equal(d[normal], ref[normal].astype(np.float32))
+    y = quantized_linear(jnp.asarray([[1.0, -1.0] + [0.0] * 30], jnp.float32), Q.quantize(jnp.asarray(w.T), Q.mxfp4(rule), axis=-2))
+    assert float(np.asarray(y)[0, 0]) == pytest.approx(2 * ref[0, 0], rel=1e-6)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "e1m2"])

@@ -74,6 +74,13 @@ def test_scanned_model_quantizes_per_layer():
     assert q.global_scale.shape == (cfg.n_layers, 1, 1)  # one tensor scale per layer
     unrolled = Q.quantize_model(jaxlm.models.params.model_from_flat(CFG32, jaxlm.models.params.flat_params(model)), RECIPES["nvfp4"])
     np.testing.assert_allclose(np.asarray(qmodel(TOKENS).logits), np.asarray(unrolled(TOKENS).logits), atol=1e-5)
+    # the flat view of the scanned quantized model holds each layer's QArray (indexing the
+    # stacked QArray raised "'QArray' object is not subscriptable"), equal to the unrolled one
+    flat, per_layer = jaxlm.models.params.flat_params(qmodel), jaxlm.models.params.flat_params(unrolled)
+    for i in range(cfg.n_layers):
+        got, want = flat[f"layers.{i}.mlp.up_proj.kernel"], per_layer[f"layers.{i}.mlp.up_proj.kernel"]
+        assert isinstance(got, Q.QArray) and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got.dequantize()), np.asarray(want.dequantize()))
 
 
 def test_gradients_flow_through_quantized_weights(model):

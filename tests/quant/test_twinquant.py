@@ -82,6 +82,12 @@ def test_bad_config_is_named():
     assert _resolve_rank(0.75, 64, 32) == 32 and _resolve_rank(0.995, 64) == 63 and _resolve_rank(0.5, 64, 32) == 32
     with pytest.raises(ValueError, match="init_transform='qr'"):
         TwinQuantConfig(init_transform="qr")
+    # learning rates: NaN / inf returned all-NaN weights with no error, a negative one ascended
+    for field, bad in (("lr_subspace", float("nan")), ("lr_transform", float("inf")), ("lr_transform", -1.0),
+                       ("lr_subspace", 0.0), ("lr_subspace", True)):
+        with pytest.raises(ValueError, match=f"TwinQuantConfig.{field}={bad!r} is invalid"):
+            TwinQuantConfig(**{field: bad})
+    assert TwinQuantConfig(lr_subspace=np.float32(0.5)).lr_subspace == 0.5
     # no calibration rows: NaN losses and zero gradients returned the untrained start silently
     with pytest.raises(ValueError, match=r"X_calib must be \[N >= 1, C = 64\]"):
         twinquant(np.ones((64, 32), np.float32), np.zeros((0, 64), np.float32), "mxfp4", TwinQuantConfig(rank=8))
