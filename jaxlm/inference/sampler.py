@@ -29,7 +29,13 @@ from jaxlm.dtypes import optional_dtype_name
 from jaxlm.inference.beam_search import beam_search_tokens, check_beam_settings
 from jaxlm.inference.cache import KVCache, batch_axis
 from jaxlm.inference.early_exit import ExitWindow, early_exit_generate_tokens
-from jaxlm.inference.grammar.decoding import DeviceGrammar, advance, mask_logits, merge_tables
+from jaxlm.inference.grammar.decoding import (
+    DeviceGrammar,
+    advance,
+    check_stop_tokens,
+    mask_logits,
+    merge_tables,
+)
 from jaxlm.inference.grammar.tables import BITMASK_LIMIT
 from jaxlm.inference.logits_processors import LogitsProcessor, Temperature, TopK, TopP, compose
 from jaxlm.inference.sampling import _select, categorical_and_logsumexp, sample_categorical  # noqa: F401
@@ -394,8 +400,9 @@ def generate(
       inside the window through a proxy head; ``exit_layers`` reports the layers each ran.
     grammar: a `jaxlm.inference.grammar.CompiledGrammar` for every row, or a list with one
       per prompt (None: that row is free). Tokens the grammar does not allow are masked
-      before the processors; a stop token is allowed only where the grammar is complete; a
-      row whose grammar is complete stops. The grammar's state lives in the decode loop.
+      before the processors; a stop token is allowed only where the grammar is complete (one
+      the grammar reads as text before it is complete is refused); a row whose grammar is
+      complete stops. The grammar's state lives in the decode loop.
     decode_segments: run the decode loop as this many consecutive loops over a growing KV
       cache, so each step's attention reads only the slots reachable so far (None: chosen
       from the cache's size, `auto_decode_segments`; 1: one loop over the full cache). The
@@ -520,6 +527,7 @@ def generate(
         rows = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * B
         if len(rows) != B:
             raise ValueError(f"grammar= has {len(rows)} entries for {B} prompts: pass one grammar or one per prompt")
+        check_stop_tokens(rows, stop_tokens)
         device_grammar, starts = merge_tables(rows, config.vocab_size, BITMASK_LIMIT)
         grammar_kw = dict(grammar=device_grammar, grammar_start=jnp.asarray(starts))
     if num_beams > 1:

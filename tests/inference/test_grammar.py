@@ -536,6 +536,21 @@ def test_grammar_stops_where_generate_stops_and_needs_compiling(random_model):
             jaxlm.generate(random_model, ["x"], max_new_tokens=2, grammar=raw)
 
 
+def test_a_stop_token_the_grammar_reads_as_text_is_refused(random_model):
+    """generate's stop token " " inside a grammar of space-separated words: rows stopped at
+    the first space, reported finished, their text outside the grammar (16 of 16). A stop
+    token the grammar allows only where it is complete is fine."""
+    tok = jaxlm.ByteTokenizer()
+    words = compile_regex("[a-z]{1,3}( [a-z]{1,3}){3}", tok, cache_dir=None)
+    space = tok.encode(" ")[0]
+    with pytest.raises(ValueError, match=rf"stop_tokens holds {space}, which grammar\[1\] allows as text"):
+        jaxlm.generate(random_model, ["x", "y"], max_new_tokens=4, grammar=[None, words], stop_tokens=[space])
+    line = compile_regex("[a-z]+\n?", tok, cache_dir=None)  # "\n" only where the text is complete
+    newline = tok.encode("\n")[0]
+    out = jaxlm.generate(random_model, ["x"], max_new_tokens=4, grammar=line, stop_tokens=[newline, tok.eos_id])
+    assert out.texts[0].rstrip("\n").isalpha()
+
+
 def test_tables_are_cached_by_grammar_and_tokenizer(tmp_path):
     tok = jaxlm.ByteTokenizer()
     first = compile_json_schema(OBJECT, tok, cache_dir=tmp_path)

@@ -79,6 +79,27 @@ def _one(x, i: int = 0):
     return x.tables
 
 
+def check_stop_tokens(grammars: Sequence, stop_tokens: Sequence[int]) -> None:
+    """A decode stop token that a row's grammar allows as ordinary text before it is complete
+    would end that row outside the grammar's language (a space stopping a sentence grammar
+    mid-word): refused, naming the token and the grammar's own stop tokens."""
+    seen = set()
+    for i, g in enumerate(grammars):
+        t = _one(g, i)
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        for tok in stop_tokens:
+            if tok in t.stop_tokens or not 0 <= tok < t.category.shape[0]:
+                continue
+            col = t.next[:, t.category[tok]]
+            if np.any((col >= 0) & ~t.accepting):
+                raise ValueError(
+                    f"stop_tokens holds {tok}, which grammar[{i}] allows as text before its output is complete "
+                    f"(its stop tokens are {list(t.stop_tokens)}): a row would stop outside the grammar; compile the "
+                    "grammar with this stop token (stop_tokens=) or leave it out of generate's stop_tokens")
+
+
 _MERGED: "OrderedDict[tuple, tuple]" = OrderedDict()  # recent merges: (key) -> (tables kept alive, result)
 _MERGED_SIZE = 16
 
