@@ -126,7 +126,8 @@ def star(item) -> Repeat:
 
 
 def _encode(cp: int) -> list[int]:
-    """UTF-8 bytes of a code point (surrogates included, as raw three-byte sequences)."""
+    """UTF-8 bytes of a code point (a surrogate's raw three-byte form, never produced: see
+    `utf8_sequences`)."""
     if cp < 0x80:
         return [cp]
     if cp < 0x800:
@@ -138,7 +139,11 @@ def _encode(cp: int) -> list[int]:
 
 def utf8_sequences(lo: int, hi: int) -> list[list[tuple[int, int]]]:
     """Byte-range sequences whose concatenations are exactly the UTF-8 encodings of the code
-    points ``lo..hi``."""
+    points ``lo..hi``, less the surrogates U+D800..U+DFFF, which have no UTF-8 encoding (their
+    raw three-byte forms, which XGrammar 0.2.9 accepts, are not UTF-8: a JSON string holding one
+    does not decode, and counts as several characters once replaced)."""
+    if lo <= 0xDFFF and hi >= 0xD800:
+        return (utf8_sequences(lo, 0xD7FF) if lo < 0xD800 else []) + (utf8_sequences(0xE000, hi) if hi > 0xDFFF else [])
     for bound in (0x7F, 0x7FF, 0xFFFF):
         if lo <= bound < hi:
             return utf8_sequences(lo, bound) + utf8_sequences(bound + 1, hi)
