@@ -66,7 +66,7 @@ class Polarity(Task):
         return " ".join(w if w is not None else next(it) for w in slots) + " ="
 
     def verify(self, example, completion):
-        return float(completion.strip() == self.labels[example["label"]])
+        return float(completion.strip() == self.labels[example["label"]].strip())  # a label may carry spaces
 
     def chance_accuracy(self):
         return 0.5

@@ -31,6 +31,9 @@ def test_polarity_task():
     assert task.chance_accuracy() == 0.5
     with pytest.raises(ValueError, match="polarity.min_cues=0, max_cues=2 are invalid"):
         Polarity(min_cues=0)
+    spaced = Polarity(labels=("pos", "neg "))  # labels may carry spaces: verify reads them stripped
+    for ex in (spaced.example(i) for i in range(20)):
+        assert spaced.verify(ex, ex["completion"]) == 1.0 and spaced.verify(ex, spaced.labels[1 - ex["label"]]) == 0.0
     with pytest.raises(ValueError, match="polarity.labels=.*different first characters"):
         Polarity(labels=("yes", "yeah"))
 
