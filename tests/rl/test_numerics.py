@@ -305,3 +305,13 @@ def test_combined_rewards_skip_nan_and_refuse_infinite_values():
 
     with pytest.raises(ValueError, match="reward function 'infinite' returned inf for rollout 0"):
         combine_rewards([first, infinite], [1.0, 0.0], ["p"] * 4, ["c"] * 4)
+
+    def grouped(prompts, completions, **_):  # [B, G]: broadcast against the weights, mis-weighted
+        return np.asarray([[1.0, 0.0], [0.0, 1.0]])
+
+    def short(prompts, completions, **_):
+        return np.asarray([1.0, 0.0, 1.0])
+
+    for fn, shape in ((grouped, r"\(2, 2\)"), (short, r"\(3,\)")):
+        with pytest.raises(ValueError, match=rf"reward function '{fn.__name__}' returned shape {shape}: .* shape \(4,\)"):
+            combine_rewards([first, fn], [1.0, 0.0], ["p"] * 4, ["c"] * 4)

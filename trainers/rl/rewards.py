@@ -43,7 +43,15 @@ def combine_rewards(fns: Sequence[Callable], weights: Sequence[float], prompts, 
     """``sum_k w_k r_k`` with NaN entries skipped (all-NaN -> NaN: "no opinion") and the
     per-function values. An infinite reward is an error naming the reward function (it would
     turn its whole group's advantages into NaN); a function of weight 0 does not count."""
-    parts = np.stack([np.asarray(f(prompts, completions, **columns), np.float32) for f in fns])
+    values = []
+    for f in fns:
+        v = np.asarray(f(prompts, completions, **columns), np.float32)
+        if v.shape != (len(completions),):  # a [B, G] array broadcast against the weights mis-weighted
+            name = getattr(f, "__name__", repr(f))
+            raise ValueError(f"reward function {name!r} returned shape {v.shape}: a reward is one number per "
+                             f"rollout, shape ({len(completions)},)")
+        values.append(v)
+    parts = np.stack(values)
     bad = np.argwhere(np.isinf(parts))
     if bad.size:
         k, i = (int(v) for v in bad[0])
