@@ -37,7 +37,7 @@ from flax import nnx
 from jaxlm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from jaxlm.eval.scoring import encode_prompts
 from jaxlm.fileio import atomic_directory, read_json
-from trainers.rl.rewards import REWARDS
+from trainers.rl.rewards import REWARDS, question_and_answer
 
 HEAD_FILE = "head.safetensors"
 META_FILE = "reward_model.json"
@@ -285,8 +285,9 @@ REWARD_MODEL_OUTPUTS = ("score", "probability")
 
 
 @REWARDS.register("reward_model")
-def reward_model_reward(prompts, completions, *, config=None, **_) -> np.ndarray:
-    """A trained reward model's judgment of ``prompt + completion``: the raw score ``s``
+def reward_model_reward(prompts, completions, *, config=None, examples=None, **_) -> np.ndarray:
+    """A trained reward model's judgment of ``prompt + completion`` (an example's prefix, e.g.
+    CAMEL's forced verdict, read as the policy read it, before the completion): the raw score ``s``
     (``config.reward_model_output="score"``) or ``sigmoid(s - b)`` ("probability", CSRM's
     calibrated P(compliant)). The model is read once per directory (and again if the directory
     is rewritten) and kept."""
@@ -301,7 +302,8 @@ def reward_model_reward(prompts, completions, *, config=None, **_) -> np.ndarray
     if not Path(path).is_dir():
         raise ValueError(f"GRPOConfig.reward_model={path!r} is not a directory (write one with save_reward_model)")
     model = _cached_reward_model(path, directory_stamp(path))
-    scores = score_texts(model, [p + c for p, c in zip(prompts, completions)])
+    questions, answers = question_and_answer(prompts, completions, examples)
+    scores = score_texts(model, [q + a for q, a in zip(questions, answers)])
     if output == "score":
         return scores.astype(np.float32)
     return np.asarray(model.p_compliant(jnp.asarray(scores)), np.float32)

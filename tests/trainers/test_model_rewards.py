@@ -82,6 +82,12 @@ def test_reward_model_reward_is_the_calibrated_score(saved):
     raw = REWARDS["reward_model"](PROMPTS, COMPLETIONS, config=dataclasses.replace(cfg, reward_model_output="score"))
     np.testing.assert_allclose(raw, want, atol=1e-4)
     assert got.dtype == np.float32 and got.shape == (3,)
+    # an example's prefix is read where the policy read it, before the completion, whether the
+    # collector's prompt text holds it (PrefixRL) or not (CAMEL's forced verdict was dropped)
+    cut = [dict(prefix=c[:2]) for c in COMPLETIONS]
+    rest = [c[2:] for c in COMPLETIONS]
+    for prompts in ([p + e["prefix"] for p, e in zip(PROMPTS, cut)], PROMPTS):
+        np.testing.assert_allclose(REWARDS["reward_model"](prompts, rest, config=cfg, examples=cut), got, atol=1e-6)
 
 
 def test_a_rewritten_reward_model_is_read_again(saved, tmp_path):

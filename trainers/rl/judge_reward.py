@@ -13,7 +13,7 @@ import numpy as np
 from jaxlm.checkpoint import load_model
 from jaxlm.eval.judge import judge_points
 from trainers.reward_model import directory_stamp
-from trainers.rl.rewards import REWARDS, example_completion
+from trainers.rl.rewards import REWARDS, question_and_answer
 
 
 @functools.lru_cache(maxsize=4)
@@ -35,9 +35,5 @@ def judge_reward(prompts, completions, *, config=None, examples=None, **_) -> np
     if not Path(path).is_dir():
         raise ValueError(f"GRPOConfig.judge_model={path!r} is not a directory (a jaxlm checkpoint or HF directory)")
     judge = _cached_judge(path, directory_stamp(path))
-    prompts, completions = list(prompts), list(completions)
-    if examples is not None:
-        prompts = [p[: len(p) - len(e["prefix"])] if e.get("prefix") and p.endswith(e["prefix"]) else p
-                   for e, p in zip(examples, prompts, strict=True)]
-        completions = [example_completion(e, c) for e, c in zip(examples, completions, strict=True)]
+    prompts, completions = question_and_answer(prompts, completions, examples)
     return np.asarray(judge_points(judge, prompts, completions).p_yes, np.float32)

@@ -25,6 +25,18 @@ def example_completion(example: dict, completion: str) -> str:
     return example.get("prefix", "") + completion
 
 
+def question_and_answer(prompts, completions, examples) -> tuple[list[str], list[str]]:
+    """Each rollout as (question, answer) for a reward that reads both: an example's prefix
+    (PrefixRL's given start of the solution, CAMEL's forced verdict and reflection marker)
+    belongs to the answer whether or not the collector's prompt text holds it."""
+    prompts, completions = list(prompts), list(completions)
+    if examples is None:
+        return prompts, completions
+    questions = [p[: len(p) - len(e["prefix"])] if e.get("prefix") and p.endswith(e["prefix"]) else p
+                 for e, p in zip(examples, prompts, strict=True)]
+    return questions, [example_completion(e, c) for e, c in zip(examples, completions, strict=True)]
+
+
 @REWARDS.register("verifier")
 def verifier_reward(prompts, completions, *, examples, task, **_) -> np.ndarray:
     """1 if the task's verifier accepts the completion, else 0."""
