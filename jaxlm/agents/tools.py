@@ -142,6 +142,9 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, descr
         for p in inspect.signature(f).parameters.values():
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 raise TypeError(f"tool {f.__name__}: *args/**kwargs cannot be described as JSON arguments")
+            if p.kind is p.POSITIONAL_ONLY:  # calls pass arguments by name: it could never be called
+                raise TypeError(f"tool {f.__name__}: parameter {p.name!r} is positional-only; tools are called "
+                                "with named arguments")
             if p.name not in hints:
                 raise TypeError(f"tool {f.__name__}: parameter {p.name!r} has no type annotation")
             props[p.name] = _schema(hints[p.name], f"tool {f.__name__}, parameter {p.name!r}")
@@ -223,6 +226,14 @@ def _with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
     return box["value"]
 
 
+def _shown(e: BaseException) -> str:
+    """An exception's message, or its type's name when ``str(e)`` itself fails."""
+    try:
+        return str(e)
+    except Exception:
+        return f"<{type(e).__name__} whose message cannot be shown>"
+
+
 def _as_text(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -291,8 +302,12 @@ class Toolbox:
         except ToolTimeout:
             return failed(f"{t.name} did not finish within {timeout:g} s")
         except (Exception, SystemExit) as e:  # the tool's own failure (argparse's exit too) is the observation
-            return failed(f"{t.name} raised {type(e).__name__}: {e}")
-        return ToolResult(t.name, self._cut(_as_text(value)), None, time.perf_counter() - t0)
+            return failed(f"{t.name} raised {type(e).__name__}: {_shown(e)}")
+        try:
+            text = _as_text(value)
+        except (Exception, RecursionError) as e:  # a value json and repr cannot show (nested too deep, a bad __repr__)
+            return failed(f"{t.name} returned a {type(value).__name__} that cannot be shown as text ({type(e).__name__})")
+        return ToolResult(t.name, self._cut(text), None, time.perf_counter() - t0)
 
     def _cut(self, text: str) -> str:
         if len(text) > self.max_chars:

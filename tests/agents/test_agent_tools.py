@@ -85,6 +85,42 @@ def test_a_tool_that_raises_is_reported():
         raise SystemExit(2)
     assert Toolbox([cli]).call("cli", {"argv": "--n three"}).error == "cli raised SystemExit: 2"  # it escaped
 
+    # a value or message that cannot be shown is an error too (these escaped and ended the batch)
+    class Unshowable:
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+        def __str__(self):
+            raise RuntimeError("no str")
+
+    class QuietError(Exception):
+        def __str__(self):
+            raise RuntimeError("no message")
+
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+
+    @tool
+    def odd(kind: str) -> str:
+        """Returns what cannot be shown."""
+        if kind == "quiet":
+            raise QuietError()
+        return Unshowable() if kind == "object" else deep
+
+    box = Toolbox([odd])
+    assert box.call("odd", {"kind": "object"}).error == "odd returned a Unshowable that cannot be shown as text (RuntimeError)"
+    assert box.call("odd", {"kind": "deep"}).error == "odd returned a list that cannot be shown as text (RecursionError)"
+    assert box.call("odd", {"kind": "quiet"}).error == "odd raised QuietError: <QuietError whose message cannot be shown>"
+
+
+def test_positional_only_parameters_fail_at_definition():
+    def positional(x: int, /) -> str:
+        return str(x)
+
+    with pytest.raises(TypeError, match="parameter 'x' is positional-only"):  # no call could ever reach it
+        tool(positional)
+
 
 @pytest.mark.parametrize("body", ["sleep", "spin", "retry"])
 def test_a_tool_that_hangs_is_stopped_at_its_timeout(body):
