@@ -192,6 +192,34 @@ def test_save_hf_writes_the_special_token_ids_transformers_generate_stops_on(tmp
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["temperature"] == 0.6
 
 
+def test_a_new_tokenizer_leaves_the_old_ones_files_and_ids_behind(tmp_path):
+    """Saved with its own tokenizer over a HF directory: the old tokenizer's other files
+    (special_tokens_map.json gave transformers an EOS id past the vocabulary) and the old
+    generation config's ids the new tokenizer lacks (a BOS) do not survive."""
+    import json
+
+    class NoBos(jaxlm.ByteTokenizer):
+        bos_id = None
+
+    model = jaxlm.build_model(jaxlm.ModelConfig.tiny(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64),
+                              seed=0)
+    model.tokenizer = NoBos()
+    old = tmp_path / "hf"
+    old.mkdir()
+    (old / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    (old / "added_tokens.json").write_text(json.dumps({"</s>": 300}))
+    (old / "vocab.json").write_text("{}")
+    (old / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "temperature": 0.6}))
+    (old / "README.md").write_text("kept")
+    jaxlm.save_hf(model, old)
+    names = {p.name for p in old.iterdir()}
+    assert not names & {"special_tokens_map.json", "added_tokens.json", "vocab.json"} and "README.md" in names
+    gen = json.loads((old / "generation_config.json").read_text())
+    assert gen["bos_token_id"] is None and gen["eos_token_id"] == model.tokenizer.eos_id and gen["temperature"] == 0.6
+    hf = transformers.AutoModelForCausalLM.from_pretrained(old)
+    assert hf.generation_config.bos_token_id is None and hf.generation_config.eos_token_id == model.tokenizer.eos_id
+
+
 @pytest.mark.parametrize("field", [{"qat_format": "nvfp4"}, {"kv_quant": "e1m2"}])
 def test_save_hf_refuses_forwards_hf_cannot_run(tmp_path, field):
     cfg = jaxlm.ModelConfig.tiny(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, **field)

@@ -263,7 +263,12 @@ def load_hf(
 
 
 # The tokenizer's files: a model that has its own tokenizer writes them afresh.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates")
+#: a tokenizer's files in a HF directory (fast and slow formats): a model saved with its own
+#: tokenizer leaves an old one's out (a stale special_tokens_map.json gave transformers an EOS
+#: id past the vocabulary)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates",
+                    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
+                    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -316,9 +321,13 @@ def _special_token_ids(tokenizer) -> dict[str, Any]:
         return {}
     eos = getattr(tokenizer, "eos_id", None)
     stops = [int(i) for i in getattr(tokenizer, "stop_ids", ()) or (() if eos is None else (eos,))]
-    ids = {"bos_token_id": getattr(tokenizer, "bos_id", None), "pad_token_id": getattr(tokenizer, "pad_id", None),
+    # a PAD id the tokenizer does not name (HFTokenizer falls back to EOS, or 0) is not written
+    pad = getattr(tokenizer, "pad_id", None) if getattr(tokenizer, "pad_named", True) else None
+    ids = {"bos_token_id": getattr(tokenizer, "bos_id", None), "pad_token_id": pad,
            "eos_token_id": stops[0] if len(stops) == 1 else (stops or None)}
-    return {k: (v if isinstance(v, list) else int(v)) for k, v in ids.items() if v is not None}
+    # None where the tokenizer has no such token: written as null, so an old generation
+    # config's id (a BOS the new tokenizer lacks) does not survive
+    return {k: (v if v is None or isinstance(v, list) else int(v)) for k, v in ids.items()}
 
 
 def save_hf(
@@ -350,7 +359,7 @@ def save_hf(
     hf_config = config_to_hf(config, fam)
     path = Path(path)
     special_ids = _special_token_ids(model.tokenizer)
-    hf_config.update(special_ids)
+    hf_config.update({k: v for k, v in special_ids.items() if v is not None})
 
     tensors: dict[str, np.ndarray] = {}
     for name, value in flat_params(model).items():
