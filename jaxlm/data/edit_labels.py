@@ -181,6 +181,9 @@ def edit_labels(noisy, clean, *, del_id: int, eos_id: int, pred_clean_token: boo
         raise ValueError(f"swap_rule must be one of {SWAP_RULES}, got {swap_rule!r}")
     if (clean == del_id).any():
         raise ValueError(f"clean contains del_id {del_id} at index {int(np.flatnonzero(clean == del_id)[0])}")
+    if (clean == eos_id).any():  # "insert eos" reads as "insert nothing": the edits would never reach it
+        raise ValueError(f"clean contains eos_id {eos_id} at index {int(np.flatnonzero(clean == eos_id)[0])}: "
+                         "strip the end-of-sequence token from the clean response")
 
     n = len(noisy)
     token_target = noisy.copy() if pred_clean_token else np.full(n, ignore_id, dtype=np.int64)

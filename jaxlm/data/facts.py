@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxlm.data.tasks import TASKS, Arithmetic, Task
+from jaxlm.data.tasks import SPLITS, TASKS, Arithmetic, Task
 from jaxlm.fileio import jsonl_lines
 
 RELATIONS: dict[str, dict[str, Any]] = {
@@ -113,6 +113,8 @@ class FactWorld(Task):
         """``train``: facts (every template) and capability examples; ``eval``: the
         capability task's held-out examples only (facts are memorised, so they have no
         held-out split; `jaxlm.editing.metrics.EditEvaluator` measures them)."""
+        if split not in SPLITS:  # "test" / "validation" read as training data
+            raise ValueError(f"split={split!r} is invalid: must be one of {SPLITS}")
         if split == "eval":
             if self.capability is None:
                 raise ValueError("FactWorld has no held-out split without a capability task (capability=None)")

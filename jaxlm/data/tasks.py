@@ -62,8 +62,11 @@ class Task:
     """Fraction of the distinct prompts held out for evaluation (by hash: never trained on)."""
 
     def __post_init__(self):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ValueError(f"{type(self).__name__}.seed={self.seed!r} must be an int >= 0")
         # the split hash has a resolution of 1e-4: a smaller fraction would leave a split empty
-        if not 1e-4 <= self.eval_fraction <= 1 - 1e-4:
+        if isinstance(self.eval_fraction, bool) or not isinstance(self.eval_fraction, (int, float, np.floating)) \
+                or not 1e-4 <= self.eval_fraction <= 1 - 1e-4:
             raise ValueError(f"{type(self).__name__}.eval_fraction={self.eval_fraction!r} must be in "
                              "[0.0001, 0.9999]")
 
@@ -277,8 +280,9 @@ class Sorting(Task):
         if not isinstance(self.length, int) or not 2 <= self.length <= 32:
             raise ValueError(f"sorting.length={self.length!r} must be an int in [2, 32]")
         _check_int_ranges(self, "sorting", ("max_value", 0, 10**9))
-        if not isinstance(self.separator, str):
-            raise ValueError(f"sorting.separator={self.separator!r} must be a str")
+        if not isinstance(self.separator, str) or any(c.isdigit() for c in self.separator):
+            raise ValueError(f"sorting.separator={self.separator!r} must be a str without digits (it would read as "
+                             "part of a number)")
         if self.separator == "" and self.max_value > 9:
             raise ValueError(f"sorting.separator='' needs single digits (max_value <= 9), got max_value={self.max_value}")
         if self.order not in self.ORDERS:

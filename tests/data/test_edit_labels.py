@@ -245,6 +245,7 @@ def test_batch_and_positions():
     (dict(noisy=[1.5]), "noisy"),
     (dict(noisy=[-1]), "noisy"),
     (dict(clean=[1, DEL]), "del_id"),
+    (dict(clean=[1, EOS]), "clean contains eos_id"),  # labelled as "insert nothing": never reached
     (dict(del_id=-1), "del_id"),
     (dict(eos_id=-2), "eos_id"),
     (dict(eos_id=DEL), "del_id and eos_id"),

@@ -67,6 +67,16 @@ def test_countdown_verifier_is_strict_and_safe():
 
 def test_sorting_and_bad_options():
     assert Sorting(length=3).verify({"values": [3, 1, 2]}, " 1 2 3 ") == 1.0
+    with pytest.raises(ValueError, match="sorting.separator='1' must be a str without digits"):
+        Sorting(separator="1")  # "sort 181910:" cannot be read back
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=r"Arithmetic.seed=.* must be an int >= 0"):
+            Arithmetic(seed=bad)
+    with pytest.raises(ValueError, match="eval_fraction='0.1'"):
+        Arithmetic(eval_fraction="0.1")
+    from jaxlm.data.facts import FactWorld
+    with pytest.raises(ValueError, match="split='test' is invalid"):  # it returned training rows
+        FactWorld().example(0, "test")
     with pytest.raises(ValueError, match="arithmetic.digits=0 must be an int in"):
         Arithmetic(digits=0)
     with pytest.raises(ValueError, match=r"arithmetic.ops=\('/',\) is invalid"):
