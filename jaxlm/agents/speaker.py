@@ -69,8 +69,15 @@ class SpeakerTask:
             off = bool(rng.random() < self.off_screen)
             if not off:
                 visible = sorted(set(visible) | {speaker})
-            utterances.append({"id": f"u{k + 1}", "text": LINES[int(rng.integers(len(LINES)))], "speaker": speaker,
-                               "pitch": int(round(pitch[speaker] + rng.normal(0, self.pitch_noise_hz))),
+            text = LINES[int(rng.integers(len(LINES)))]
+            measured = int(round(pitch[speaker] + rng.normal(0, self.pitch_noise_hz)))
+            # off screen, the pitch alone decides among the characters not on screen: noise that
+            # brings it nearer another of them (or level with one) is measured again, so the
+            # evidence always settles the answer (it contradicted the gold in ~0.2% of scenes)
+            pool = [c for c in cast if c not in visible]
+            while off and any(abs(pitch[c] - measured) <= abs(pitch[speaker] - measured) for c in pool if c != speaker):
+                measured = int(round(pitch[speaker] + rng.normal(0, self.pitch_noise_hz)))
+            utterances.append({"id": f"u{k + 1}", "text": text, "speaker": speaker, "pitch": measured,
                                "visible": visible, "mouth": None if off else speaker})
         target = utterances[int(rng.integers(len(utterances)))]
         return {"cast": cast, "pitch": pitch, "utterances": utterances, "target": target}
