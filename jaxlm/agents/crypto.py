@@ -33,13 +33,18 @@ FLAG = re.compile(r"flag\{[^{}\s]{1,200}\}")
 _LETTER_PATTERNS = (
     # "answer (is) (:)" then (X), a capital X, or a lower-case x that ends the clause ("answer: b.",
     # not the article in "the answer is a prime")
-    re.compile(r"(?i:answer)\s*(?:(?i:is)\s*)?[:=]?\s*(?:\(([A-Za-z])\)|([A-Z])(?![A-Za-z])|([a-z])(?=\s*(?:$|[.,;!?)])))"),
-    re.compile(r"^\s*\(?([A-Za-z])\)?[.)]?\s*$"), re.compile(r"\(([A-Z])\)"))  # a whole reply of one letter: any case
+    # (markdown emphasis around either part, a full-width colon or a dash allowed: "**Answer:** B")
+    re.compile(r"(?i:answer)[\s*_]*(?:(?i:is)[\s*_]*)?[:=：\-]?[\s*_]*"
+               r"(?:\(([A-Za-z])\)|([A-Z])(?![A-Za-z])|([a-z])(?=\s*(?:$|[.,;!?)*])))"),
+    re.compile(r"^\s*\(?([A-Za-z])\)?[.)]?\s*$"),  # a whole reply of one letter: any case
+    re.compile(r"^\s*\(?([A-Z])\)\s"),  # a reply that opens with its option: "C) because 7 is prime"
+    re.compile(r"\(([A-Z])\)"))
 
 
 def parse_choice(text: str, n_options: int) -> int | None:
     """The option index (0 = A) a reply chooses, or None; letters past ``n_options`` do not count.
-    Tried in order: after "answer (is)", the whole reply, the first ``(X)``."""
+    Tried in order: after "answer (is)", the whole reply, a reply opening with ``X)``, the first
+    ``(X)``."""
     for pattern in _LETTER_PATTERNS:
         for m in pattern.finditer(text):
             letter = next(g for g in m.groups() if g)

@@ -222,6 +222,10 @@ def test_multiple_choice_parsing():
     assert parse_choice("answer: b.", 4) == 1 and parse_choice("ANSWER IS D", 4) == 3
     # a reply that is one letter, in either case
     assert [parse_choice(t, 4) for t in ("b", "b)", "(b)", " c. ", "e")] == [1, 1, 1, 2, None]
+    # a reply opening with its option, and the answer in markdown or after a full-width colon
+    replies = ("C) 7", "C) because 7 is prime", "**Answer:** B", "Answer: **B**", "Answer - C", "Answer：C",
+               "The answer is **b**.")
+    assert [parse_choice(t, 4) for t in replies] == [2, 2, 1, 1, 2, 2, 1]
     ep = multiple_choice_episode("Which is prime?", ["4", "6", "7"], 2)
     assert "(C) 7" in ep.messages[1]["content"] and ep.score("Answer: C") == 1.0 and ep.score("A") == 0.0
     with pytest.raises(ValueError, match="answer=3"):
