@@ -218,6 +218,10 @@ class LakeQAFiles:
     def __init__(self, questions: str, lake_dir: str, system: str = SYSTEM):
         self.questions, self.lake_dir, self.system = questions, lake_dir, system
         self._rows = read_rows(questions, {"question": str, "answer": (str, list)})
+        for n, row in enumerate(self._rows, 1):  # the optional sub-directory of the lake, checked now
+            if row.get("lake") is not None and not isinstance(row["lake"], str):
+                raise ValueError(f"{questions}: row {n}: 'lake' must be a directory name (a string), "
+                                 f"got {type(row['lake']).__name__}")
 
     def __len__(self) -> int:
         return len(self._rows)

@@ -42,6 +42,8 @@ class AgentTaskConfig:
     def __post_init__(self):
         if self.task not in AGENT_TASKS:
             raise ValueError(f"AgentTaskConfig.task={self.task!r} is not registered: one of {sorted(AGENT_TASKS)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"AgentTaskConfig.seed={self.seed!r} must be an int >= 0")
 
     def build(self) -> AgentTask:
         return AGENT_TASKS[self.task](self)

@@ -98,8 +98,15 @@ def test_lakeqa_from_benchmark_files(tmp_path):
         (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "x", "answer": answer}) + "\n")
         with pytest.raises(ValueError, match="bad.jsonl:1: 'answer' must be a string or a non-empty list of strings"):
             LakeQATask.from_files(tmp_path / "bad.jsonl", tmp_path / "lake")
+    # a bad lake name is found when the file is read (it failed when the episode was made)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "x", "answer": "y", "lake": 3}) + "\n")
+    with pytest.raises(ValueError, match="row 1: 'lake' must be a directory name"):
+        LakeQATask.from_files(tmp_path / "bad.jsonl", tmp_path / "lake")
     with pytest.raises(ValueError, match="does not exist"):
         Lake.from_dir(tmp_path / "nowhere")
+    from jaxlm.agents.tasks import AgentTaskConfig
+    with pytest.raises(ValueError, match="AgentTaskConfig.seed=-1 must be an int >= 0"):
+        AgentTaskConfig(seed=-1)
 
 
 def test_speaker_evidence_determines_the_speaker():
