@@ -110,7 +110,8 @@ def read_rows(path: str | Path, fields: dict[str, type | tuple[type, ...]]) -> l
 @dataclasses.dataclass
 class Trajectory:
     """One finished episode. ``stop``: answer | max_turns | max_tool_calls | token_budget.
-    ``errors``: every error shown to the model, in order."""
+    ``errors``: every error shown to the model, in order. ``tokens``: the policy's count of
+    the conversation through its last reply (the observations after it were never read)."""
 
     messages: list[dict[str, Any]]
     answer: str | None
@@ -217,8 +218,11 @@ def run_episodes(policy: Policy, episodes: Sequence[Episode], config: AgentConfi
     out = []
     for i, r in enumerate(runs):
         reward = float(r.episode.score(r.answer)) if r.answer is not None else float(r.episode.no_answer_reward)
+        # the tokens of the conversation through the last reply (what the trajectory trains on;
+        # the observations after it were never read, and counting them overstated the budget)
+        last = max((k for k, m in enumerate(r.seen) if m.get("role") == "assistant"), default=len(r.seen) - 1)
         out.append(Trajectory(r.record, r.answer, reward, r.stop, r.turns, r.calls, r.errors,
-                              policy.count_tokens(i, r.seen, r.specs), dict(r.episode.info)))
+                              policy.count_tokens(i, r.seen[: last + 1], r.specs), dict(r.episode.info)))
     return out
 
 

@@ -97,6 +97,11 @@ def test_budgets_end_episodes_without_an_answer(config, stop, turns):
     ep.no_answer_reward = -1.0
     (traj,) = run_episodes(Scripted([[call("add", a=1, b=1)] * 5]), [ep], config)
     assert traj.stop == stop and traj.turns == turns and traj.answer is None and traj.reward == -1.0
+    # the token count covers the conversation through the last reply, not the observations
+    # after it, which the policy never read (1619 tokens were reported for a 256 budget)
+    policy = Scripted([[]])
+    last = max(k for k, m in enumerate(traj.messages) if m["role"] == "assistant")
+    assert traj.tokens == policy.count_tokens(0, traj.messages[: last + 1], None)
 
 
 def test_two_calls_in_one_reply_over_the_call_budget():
