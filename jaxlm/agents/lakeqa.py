@@ -27,6 +27,7 @@ import dataclasses
 import json
 import re
 import string
+import unicodedata
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -36,7 +37,12 @@ from jaxlm.agents.loop import Episode, question_episode, read_rows
 from jaxlm.agents.tools import Tool, Toolbox, tool
 
 LAKE_SUFFIXES = (".csv", ".jsonl", ".json", ".txt", ".md", ".tsv")
-_WORD = re.compile(r"[^\W_]+")  # letters and digits of any script
+_WORD = re.compile(r"(?:[^\W_]|[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f])+")
+# letters and digits of any script, with the combining marks a decomposed letter carries
+
+
+def _words(text: str) -> list[str]:
+    return _WORD.findall(unicodedata.normalize("NFC", text).casefold())
 
 PEOPLE = ("Ada", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kit", "Lu", "Max", "Ned", "Oz",
           "Pia", "Quinn", "Roy", "Sue", "Ty", "Una", "Vic", "Wes", "Xia", "Yul", "Zed")
@@ -81,13 +87,15 @@ class Lake:
         return root
 
     def search(self, query: str, limit: int = 5) -> list[str]:
-        words = _WORD.findall(query.casefold())
+        """Lines holding every word of ``query`` as a whole word, case-folded and compared in
+        NFC (a file written with decomposed accents, "Zoe" + U+0308, matches "Zoë" and not "Zoe")."""
+        words = _words(query)
         if not words:
             raise ValueError("search needs at least one word")
         hits = []
         for path, text in sorted(self.files.items()):
             for i, line in enumerate(text.splitlines(), 1):
-                if set(words) <= set(_WORD.findall(line.casefold())):
+                if set(words) <= set(_words(line)):
                     hits.append(f"{path}:{i}: {line}")
         return hits[:limit]
 
