@@ -44,7 +44,7 @@ class AVTaskConfig:
     questions: tuple[str, ...] = ("look:", "tone:")
 
     def __post_init__(self):
-        for name in ("frames", "grid", "patch", "audio_frames", "tone_frames"):
+        for name in ("frames", "grid", "patch", "audio_frames", "tone_frames", "n_labels", "n_shapes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"AVTaskConfig.{name}={v!r} must be an int >= 1")

@@ -59,6 +59,17 @@ class ConditionedDigits(Task):
         super().__post_init__()
         if self.condition_in not in ("hyper", "prompt", "none"):
             raise ValueError(f"conditioned_digits.condition_in={self.condition_in!r} must be hyper, prompt or none")
+        for name in ("n_digits", "cond_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"conditioned_digits.{name}={v!r} must be an int >= 1")
+        if not self.conditions:
+            raise ValueError("conditioned_digits.conditions is empty: train at least one condition")
+        if self.condition_in == "none" and (tuple(self.conditions) != ("copy",) or self.held_out):
+            # no condition anywhere: a hidden one would decide the answer, which nothing shows
+            raise ValueError(f"conditioned_digits.condition_in='none' gives the model no condition: conditions must "
+                             f"be ('copy',) and held_out empty, got conditions={self.conditions!r}, "
+                             f"held_out={self.held_out!r}")
         if self.eval_on not in ("seen", "held_out", "all"):
             raise ValueError(f"conditioned_digits.eval_on={self.eval_on!r} must be seen, held_out or all")
         for c in self.conditions + self.held_out:

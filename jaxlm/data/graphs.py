@@ -162,10 +162,10 @@ class GraphLabels(Task):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 3 <= self.n_nodes <= len(_NAMES):
-            raise ValueError(f"graph_labels.n_nodes={self.n_nodes} must be in [3, {len(_NAMES)}]")
-        if not 2 <= self.n_labels <= len(_LABELS):
-            raise ValueError(f"graph_labels.n_labels={self.n_labels} must be in [2, {len(_LABELS)}]")
+        if isinstance(self.n_nodes, bool) or not isinstance(self.n_nodes, int) or not 3 <= self.n_nodes <= len(_NAMES):
+            raise ValueError(f"graph_labels.n_nodes={self.n_nodes!r} must be an int in [3, {len(_NAMES)}]")
+        if isinstance(self.n_labels, bool) or not isinstance(self.n_labels, int) or not 2 <= self.n_labels <= len(_LABELS):
+            raise ValueError(f"graph_labels.n_labels={self.n_labels!r} must be an int in [2, {len(_LABELS)}]")
         if self.rule not in ("majority", "minority"):
             raise ValueError(f"graph_labels.rule={self.rule!r} must be 'majority' or 'minority'")
         if self.structure not in ("weaver", "plain"):

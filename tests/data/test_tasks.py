@@ -77,6 +77,19 @@ def test_sorting_and_bad_options():
     from jaxlm.data.facts import FactWorld
     with pytest.raises(ValueError, match="split='test' is invalid"):  # it returned training rows
         FactWorld().example(0, "test")
+    # counts that are not ints failed later without the field's name (or, n_labels=2.5, silently)
+    from jaxlm.data.audiovisual import AVTaskConfig
+    from jaxlm.data.conditioned import ConditionedDigits
+    from jaxlm.data.graphs import GraphLabels
+    for make, match in ((lambda: GraphLabels(n_nodes=5.5), "graph_labels.n_nodes=5.5 must be an int"),
+                        (lambda: GraphLabels(n_labels=2.5), "graph_labels.n_labels=2.5 must be an int"),
+                        (lambda: ConditionedDigits(n_digits=0), "conditioned_digits.n_digits=0 must be an int >= 1"),
+                        (lambda: ConditionedDigits(conditions=()), "conditions is empty"),
+                        (lambda: ConditionedDigits(condition_in="none"), "condition_in='none' gives the model no condition"),
+                        (lambda: AVTaskConfig(n_labels=2.5), "AVTaskConfig.n_labels=2.5 must be an int")):
+        with pytest.raises(ValueError, match=match):
+            make()
+    ConditionedDigits(conditions=("copy",), held_out=(), condition_in="none")  # the one "none" task
     with pytest.raises(ValueError, match="arithmetic.digits=0 must be an int in"):
         Arithmetic(digits=0)
     with pytest.raises(ValueError, match=r"arithmetic.ops=\('/',\) is invalid"):
