@@ -220,6 +220,28 @@ def test_a_new_tokenizer_leaves_the_old_ones_files_and_ids_behind(tmp_path):
     assert hf.generation_config.bos_token_id is None and hf.generation_config.eos_token_id == model.tokenizer.eos_id
 
 
+def test_a_model_loaded_without_its_tokenizer_keeps_its_special_ids(tmp_path):
+    """A weights-only directory (or tokenizer=False): config.json's BOS / EOS / PAD ids travel
+    to a save_hf (transformers fell back to its class defaults, 1 and 2, and generate no
+    longer stopped where the original did)."""
+    import json
+
+    hf = build_hf_model("llama_llama3_rope")
+    hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id = 5, 6, 7
+    hf.save_pretrained(tmp_path / "src")
+    (tmp_path / "src" / "generation_config.json").unlink(missing_ok=True)
+    model = jaxlm.load_hf(tmp_path / "src", tokenizer=False)
+    assert model.tokenizer is None
+    jaxlm.save_hf(model, tmp_path / "dst")
+    cfg = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (5, 6, 7)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dst")
+    assert back.generation_config.eos_token_id == 6 and back.config.bos_token_id == 5
+    jaxlm.save_checkpoint(model, tmp_path / "ckpt")  # through a jaxlm checkpoint too
+    jaxlm.save_hf(jaxlm.load_checkpoint(tmp_path / "ckpt"), tmp_path / "dst2")
+    assert json.loads((tmp_path / "dst2" / "config.json").read_text())["eos_token_id"] == 6
+
+
 @pytest.mark.parametrize("field", [{"qat_format": "nvfp4"}, {"kv_quant": "e1m2"}])
 def test_save_hf_refuses_forwards_hf_cannot_run(tmp_path, field):
     cfg = jaxlm.ModelConfig.tiny(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64, **field)

@@ -252,17 +252,23 @@ def load_hf(
     model = model_from_flat(config, flat, place=place, release=True)
     if tokenizer:
         model.tokenizer = load_tokenizer(path)
+    generation = None
     if (path / GENERATION_CONFIG).is_file():  # its sampling defaults travel to a save_hf of this model
         try:
             generation = _read_json(path / GENERATION_CONFIG)
         except CheckpointError:
             generation = None
-        if isinstance(generation, dict):
-            model.hf_generation_config = json.dumps(generation, sort_keys=True)  # a str: static and hashable
+    # config.json's special ids travel too (under the generation config's own): a model loaded
+    # without its tokenizer still saves the ids transformers' generate stops on
+    ids = {k: hf_config[k] for k in _SPECIAL_IDS if hf_config.get(k) is not None}
+    carried = {**ids, **(generation if isinstance(generation, dict) else {})}
+    if carried:
+        model.hf_generation_config = json.dumps(carried, sort_keys=True)  # a str: static and hashable
     return model
 
 
-# The tokenizer's files: a model that has its own tokenizer writes them afresh.
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
 #: a tokenizer's files in a HF directory (fast and slow formats): a model saved with its own
 #: tokenizer leaves an old one's out (a stale special_tokens_map.json gave transformers an EOS
 #: id past the vocabulary)
@@ -360,6 +366,9 @@ def save_hf(
     path = Path(path)
     special_ids = _special_token_ids(model.tokenizer)
     hf_config.update({k: v for k, v in special_ids.items() if v is not None})
+    carried = getattr(model, "hf_generation_config", None)
+    if model.tokenizer is None and carried:  # no tokenizer: the ids the model was loaded with
+        hf_config.update({k: v for k, v in json.loads(carried).items() if k in _SPECIAL_IDS and v is not None})
 
     tensors: dict[str, np.ndarray] = {}
     for name, value in flat_params(model).items():
@@ -398,7 +407,6 @@ def save_hf(
             index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-        carried = getattr(model, "hf_generation_config", None)
         if special_ids or carried:
             try:  # an old generation config's other settings (sampling defaults) are kept
                 generation = _read_json(path / GENERATION_CONFIG)
