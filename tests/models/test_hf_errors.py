@@ -55,6 +55,18 @@ def test_unknown_architecture_lists_supported(good_dir, tmp_path):
         jaxlm.load_hf(path)
 
 
+def test_a_config_without_architectures_is_read_by_its_model_type(good_dir, tmp_path):
+    """As transformers' Auto classes read it (it was refused); without either, the error stays."""
+    want = np.asarray(jaxlm.load_hf(good_dir)(np.asarray([[5, 6, 7]], np.int32)).logits)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    path = _copy(good_dir, tmp_path / "a", edit_config=lambda c: c.pop("architectures"))
+    np.testing.assert_array_equal(np.asarray(jaxlm.load_hf(path)(np.asarray([[5, 6, 7]], np.int32)).logits), want)
+    bare = _copy(good_dir, tmp_path / "b", edit_config=lambda c: (c.pop("architectures"), c.pop("model_type")))
+    with pytest.raises(UnsupportedConfigError, match="'architectures'=None is invalid"):
+        jaxlm.load_hf(bare)
+
+
 def test_a_tied_checkpoint_storing_only_its_head_loads_as_transformers_loads_it(tmp_path):
     """tie_word_embeddings with only lm_head.weight stored: transformers ties the embedding to
     it; jaxlm raised a shape error naming a None embedding."""

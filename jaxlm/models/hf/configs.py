@@ -63,7 +63,7 @@ def _rope_from_hf(hf: dict[str, Any]):
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any):
     """HF ``config.json`` dict -> `ModelConfig` (``overrides`` win, e.g. dtype)."""
-    fam = family_for_architecture(hf.get("architectures"))
+    fam = family_for_architecture(hf.get("architectures"), hf.get("model_type"))
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # the same function in transformers' ACT2FN
         raise UnsupportedConfigError(f"hidden_act={act!r} is not supported; jaxlm implements 'silu'")

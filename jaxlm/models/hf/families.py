@@ -116,7 +116,13 @@ class UnsupportedConfigError(ValueError):
     pass
 
 
-def family_for_architecture(architectures: Any) -> Family:
+def family_for_architecture(architectures: Any, model_type: Any = None) -> Family:
+    """The family of config.json's ``architectures`` (its first entry); without that key, the
+    family whose ``model_type`` it names (as transformers' Auto classes read such a config)."""
+    if architectures is None and isinstance(model_type, str):
+        by_type = [f for f in FAMILIES.values() if f.model_type == model_type]
+        if by_type:
+            return by_type[0]
     if not architectures or not isinstance(architectures, list):
         raise UnsupportedConfigError(
             f"config.json 'architectures'={architectures!r} is invalid: expected a list "
