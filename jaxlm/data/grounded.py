@@ -7,9 +7,12 @@ evidence first, then the colour::
     prompt:     "0rS 1gT 2bC 3rH 4yX 5gO ?T="
     completion: "<evidence>1</evidence>g"
 
-The shortcut: in the *training* problems the asked object has colour ``colors[0]`` with
-probability ``shortcut`` (the other cells are uniform), so answering ``colors[0]`` without
-looking is often right; held-out problems are drawn without the bias. The demonstrations
+The shortcut: in the *training* problems the asked object is given colour ``colors[0]`` with
+probability ``shortcut`` (else it keeps its uniform draw, which is ``colors[0]`` one time in
+``len(colors)``; a biased problem that would be a held-out one keeps its unbiased colour, so
+the realised share is below ``shortcut + (1 - shortcut) / len(colors)``: about 0.92 at
+``shortcut=1``), so answering ``colors[0]`` without looking is often right; held-out
+problems are drawn without the bias. The demonstrations
 come from a flawed teacher whose evidence is a wrong cell with probability
 ``evidence_noise`` (its answer is always right), so imitation alone does not learn to
 ground. `verify` scores the answer (after ``</evidence>``); `evidence_correct` reads the
