@@ -28,6 +28,7 @@ import secrets
 import shlex
 import shutil
 import socket
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -635,20 +636,26 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool, hint: str = "p
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary sibling and ``os.replace``: readers
-    and a kill see the old or the new content, never a torn file."""
+    and a kill see the old or the new content, never a torn file. A symlink is written
+    through (its target is replaced, the link kept), and an existing file keeps its
+    permissions (the temporary file's umask default made a private file world-readable)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    tmp = target.with_name(f".{target.name[:100]}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
+        mode = stat.S_IMODE(os.stat(target).st_mode) if target.is_file() else None
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    _fsync_dir(path.parent)
+    _fsync_dir(target.parent)
     return path
 
 
@@ -724,11 +731,12 @@ def read_jsonl(path: str | os.PathLike, *, what: str = "JSON-lines file", warn: 
         data = path.read_bytes()
     except FileNotFoundError:
         return JsonlContents([], None, 0)
+    bom = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0  # a BOM is not part of the first line
+    data = data[bom:]
     lines = data.split(b"\n")
     # the last element is b"" when the file ends with a newline, else an unterminated line
     records: list[Any] = []
-    offset = 0
-    complete = 0
+    offset = complete = bom  # byte offsets in the file as it is
     last_nonblank = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     for i, raw in enumerate(lines):
         end = offset + len(raw) + (1 if i < len(lines) - 1 else 0)

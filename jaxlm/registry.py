@@ -31,7 +31,12 @@ class Registry(Mapping[str, T], Generic[T]):
 
         return add
 
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._entries
+
     def __getitem__(self, name: str) -> T:
+        if not isinstance(name, str):  # None or a list: no close matches to look for (difflib fails)
+            raise KeyError(f"unknown {self.kind} {name!r} (a name is a string); registered: {sorted(self._entries)}")
         try:
             return self._entries[name]
         except KeyError:

@@ -355,8 +355,8 @@ def test_read_jsonl_drops_only_a_torn_last_line(tmp_path, caplog):
     assert read_jsonl(f).records == [{"step": 1}, {"step": 2}]
     assert read_jsonl(tmp_path / "absent.jsonl").records == []
     # a bad last line *with* its newline was not cut off by a kill: an error, not dropped
-    f.write_text('\ufeff{"step": 1}\n', encoding="utf-8")  # a BOM
-    with pytest.raises(JSONFileError, match=rf"metrics file {f}: line 1 is not valid JSON: Unexpected UTF-8 BOM"):
+    f.write_text('{"step": 1,}\n', encoding="utf-8")
+    with pytest.raises(JSONFileError, match=rf"metrics file {f}: line 1 is not valid JSON"):
         read_jsonl(f, what="metrics file")
     f.write_text('{"step": 1}\n{"step": 2, "lo\n')
     with pytest.raises(JSONFileError, match="line 2 is not valid JSON"):
@@ -382,3 +382,47 @@ def test_json_readers_name_the_file_for_huge_integers_and_deep_nesting(tmp_path)
     (tmp_path / "r.jsonl").write_bytes(b'{"a": 1}\n{"a": "caf\xe9"}\n')  # Latin-1, not UTF-8
     with pytest.raises(ValueError, match=r"r.jsonl:2: not UTF-8 text"):
         list(jsonl_lines(tmp_path / "r.jsonl"))
+
+
+def test_atomic_write_text_writes_through_a_symlink_and_keeps_the_mode(tmp_path):
+    """A symlink was replaced by a plain file (its target went stale) and a 0o600 file came
+    back 0o644 (the temporary file's umask default)."""
+    import stat
+
+    from jaxlm.fileio import atomic_write_text
+
+    target = tmp_path / "private.json"
+    target.write_text("old")
+    os.chmod(target, 0o600)
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    atomic_write_text(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "private.json"]  # no temporary left
+    long = tmp_path / ("a" * 250 + ".json")  # a legal name: the temporary's must fit too
+    atomic_write_text(long, "x")
+    assert long.read_text() == "x"
+
+
+def test_read_jsonl_skips_a_byte_order_mark(tmp_path):
+    """A one-record file starting with a BOM read as empty (its only line dropped as torn)."""
+    from jaxlm.fileio import read_jsonl
+
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"a": 1}')
+    got = read_jsonl(path, warn=False)
+    assert got.records == [{"a": 1}] and got.torn_line is None and got.complete_bytes == path.stat().st_size
+    path.write_bytes(b'\xef\xbb\xbf{"a": 1}\n{"b": 2}\n{"c"')
+    got = read_jsonl(path, warn=False)
+    assert got.records == [{"a": 1}, {"b": 2}] and got.torn_line == 3
+    assert path.read_bytes()[: got.complete_bytes].endswith(b'{"b": 2}\n')
+
+
+def test_registry_names_a_non_string_name():
+    """``None`` or a list as a registry name crashed inside difflib without naming the field."""
+    import jaxlm
+
+    for bad in (None, ["softmax"]):
+        with pytest.raises(ValueError, match=r"ModelConfig.attention=.* is invalid: must be one of"):
+            jaxlm.ModelConfig.tiny(attention=bad)
