@@ -163,3 +163,34 @@ def test_a_stored_head_that_rounds_to_all_the_mass_keeps_a_floored_tail():
     for fn in (reverse_kl, generalized_jsd, forward_kl):
         value, grad = jax.value_and_grad(lambda x: fn(jnp.asarray(bucket), x).sum())(q)  # noqa: B023
         assert np.isfinite(float(value)) and np.isfinite(np.asarray(grad)).all(), fn.__name__
+
+
+def test_a_head_holding_the_whole_vocabulary_has_no_tail():
+    """Stored top-K with K = V (`jaxlm logprobs --top-k V`): no token is left for a tail, so
+    its bucket is empty; floored, it gave the teacher mass where the student has none and
+    forward KL was inf (the float64 KL of the head alone is finite)."""
+    V = 5
+    rng = np.random.default_rng(0)
+    p = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, V)), jnp.float32))
+    q = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, V)), jnp.float32))
+    bucket = bucket_from_head(p, vocab_size=V)
+    assert bucket.shape == (3, V + 1) and np.isneginf(np.asarray(bucket[:, -1])).all()
+    student = jnp.concatenate([q, jnp.full((3, 1), -jnp.inf)], -1)
+    p64, q64 = np.asarray(p, np.float64), np.asarray(q, np.float64)
+    want = (np.exp(p64) * (p64 - q64)).sum(-1)
+    np.testing.assert_allclose(np.asarray(forward_kl(bucket, student)), want, rtol=1e-4)
+    assert np.isfinite(np.asarray(bucket_from_head(p[:, :3], vocab_size=V))).all()  # K < V: a real tail
+
+
+
+def test_a_student_without_mass_on_the_teachers_tail_diverges_to_inf_not_nan():
+    """q_T = 0 (masked logits) with p_T > 0: KL is +inf, as forward KL says; the renormalised
+    student tail was -inf - -inf = NaN, and 0 * NaN kept it NaN even at beta 0."""
+    from trainers.distill.divergences import tail_aware
+
+    p = jax.nn.log_softmax(jnp.asarray([[2.0, 1.0, 0.5, 0.0]]))
+    q = jnp.asarray([[0.0, 0.0, -jnp.inf, -jnp.inf]])
+    q = q - jax.nn.logsumexp(q, axis=-1, keepdims=True)
+    assert np.isposinf(float(forward_kl(p, q)[0]))
+    for beta in (0.0, 0.5):  # the teacher's top-2 is the student's support: its whole tail is -inf
+        assert np.isposinf(float(tail_aware(p, q, top_k=2, tail_beta=beta)[0]))

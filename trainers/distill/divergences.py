@@ -93,8 +93,11 @@ def tail_aware_parts(p_logp: jax.Array, q_logp: jax.Array, k: int) -> tuple[jax.
     bucket = jnp.where(has_tail, pt * (safe_p_tail - jnp.where(has_tail, q_tail, 0.0)), 0.0)
     # renormalised tails: log p~ = log p - log p_T on T (an empty tail has no KL)
     pn = jnp.where(tail & has_tail[..., None], p_logp - safe_p_tail[..., None], -jnp.inf)
-    qn = jnp.where(tail, q_logp - q_tail[..., None], -jnp.inf)
-    tail_kl = jnp.where(has_tail, _kl(pn, qn), 0.0)
+    # a student with no mass on the teacher's tail: the bucket term is already +inf, and the
+    # renormalised tail (-inf - -inf) is undefined: no tail term (it was NaN, even at beta 0)
+    q_ok = jnp.isfinite(q_tail)
+    qn = jnp.where(tail & q_ok[..., None], q_logp - jnp.where(q_ok, q_tail, 0.0)[..., None], -jnp.inf)
+    tail_kl = jnp.where(has_tail & q_ok, _kl(pn, qn), 0.0)
     return head_kl + bucket, tail_kl, pt
 
 
@@ -113,12 +116,17 @@ def bucketed(logp: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.concatenate([head, _masked_lse(logp, ~in_head)[..., None]], axis=-1)
 
 
-def bucket_from_head(head_logp: jax.Array) -> jax.Array:
+def bucket_from_head(head_logp: jax.Array, vocab_size: int | None = None) -> jax.Array:
     """Stored top-K log-probs ``[..., K]`` -> ``[..., K + 1]`` with the tail bucket
     ``log(1 - sum exp(head))``. Float32 log-probs resolve the head's sum only to about
     ``K 2^-24``: a tail below that (a confident teacher's top-1 stored as ``-0.0``) is unknown,
-    and is floored there rather than set to 0 mass, which would make reverse KL infinite."""
+    and is floored there rather than set to 0 mass, which would make reverse KL infinite.
+    With ``K >= vocab_size`` there is no tail at all: its bucket is empty (``-inf``; the floor
+    gave the teacher tail mass where the student has no token, and forward KL was inf)."""
     head_logp = head_logp.astype(jnp.float32)
+    if vocab_size is not None and head_logp.shape[-1] >= vocab_size:
+        empty = jnp.full(head_logp.shape[:-1] + (1,), -jnp.inf, jnp.float32)
+        return jnp.concatenate([head_logp, empty], axis=-1)
     head_mass = jax.nn.logsumexp(head_logp, axis=-1)
     floor = jnp.log(jnp.float32(head_logp.shape[-1] * 2.0**-24))
     safe = jnp.minimum(head_mass, -1e-30)

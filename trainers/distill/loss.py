@@ -280,7 +280,8 @@ def make_distill_loss_fn(graphdef, *, sliding_window: int | None, distill: Disti
                 if missing:
                     raise ValueError(f"algorithm.distill.teacher_logprobs='offline' needs the data rows' {missing} "
                                      "(write them with `jaxlm logprobs --as teacher --top-k K`)")
-                teacher = {"bucket": bucket_from_head(shifted(batch["teacher_topk_logprobs"])).reshape(B * T, -1),
+                bucket = bucket_from_head(shifted(batch["teacher_topk_logprobs"]), vocab_size)
+                teacher = {"bucket": bucket.reshape(B * T, -1),
                            "idx": shifted(batch["teacher_topk_ids"]).reshape(B * T, -1),
                            "target": shifted(batch.get("teacher_logprobs", jnp.zeros((B, T)))).reshape(-1)}
                 teacher["rest"] = rest_from_bucket(teacher["bucket"], teacher["idx"], flat_targets, teacher["target"])
