@@ -24,8 +24,10 @@ import jax
 import jax.numpy as jnp
 
 PEAR_VARIANTS = ("sequence", "token", "block")
-#: |log w| never exceeds this, whatever ``clip`` (e^80 ~ 5.5e34: a batch's weight sum stays finite in float32)
-LOG_WEIGHT_LIMIT = 80.0
+#: |log w| never exceeds this, whatever ``clip``: e^50 ~ 5e21, so a batch's sums of w and w CE
+#: stay finite in float32 up to ~1e15 tokens (at e^80 ~ 5.5e34, 6100 tokens at the limit overflowed
+#: and the self-normalised loss was inf / inf = NaN)
+LOG_WEIGHT_LIMIT = 50.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +44,7 @@ class PEARConfig:
     clip: float = 1.0
     """log w is clipped to [-clip, clip] [INFERRED]; with 5.0 the self-normalised weights
     concentrated on few tokens and SFT collapsed in `bench/pear_claim.py` (docs/benchmarks.md).
-    inf: no clipping, up to `LOG_WEIGHT_LIMIT` (80), past which float32 weights overflow."""
+    inf: no clipping, up to `LOG_WEIGHT_LIMIT` (50), past which a batch's float32 sums overflow."""
     normalize: bool = True
     """Self-normalise over the batch: the loss is sum w CE / sum w (else sum w CE / tokens)."""
     target: Literal["current", "fixed"] = "current"

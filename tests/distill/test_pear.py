@@ -102,7 +102,7 @@ def test_gamma_zero_ignores_an_infinite_later_ratio():
 def test_unclipped_weights_stay_finite_and_self_normalise():
     """clip=inf on a long document (sum of 119 log-ratios of 1 in the sequence variant): e^119
     overflowed float32 and the self-normalised loss was inf / inf = NaN. log w is held within
-    80, so the weighted mean equals the float64 one: the heavy document takes all the weight."""
+    50, so the weighted mean equals the float64 one: the heavy document takes all the weight."""
     B, T = 2, 120
     beh = np.zeros((B, T), np.float32)
     beh[0] = -1.0  # row 0: every target 1 nat likelier under pi than under mu
@@ -114,3 +114,12 @@ def test_unclipped_weights_stay_finite_and_self_normalise():
     assert np.isfinite(w).all() and np.isfinite(w.sum())
     ce = np.where(np.arange(B)[:, None] == 0, 0.3, 2.0) * valid
     np.testing.assert_allclose((w * ce).sum() / w.sum(), 0.3, rtol=1e-6)
+    # a whole batch at the limit: its float32 sums stay finite (at e^80, 4 x 2048 tokens
+    # overflowed and the loss was NaN); equal weights give the plain mean
+    B, T = 4, 2048
+    batch = {"segment_ids": jnp.ones((B, T), jnp.int32), "behavior_logprobs": -jnp.ones((B, T))}
+    w = pear_weights(jnp.zeros((B, T)), batch, jnp.ones((B, T), bool), PEARConfig(variant="sequence", clip=float("inf")))
+    ce = jnp.full((B, T), 5.0)
+    total, count = jnp.sum(w * ce), jnp.sum(w)
+    assert np.isfinite(float(total)) and np.isfinite(float(count))
+    np.testing.assert_allclose(float(total / count), 5.0, rtol=1e-5)
