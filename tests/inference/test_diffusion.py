@@ -502,3 +502,23 @@ def test_task_accuracy_passes_the_users_steps_to_the_sampler(model):
     assert [s["completion"] for s in fast.samples] == want.texts
     halved = task_accuracy(model, examples, lambda e, t: 0.0, tokenizer=model.tokenizer, max_new_tokens=8, generate_kwargs={"steps": 4})
     assert [s["completion"] for s in halved.samples] == diffusion_generate(model, PROMPTS, gen_length=8, steps=4).texts
+
+
+def test_nan_logits_still_commit_a_token_every_step(model):
+    """NaN confidences ranked after the unmasked positions: nothing was committed again, the
+    fixed schedule returned [MASK] ids and the threshold loop never ended (a diverged model)."""
+    from flax import nnx
+
+    broken = nnx.clone(model)
+    broken.final_norm.scale[...] = broken.final_norm.scale[...] * jnp.nan
+    for kw in (dict(steps=4), dict(threshold=0.9)):
+        out = diffusion_generate(broken, ["1+1="], gen_length=4, block_length=4, **kw)
+        assert not (np.asarray(out.tokens) == MASK).any(), kw
+
+
+def test_settings_that_would_do_nothing_are_refused(model):
+    with pytest.raises(ValueError, match="cover all 260 ids: no token could be proposed"):
+        diffusion_generate(model, ["1+1="], gen_length=4, steps=4, banned_tokens=range(259))
+    for kw in (dict(edits_per_round=2), dict(edit_threshold=0.5), dict(edit_max_length=2)):
+        with pytest.raises(ValueError, match="set without edit_rounds"):
+            diffusion_generate(model, ["1+1="], gen_length=4, steps=4, **kw)

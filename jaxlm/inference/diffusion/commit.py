@@ -62,8 +62,11 @@ def predict(logits: jax.Array, rng: jax.Array, *, temperature: float, remasking:
 
 def confidence_rank(conf: jax.Array, masked: jax.Array) -> jax.Array:
     """Rank ``[B, L]`` of each masked position by descending confidence (0 = most confident;
-    ties go to the earlier position); unmasked positions rank after every masked one."""
-    score = jnp.where(masked, conf, -jnp.inf)
+    ties go to the earlier position); unmasked positions rank after every masked one. A NaN
+    confidence (NaN logits) ranks as 0, still before every unmasked position: each step then
+    commits at least one token (a NaN ranked after them, nothing was committed again, and the
+    threshold loop never ended)."""
+    score = jnp.where(masked, jnp.nan_to_num(conf, nan=0.0), -jnp.inf)
     order = jnp.argsort(-score, axis=-1, stable=True)
     return jnp.argsort(order, axis=-1, stable=True)
 

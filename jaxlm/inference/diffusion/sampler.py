@@ -432,8 +432,17 @@ def diffusion_generate(
     banned = tuple(sorted(set(banned) | {int(config.mask_token_id)}))
     if config.delete_token_id is not None:  # an edit model's <|del|> is an edit, never a mask-diffusion token
         banned = tuple(sorted(set(banned) | {int(config.delete_token_id)}))
+    if len(banned) >= config.vocab_size:  # nothing could be proposed
+        raise ValueError(f"banned_tokens (with the mask id{', the delete id' if config.delete_token_id is not None else ''}"
+                         f"{' and EOS' if logits_eos_inf else ''}) cover all {config.vocab_size} ids: no token could be "
+                         "proposed")
     if isinstance(edit_rounds, bool) or not isinstance(edit_rounds, (int, np.integer)) or edit_rounds < 0:
         raise ValueError(f"edit_rounds={edit_rounds!r} is invalid: must be an int >= 0")
+    unused = [name for name, v in (("edit_max_length", edit_max_length), ("edits_per_round", edits_per_round),
+                                   ("edit_threshold", edit_threshold)) if v is not None]
+    if unused and not edit_rounds:  # plain mask diffusion would run without a word
+        raise ValueError(f"{', '.join(unused)} set without edit_rounds: they shape edit rounds, and there are none "
+                         "(set edit_rounds >= 1)")
     if edit_rounds:
         if not config.next_token_head or config.delete_token_id is None:
             raise ValueError(f"edit_rounds={edit_rounds} needs an edit model: ModelConfig.next_token_head=True and "
