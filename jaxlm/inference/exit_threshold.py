@@ -38,9 +38,13 @@ def decoded_agreement(full, exited) -> dict:
     same_sequence = np.array([lengths[b] == full_lengths[b]
                               and np.array_equal(tokens[b, :lengths[b]], full_tokens[b, :full_lengths[b]])
                               for b in range(B)])
-    positions = np.arange(full_tokens.shape[1])[None, :] < full_lengths[:, None]
+    column = np.arange(full_tokens.shape[1])[None, :]
+    positions = column < full_lengths[:, None]
     total = int(positions.sum())
-    same_token = float(((tokens == full_tokens) & positions).sum() / total) if total else 1.0
+    # within the early-exit row too: its padding after an earlier stop is no token (a pad id
+    # that the full model generated there counted as a match)
+    generated = column < lengths[:, None]
+    same_token = float(((tokens == full_tokens) & positions & generated).sum() / total) if total else 1.0
     layers = np.asarray(exited.exit_layers)
     decoded = np.concatenate([layers[b, 1:lengths[b]] for b in range(B)]) if B else np.zeros(0)
     return {"sequence": float(same_sequence.mean()) if B else 1.0, "token": same_token,

@@ -219,6 +219,12 @@ def test_decoded_agreement_counts_sequences_tokens_and_layers():
     assert scores["sequence"] == pytest.approx(1 / 3)
     assert scores["token"] == pytest.approx(8 / 9)  # over the full model's 9 tokens, one differs
     assert scores["mean_layers"] == pytest.approx(np.mean([2, 3, 1, 1, 4, 2, 2]))  # after each first token
+    # an early-exit row that stops sooner: its padding (id 0) is no match for a 0 the full model
+    # generated there (it scored 3 of 4)
+    full = SimpleNamespace(tokens=np.array([[3, 0, 0, 0]]), lengths=np.array([4]))
+    exited = SimpleNamespace(tokens=np.array([[3, 5, 0, 0]]), lengths=np.array([2]),
+                             exit_layers=np.array([[4, 2, 0, 0]]))
+    assert decoded_agreement(full, exited)["token"] == pytest.approx(1 / 4)
 
 
 def test_threshold_by_decoding_reproduces_its_agreement(model):
