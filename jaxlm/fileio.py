@@ -140,8 +140,11 @@ class LockHolder:
             return None
 
     def describe(self) -> str:
-        started = datetime.datetime.fromtimestamp(self.started).strftime("%Y-%m-%d %H:%M:%S")
-        age = _age(time.time() - self.started)
+        try:  # a damaged lock file's start time (NaN, or out of range) must not hide who holds it
+            started = datetime.datetime.fromtimestamp(self.started).strftime("%Y-%m-%d %H:%M:%S")
+            age = _age(time.time() - self.started)
+        except (ValueError, OverflowError, OSError):
+            return f"PID {self.pid} on host {self.host}, start time unknown, command: {self.command}"
         return f"PID {self.pid} on host {self.host}, started {started} ({age} ago), command: {self.command}"
 
 
@@ -197,7 +200,9 @@ class DirectoryLock:
 
     def __init__(self, path: str | os.PathLike, *, what: str = "training run", process_index: int = 0,
                  force: bool = False, beside: bool = False, force_hint: str = "force=True"):
-        self.path = Path(os.path.abspath(path))
+        # a symlink is locked as the directory it names (`atomic_directory` writes through it):
+        # the link's own lock beside it let a second writer in
+        self.path = Path(os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path))
         self.what = what
         self.force = force
         self.force_hint = force_hint

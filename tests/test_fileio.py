@@ -89,6 +89,36 @@ def test_second_process_is_refused_with_the_holders_details(tmp_path):
         holder.wait()
 
 
+HOLD_BESIDE = """
+    lock = fileio.DirectoryLock(sys.argv[1], beside=True, what="model being written")
+    lock.acquire()
+    print("locked", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_symlink_is_locked_as_the_directory_it_names(tmp_path):
+    """A lock beside a symlink was the link's own (.alias.jaxlm.lock), so a second writer went
+    through the link while the first held the real directory's."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "model")
+    holder = _child(HOLD_BESIDE, str(tmp_path / "model"))
+    try:
+        _wait_for_line(holder, "locked")
+        with pytest.raises(DirectoryLockedError, match=f"PID {holder.pid}"):
+            DirectoryLock(tmp_path / "alias", beside=True).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_damaged_start_time_still_names_the_holder():
+    from jaxlm.fileio import LockHolder
+
+    holder = LockHolder.from_text('{"pid": 7, "host": "h", "started": NaN, "command": "train"}')
+    assert holder.describe() == "PID 7 on host h, start time unknown, command: train"
+
+
 def test_racing_processes_exactly_one_wins(tmp_path):
     racer = """
         start = float(sys.argv[2])
