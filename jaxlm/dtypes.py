@@ -20,7 +20,10 @@ def dtype_name(value: Any, *, field: str, allowed: tuple[str, ...] = FLOAT_DTYPE
     name = None
     if isinstance(value, str):
         name = value
-    elif not isinstance(value, (bool, int, float)) and value is not None:
+    elif not isinstance(value, (bool, int, float, np.ndarray, np.generic)) and value is not None and not (
+        # an array (jax or other) is data, not a dtype; scalar types such as np.float32 are classes
+        not isinstance(value, type) and hasattr(value, "shape") and hasattr(value, "dtype")
+    ):
         try:
             name = np.dtype(value).name  # numpy and jnp dtypes, scalar types (ml_dtypes for bfloat16)
         except TypeError:

@@ -79,6 +79,11 @@ def logical_to_spec(
     axis a dimension could not take stays free for the next dimension)."""
     if axes is None:
         return PartitionSpec()
+    if shape is not None and len(axes) > len(shape):
+        raise ValueError(
+            f"logical axes {tuple(axes)} name {len(axes)} dimensions but the array has shape "
+            f"{tuple(shape)} ({len(shape)} dimensions)"
+        )
     used: set[str] = set()
     out = []
     for k, name in enumerate(axes):

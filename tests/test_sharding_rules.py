@@ -4,6 +4,8 @@ take stays free for the next dimension."""
 
 from types import SimpleNamespace
 
+import pytest
+
 from jax.sharding import PartitionSpec as P
 
 from jaxlm.sharding import LOGICAL_RULES, VOCAB_SPLIT_RULES, logical_to_spec
@@ -28,3 +30,8 @@ def test_without_a_shape_the_rules_are_taken_as_written():
     assert logical_to_spec(("vocab", "embed"), VOCAB_SPLIT_RULES, _mesh(1, 4, 2)) == P(("tensor", "fsdp"), None)
     assert logical_to_spec(("batch", None), LOGICAL_RULES, _mesh(2, 4, 1)) == P(("data", "fsdp"), None)
     assert logical_to_spec(("embed", "mlp"), LOGICAL_RULES, _mesh(1, 1, 2)) == P(None, "tensor")  # size-1 axes drop
+
+
+def test_more_logical_axes_than_dimensions_is_named():
+    with pytest.raises(ValueError, match=r"name 3 dimensions but the array has shape \(4, 4\)"):
+        logical_to_spec(("batch", "embed", "mlp"), LOGICAL_RULES, _mesh(1, 2, 1), (4, 4))

@@ -82,7 +82,12 @@ def test_dtype_fields_accept_jnp_and_numpy_dtypes_and_store_the_name(value, name
     assert jaxlm.KVCache.init(cfg, 1, 4, value).k.dtype == np.dtype(name)
 
 
-@pytest.mark.parametrize("value", [np.float64, jax.numpy.int32, int, float, 3, "fp32", None, object()])
+@pytest.mark.parametrize(
+    "value",
+    [np.float64, jax.numpy.int32, int, float, 3, "fp32", None, object(),
+     # arrays and scalars are data, not dtypes (numpy would read their dtype)
+     np.zeros(3, np.float32), jax.numpy.zeros((), jax.numpy.bfloat16), np.float32(1.0)],
+)
 def test_other_dtypes_get_the_same_clear_error(value):
     with pytest.raises(ValueError, match=r"ModelConfig.dtype=.* is invalid: must be one of \('float32', 'bfloat16', 'float16'\)"):
         ModelConfig.tiny(dtype=value)
