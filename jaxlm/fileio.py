@@ -656,9 +656,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if isinstance(exc, OSError) and exc.filename == str(tmp) and exc.errno is not None:
+            # name the file the caller asked for, not the temporary sibling
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
         raise
     _fsync_dir(target.parent)
     return path

@@ -435,6 +435,21 @@ def test_atomic_write_text_writes_through_a_symlink_and_keeps_the_mode(tmp_path)
     assert long.read_text() == "x"
 
 
+def test_atomic_write_text_errors_name_the_requested_path(tmp_path):
+    """The error named the hidden temporary sibling (".a.json.tmp-<pid>-<hex>")."""
+    from jaxlm.fileio import atomic_write_text
+
+    missing = tmp_path / "no_such_dir" / "a.json"
+    with pytest.raises(FileNotFoundError) as info:
+        atomic_write_text(missing, "x")
+    assert info.value.filename == str(missing) and ".tmp-" not in str(info.value)
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError) as info:
+        atomic_write_text(tmp_path / "d", "x")
+    assert info.value.filename == str(tmp_path / "d") and ".tmp-" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temporary left
+
+
 def test_read_jsonl_skips_a_byte_order_mark(tmp_path):
     """A one-record file starting with a BOM read as empty (its only line dropped as torn)."""
     from jaxlm.fileio import read_jsonl
