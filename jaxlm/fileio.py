@@ -22,6 +22,7 @@ import datetime
 import errno
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -68,6 +69,32 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def process_start_time(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch, from ``/proc``), or None where
+    that cannot be read (another OS, no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+
+
+def _holder_running(holder: LockHolder) -> bool:
+    """Whether the process a same-host lock record names still runs. The PID alone is not
+    enough: a PID is reused (in a container every run may be PID 1 or 7), so this process's
+    own PID in a record it does not hold, or a process that started after the record was
+    written, is another process than the holder."""
+    if holder.pid == os.getpid():
+        return False  # this process's locks are in _HELD; the record is from an earlier process
+    if not pid_alive(holder.pid):
+        return False
+    started = process_start_time(holder.pid)
+    return started is None or not math.isfinite(holder.started) or started <= holder.started + 2.0  # /proc's boot time is whole seconds
 
 
 def _fsync_path(path: str | os.PathLike) -> None:
@@ -186,7 +213,8 @@ class DirectoryLock:
     when the process dies, also on SIGKILL) and holding JSON with the holder's PID, host,
     start time and command. A second process gets `DirectoryLockedError` naming them. A
     lock file left by a dead process (its flock is free; on a filesystem without flock:
-    same host and the PID is not running) is taken over with a warning. A lock file from
+    same host and the PID is not running, or is this process or a process started after
+    the lock was written: a reused PID) is taken over with a warning. A lock file from
     another host whose flock is free is not taken over unless ``force=True``: this host
     cannot tell whether that process still runs.
 
@@ -310,7 +338,7 @@ class DirectoryLock:
                         continue
                     if age < 30 and not self.force:  # being written by its creator
                         raise self._busy_error(None) from None
-                elif previous.host == me.host and pid_alive(previous.pid):
+                elif previous.host == me.host and _holder_running(previous):
                     raise self._busy_error(previous) from None
                 elif previous.host != me.host and not self.force:
                     raise self._foreign_error(previous) from None

@@ -160,9 +160,10 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def _write_record(path: Path, *, pid: int, host: str) -> None:
+def _write_record(path: Path, *, pid: int, host: str, started: float | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pid": pid, "host": host, "started": time.time() - 600,
+    started = time.time() - 600 if started is None else started
+    path.write_text(json.dumps({"pid": pid, "host": host, "started": started,
                                 "command": "jaxlm train quickstart", "what": "training run"}))
 
 
@@ -200,7 +201,8 @@ def test_without_flock_live_pid_blocks_and_dead_pid_is_stale(tmp_path, monkeypat
     lock_file = tmp_path / "run" / ".jaxlm.lock"
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        _write_record(lock_file, pid=live.pid, host=socket.gethostname())
+        time.sleep(0.2)
+        _write_record(lock_file, pid=live.pid, host=socket.gethostname(), started=time.time())
         with pytest.raises(DirectoryLockedError, match=f"PID {live.pid}"):
             DirectoryLock(tmp_path / "run").acquire()
     finally:
@@ -212,6 +214,43 @@ def test_without_flock_live_pid_blocks_and_dead_pid_is_stale(tmp_path, monkeypat
         with DirectoryLock(tmp_path / "run"):
             assert json.loads(lock_file.read_text())["pid"] == os.getpid()
     assert f"PID {dead}" in caplog.text and "stale" in caplog.text
+
+
+def test_without_flock_a_reused_pid_is_stale(tmp_path, monkeypatch, caplog):
+    """A record naming a PID that now belongs to another process (this one, as in a container
+    where every run gets the same PID, or one started after the record was written) could
+    never be taken over: the directory stayed locked for good."""
+    monkeypatch.setattr(fileio, "fcntl", None)
+    lock_file = tmp_path / "run" / ".jaxlm.lock"
+    _write_record(lock_file, pid=os.getpid(), host=socket.gethostname())  # an earlier run's record
+    with caplog.at_level(logging.WARNING, logger="jaxlm.fileio"):
+        with DirectoryLock(tmp_path / "run"):
+            assert json.loads(lock_file.read_text())["started"] > time.time() - 60
+    assert "stale" in caplog.text
+    if fileio.process_start_time(os.getpid()) is None:
+        return  # no /proc here: a live foreign PID is taken as the holder
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write_record(lock_file, pid=later.pid, host=socket.gethostname(), started=time.time() - 600)
+        with DirectoryLock(tmp_path / "run"):
+            assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+    finally:
+        later.kill()
+        later.wait()
+
+
+def test_process_start_time_is_when_the_process_started():
+    if fileio.process_start_time(os.getpid()) is None:
+        return  # no /proc on this OS: the lock falls back to the PID alone
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    after = time.time()
+    try:
+        assert before - 2.0 <= fileio.process_start_time(child.pid) <= after + 2.0
+    finally:
+        child.kill()
+        child.wait()
+    assert fileio.process_start_time(_dead_pid()) is None
 
 
 # --------------------------------------------------------------------------- atomic directories
