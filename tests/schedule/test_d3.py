@@ -48,6 +48,19 @@ def test_margins_below_delta_are_not_edges_and_ties_take_the_lower_index():
     assert greedy_order(w2, {}) == [1, 0, 2]
 
 
+def test_a_nan_influence_is_taken_last():
+    """A unit whose lookahead diverged (NaN row) was scheduled first: no number beats NaN in
+    Python's max, so the NaN score won whenever it came first."""
+    w = np.array([[0.0, np.nan, np.nan], [0.2, 0.0, 0.1], [0.3, 0.4, 0.0]])
+    assert greedy_order(w, {}) == [2, 1, 0]
+    assert d3_order(w) == [2, 1, 0]
+    # a NaN column (unit 2's loss): scores counting unit 2 rank last until 2 is placed, and a
+    # NaN margin is no edge; 0 -> 1 (margin 0.3) stays
+    w = np.array([[0.0, 0.5, np.nan], [0.2, 0.0, np.nan], [0.3, 0.4, 0.0]])
+    assert directed_edges(w, 0.0) == {(0, 1): pytest.approx(0.3)}
+    assert d3_order(w) == [2, 0, 1]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_components_match_networkx_and_the_result_is_acyclic(seed):
     rng = np.random.default_rng(seed)
@@ -202,6 +215,8 @@ def test_bad_schedule_config_names_the_field():
         ScheduleConfig(name="random", seed=-1)  # numpy failed at the first refresh, naming no field
     with pytest.raises(ValueError, match="algorithm.schedule.precondition='no' is invalid"):
         ScheduleConfig(precondition="no")  # a truthy string turned preconditioning on
+    with pytest.raises(ValueError, match="algorithm.schedule.lr=0 is invalid"):
+        ScheduleConfig(lr=0.0)  # every influence 0: d3 silently became the data order
 
 
 

@@ -24,7 +24,7 @@ class ScheduleConfig:
     params: str = r"layers\.\d+\.mlp\."
     """d3: regex over parameter names, the subset the lookahead step moves [INFERRED]."""
     lr: float = 1e-2
-    """d3: eta, the lookahead step size [INFERRED]."""
+    """d3: eta, the lookahead step size (> 0) [INFERRED]."""
     delta: float = 0.0
     """d3: keep edge i -> j when w[i, j] - w[j, i] > delta."""
     precondition: bool = True
@@ -51,3 +51,5 @@ class ScheduleConfig:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"algorithm.schedule.{k}={v!r} is invalid: must be a finite number >= 0")
+        if self.lr == 0:  # no lookahead step: every influence is 0 and the order is the data order
+            raise ValueError("algorithm.schedule.lr=0 is invalid: the lookahead step must be > 0")

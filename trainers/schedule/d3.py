@@ -104,7 +104,9 @@ def break_cycles(n: int, edges: dict[tuple[int, int], float]) -> dict[tuple[int,
 
 def greedy_order(w: np.ndarray, dag: dict[tuple[int, int], float]) -> list[int]:
     """Topological order of ``dag``: at each step the available unit (no incoming edge from a
-    remaining unit) with the largest ``sum_{k remaining, k != i} w[i, k]`` (ties: lowest index)."""
+    remaining unit) with the largest ``sum_{k remaining, k != i} w[i, k]`` (ties: lowest index).
+    A NaN score (a lookahead that diverged) ranks below every number, so such a unit is taken
+    last, as the loss curriculum takes a NaN loss last."""
     w = np.asarray(w, np.float64)
     n = w.shape[0]
     remaining = set(range(n))
@@ -112,7 +114,8 @@ def greedy_order(w: np.ndarray, dag: dict[tuple[int, int], float]) -> list[int]:
     while remaining:
         blocked = {j for (i, j) in dag if i in remaining and j in remaining}
         available = sorted(remaining - blocked)
-        score = {i: sum(w[i, k] for k in remaining if k != i) for i in available}
+        score = {i: float(sum(w[i, k] for k in remaining if k != i)) for i in available}
+        score = {i: -np.inf if np.isnan(v) else v for i, v in score.items()}
         best = max(available, key=lambda i: (score[i], -i))
         order.append(best)
         remaining.remove(best)
