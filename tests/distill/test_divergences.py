@@ -194,3 +194,20 @@ def test_a_student_without_mass_on_the_teachers_tail_diverges_to_inf_not_nan():
     assert np.isposinf(float(forward_kl(p, q)[0]))
     for beta in (0.0, 0.5):  # the teacher's top-2 is the student's support: its whole tail is -inf
         assert np.isposinf(float(tail_aware(p, q, top_k=2, tail_beta=beta)[0]))
+
+
+def test_tail_weight_zero_drops_an_infinite_tail_term():
+    """Student mass 0 on part of the teacher's tail (not all of it): the bucket KL is finite and
+    the tail KL inf; beta = 0 means no tail term, and 0 * inf made the loss NaN."""
+    from trainers.distill.divergences import tail_aware
+
+    p = jax.nn.log_softmax(jnp.asarray([[2.0, 1.0, 0.5, 0.0]]))
+    q = jax.nn.log_softmax(jnp.asarray([[1.0, 1.5, 0.0, -jnp.inf]]))
+    pn, qn = np.exp(np.asarray(p[0], np.float64)), np.exp(np.asarray(q[0], np.float64))
+    # K + 1 bins: tokens 0, 1 and the tail bucket {2, 3}
+    pb, qb = np.array([pn[0], pn[1], pn[2] + pn[3]]), np.array([qn[0], qn[1], qn[2] + qn[3]])
+    expected = float(np.sum(pb * np.log(pb / qb)))
+    assert float(tail_aware(p, q, top_k=2, tail_beta=0.0)[0]) == pytest.approx(expected, rel=1e-5)
+    assert np.isposinf(float(tail_aware(p, q, top_k=2, tail_beta=0.5)[0]))
+    g = jax.grad(lambda qq: tail_aware(p, qq, top_k=2, tail_beta=0.0).sum())(q)  # q holds -inf
+    assert np.isfinite(np.asarray(g)).all()

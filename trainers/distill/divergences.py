@@ -103,9 +103,11 @@ def tail_aware_parts(p_logp: jax.Array, q_logp: jax.Array, k: int) -> tuple[jax.
 
 @DIVERGENCES.register("tail_aware")
 def tail_aware(p_logp, q_logp, *, top_k: int = 10, tail_beta: float | jax.Array = 1.0, **_) -> jax.Array:
-    """``KL_{K+1}(p || q) + beta KL(p_T~ || q_T~)`` with ``H`` = the teacher's top-``top_k``."""
+    """``KL_{K+1}(p || q) + beta KL(p_T~ || q_T~)`` with ``H`` = the teacher's top-``top_k``.
+    At ``beta = 0`` the tail term is absent, also where it is ``inf`` (a student with no mass on
+    part of the teacher's tail; ``0 * inf`` would be NaN)."""
     bucket_kl, tail_kl, _ = tail_aware_parts(p_logp, q_logp, top_k)
-    return bucket_kl + tail_beta * tail_kl
+    return bucket_kl + jnp.where(jnp.asarray(tail_beta) == 0, 0.0, tail_beta * tail_kl)
 
 
 def bucketed(logp: jax.Array, idx: jax.Array) -> jax.Array:
