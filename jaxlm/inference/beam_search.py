@@ -5,7 +5,10 @@ defines it, so the two can be compared token for token:
 
 * each prompt keeps ``K`` running beams with ``s = sum_j log p~(y_j | y_<j)`` (``p~``: the
   model's log-softmax after the logits processors); beam 0 starts at 0 and the others at
-  ``-1e9``, so the first step expands one beam;
+  ``-inf``, so the first step expands one beam (the reference starts them at ``-1e9``: where
+  fewer than ``K`` continuations have finite log-prob, under a grammar or a top-k
+  processor, it returns copies of the best hypotheses scored about ``-1e9 / len``; here those
+  slots stay empty: length 0, score ``-inf``);
 * at step ``t`` the ``K * V`` continuations are ranked by ``s + log p~(v)`` and the best
   ``C = max(2, 1 + |stop_tokens|) * K`` kept, enough that ``K`` of them have not stopped;
 * a candidate that ends in a stop token or reaches ``max_new_tokens`` is *finished*; if it
@@ -171,7 +174,7 @@ def beam_search_tokens(
         step=jnp.zeros((), jnp.int32),
         tokens=jnp.full((B, K, N), pad_id, jnp.int32),
         logprobs=zeros, sampling_logprobs=zeros,
-        scores=jnp.where(jnp.arange(K) == 0, 0.0, NEG)[None].repeat(B, 0).astype(jnp.float32),
+        scores=jnp.where(jnp.arange(K) == 0, 0.0, -jnp.inf)[None].repeat(B, 0).astype(jnp.float32),
         logits=model.unembed(out.hidden[:, -1])[rows].astype(jnp.float32),
         cache=out.cache.take_rows(rows),
         final_tokens=jnp.full((B, K, N), pad_id, jnp.int32),
@@ -218,8 +221,9 @@ def beam_search_tokens(
             cand_state = jnp.maximum(advance(grammar, _along_beams(s.grammar_state, src), tok), 0)
             hits = hits | grammar.terminal[cand_state]
 
-        # the best K candidates that did not stop run on
-        run_scores = cand_scores + NEG * hits
+        # the best K candidates that did not stop run on; where fewer than K did not stop, the
+        # rest are dead (-inf), not finished hypotheses extended past their end
+        run_scores = jnp.where(hits, -jnp.inf, cand_scores)
         keep = jax.lax.top_k(run_scores, K)[1]
         # finished candidates among the first K compete with the finished hypotheses
         norm = cand_scores / ((t + 1).astype(jnp.float32) ** length_penalty)

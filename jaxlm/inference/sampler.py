@@ -71,7 +71,7 @@ class GenerateResult:
     accepted_lengths: jax.Array | None = None  # speculative: [B, N] drafts accepted per verify round (-1 after)
     verify_rounds: jax.Array | None = None  # speculative: [B] target verify rounds per row
     exit_layers: jax.Array | None = None  # early exit: [B, N] layers run for each token (0 after the end)
-    beam_scores: jax.Array | None = None  # beam search: [B * R] length-normalised score of each hypothesis
+    beam_scores: jax.Array | None = None  # beam search: [B * R] length-normalised score of each hypothesis (-inf: none)
 
     def completions(self) -> list[list[int]]:
         tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
@@ -413,7 +413,9 @@ def generate(
       are scored ``sum log p / len ** length_penalty``; ``early_stopping`` (True, False or
       "never") says when a prompt stops looking for better ones, as in HF ``generate``. The
       result has ``num_return_sequences`` rows per prompt (row ``b * R + r`` is prompt
-      ``b``'s ``r``-th best), with their scores in ``beam_scores``. With ``grammar=``
+      ``b``'s ``r``-th best), with their scores in ``beam_scores``; where fewer than ``R``
+      hypotheses exist (a grammar or a top-k leaves too few continuations) the remaining
+      rows are empty (length 0, score -inf). With ``grammar=``
       disallowed tokens get log-prob -inf before the processors: a hypothesis that ended
       by completing the grammar or by a stop token is in its language, one cut by
       ``max_new_tokens`` is a prefix of a string in it (as a sampled row cut there is).
@@ -597,7 +599,8 @@ def _beam_search(model, block, mask, tokenizer, *, num_return_sequences, **kw) -
         sampling_logprobs=flat(final.final_sampling_logprobs), lengths=flat(final.final_lengths),
         prompt_tokens=jnp.repeat(jnp.asarray(block), R, axis=0),
         prompt_lengths=jnp.repeat(jnp.asarray(mask).sum(axis=1, dtype=jnp.int32), R),
-        beam_scores=flat(final.final_scores),
+        # a slot no hypothesis reached (fewer strings than beams under a grammar or a top-k) is empty
+        beam_scores=flat(jnp.where(final.finished, final.final_scores, -jnp.inf)),
     )
     if tokenizer is not None:
         result.texts = [tokenizer.decode(c) for c in result.completions()]

@@ -231,6 +231,31 @@ def test_grammar_masks_before_a_top_k_processor(byte_model):
     assert np.all(np.asarray(top2.beam_scores) > -1e8)
 
 
+def test_fewer_hypotheses_than_return_sequences_leave_empty_rows(byte_model):
+    """A language of two strings asked for four: the reference-style -1e9 start of the extra
+    beams (and finished beams run on at -1e9) returned copies of the two strings scored about
+    -1e9 / len. The extra rows are empty instead: length 0, score -inf. The same with a TopK(1)
+    processor and no grammar: one hypothesis, the greedy string."""
+    from jaxlm.inference.grammar import compile_regex
+    from jaxlm.inference.logits_processors import TopK
+
+    tok = byte_model.tokenizer
+    g = compile_regex("ab|cd", tok, cache_dir=None)
+    out = jaxlm.generate(byte_model, ["Q?", "R!"], max_new_tokens=6, num_beams=4, num_return_sequences=4,
+                         grammar=g)
+    for b in range(2):
+        rows = slice(4 * b, 4 * b + 4)
+        assert sorted(out.texts[rows][:2]) == ["ab", "cd"] and out.texts[rows][2:] == ["", ""]
+        np.testing.assert_array_equal(np.asarray(out.lengths[rows])[2:], [0, 0])
+        scores = np.asarray(out.beam_scores[rows])
+        assert np.all(np.isfinite(scores[:2])) and np.all(scores[:2] > -100) and np.all(np.isneginf(scores[2:]))
+    greedy = jaxlm.generate(byte_model, ["Q?"], max_new_tokens=5, temperature=0)
+    beams = jaxlm.generate(byte_model, ["Q?"], max_new_tokens=5, num_beams=3, num_return_sequences=3,
+                           logits_processors=[TopK(1)])
+    assert beams.texts == [greedy.texts[0], "", ""]
+    np.testing.assert_array_equal(np.asarray(beams.lengths), [5, 0, 0])
+
+
 def test_a_processor_reading_the_generated_tokens_sees_each_beam_as_a_row(pair):
     """A state-reading processor (no token generated twice) gets one row of ``state.tokens``
     per row of logits, as when sampling; the beams equal transformers' with the same rule
