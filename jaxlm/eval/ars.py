@@ -152,7 +152,7 @@ def counterfactual_answers(model, prompts: Sequence[str], *, num_variants: int =
     if num_variants < 1 or noise_scale < 0 or max_new_tokens < 1:
         raise ValueError("num_variants and max_new_tokens must be >= 1 and noise_scale >= 0")
     tok = model.tokenizer
-    ids = encode_prompts(tok, prompts)
+    ids = encode_prompts(tok, prompts, vocab_size=model.config.vocab_size)
     L, D = model.config.n_layers, model.config.d_model
     T = -(-max(map(len, ids)) // 8) * 8
     pad = getattr(tok, "pad_id", None) or 0

@@ -137,7 +137,7 @@ def evidence_drop(model, prompts: Sequence[str], traces: Sequence[str], *, evide
     if len(prompts) != len(traces):
         raise ValueError(f"{len(prompts)} prompts for {len(traces)} traces")
     tok = model.tokenizer
-    heads = encode_prompts(tok, prompts)
+    heads = encode_prompts(tok, prompts, vocab_size=model.config.vocab_size)
     rows, owners, n_steps = [], [], []
     for head, trace in zip(heads, traces):
         steps = segment_steps(trace, by=by)

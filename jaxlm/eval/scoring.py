@@ -89,7 +89,7 @@ def branched_candidate_logprobs(model, groups: Sequence[Sequence[str]] | Sequenc
     if G < 1 or any(len(g) != G for g in groups):
         raise ValueError(f"every group must hold the same number (>= 1) of prompts, got {sorted({len(g) for g in groups})}")
     tok = model.tokenizer
-    encoded = [encode_prompts(tok, list(g), add_bos=add_bos) for g in groups]
+    encoded = [encode_prompts(tok, list(g), add_bos=add_bos, vocab_size=model.config.vocab_size) for g in groups]
     heads, tails = [], []
     for ids in encoded:
         n = min(map(len, ids)) - 1  # each branch keeps at least one token of its own
@@ -134,9 +134,11 @@ def branched_candidate_logprobs(model, groups: Sequence[Sequence[str]] | Sequenc
     return out
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]], *, add_bos: bool = True
-                   ) -> list[list[int]]:
-    """Token lists of ``prompts`` (text encoded with ``tokenizer``, BOS first when it has one)."""
+def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]], *, add_bos: bool = True,
+                   vocab_size: int | None = None) -> list[list[int]]:
+    """Token lists of ``prompts`` (text encoded with ``tokenizer``, BOS first when it has one).
+    Prompts given as token ids must hold ints, in ``[0, vocab_size)`` when it is given (an id
+    past the vocabulary gave NaN log-probs, a negative one wrapped around, a float was cut)."""
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
@@ -144,7 +146,14 @@ def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]], 
                 raise ValueError("text prompts need a tokenizer (the model has none): pass token ids")
             ids = tokenizer.encode(p, add_bos=add_bos and getattr(tokenizer, "bos_id", None) is not None)
         else:
+            bad = [t for t in p if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))]
+            if bad:
+                raise ValueError(f"prompt {i} holds {bad[0]!r}: token-id prompts must hold ints")
             ids = [int(t) for t in p]
+            out_of_range = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+            if out_of_range:
+                allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise ValueError(f"prompt {i} holds token id {out_of_range[0]}: ids must be {allowed}")
         if not ids:
             raise ValueError(f"prompt {i} is empty: nothing to condition the next token on")
         out.append(ids)
@@ -159,7 +168,7 @@ def candidate_logprobs(model, prompts: Sequence[str] | Sequence[Sequence[int]], 
     cand = _check_candidates(model, candidates)
     _check_batching(batch_size, bucket)
     tok = model.tokenizer
-    ids = encode_prompts(tok, prompts, add_bos=add_bos)
+    ids = encode_prompts(tok, prompts, add_bos=add_bos, vocab_size=model.config.vocab_size)
     limit = model.config.max_seq_len
     over = [i for i, x in enumerate(ids) if len(x) > limit]
     if over:  # positions past the model's length: numbers, but not ones it was built for

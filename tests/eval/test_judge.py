@@ -83,6 +83,27 @@ def test_bad_judge_inputs(judge):
         judge_points(judge, ["q" * 200], ["a"])
 
 
+@pytest.mark.parametrize("bad, match", [
+    (259, r"prompt 1 holds token id 259: ids must be \[0, 259\)"),  # gave NaN log-probs
+    (-1, r"prompt 1 holds token id -1"),  # wrapped around to 258
+    (7.9, r"prompt 1 holds 7.9: token-id prompts must hold ints"),  # cut to 7
+    (True, r"prompt 1 holds True"),
+])
+def test_token_id_prompts_are_checked_against_the_vocabulary(judge, bad, match):
+    from jaxlm.eval.evidence_drop import evidence_drop
+    from jaxlm.eval.scoring import branched_candidate_logprobs
+
+    prompts = [[1, 5, 9], [1, 5, bad]]
+    with pytest.raises(ValueError, match=match):
+        candidate_logprobs(judge, prompts, [65])
+    with pytest.raises(ValueError, match=match):
+        branched_candidate_logprobs(judge, [prompts], [65])
+    with pytest.raises(ValueError, match=match):
+        evidence_drop(judge, prompts, ["a. b.", "c. d."])
+    np_ids = [np.asarray([1, 5, 9]), np.asarray([1, 5, 258], np.int64)]  # numpy ints are ints
+    assert candidate_logprobs(judge, np_ids, [65]).shape == (2, 1)
+
+
 def test_branched_scoring_equals_scoring_each_prompt(judge):
     groups = [("shared start, then one", "shared start, then two!"), ("x", "x"), ("abc", "xyz long other")]
     cand = [65, 66, 70]
