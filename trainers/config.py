@@ -561,7 +561,8 @@ class ExperimentConfig:
             if self.algorithm.pear is not None:
                 raise ValueError("algorithm.distill.on_policy does not combine with algorithm.pear: PEAR's "
                                  "behaviour log-probs are those of the data's tokens, not the student's samples")
-        if isinstance(self.algorithm, (SFTConfig, DiffusionConfig)) and self.data.batch_size % self.trainer.grad_accum:
+        # GRPO splits its rollouts (checked below); every other algorithm splits the batch's rows
+        if not isinstance(self.algorithm, GRPOConfig) and self.data.batch_size % self.trainer.grad_accum:
             raise ValueError(
                 f"data.batch_size={self.data.batch_size} is not divisible by "
                 f"trainer.grad_accum={self.trainer.grad_accum}"

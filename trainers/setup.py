@@ -115,6 +115,9 @@ def run_mesh(cfg: ExperimentConfig) -> Mesh:
 def check_batch_split(cfg: ExperimentConfig, mesh: Mesh) -> None:
     """``data.batch_size`` (global) splits into ``trainer.grad_accum`` micro-batches whose rows
     divide over the mesh's ``data`` x ``fsdp`` devices, and over the processes."""
+    if cfg.data.batch_size % cfg.trainer.grad_accum:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} is not divisible by "
+                          f"trainer.grad_accum={cfg.trainer.grad_accum}")
     micro = cfg.data.batch_size // cfg.trainer.grad_accum
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if micro % shards:

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxlm.inference.logits_processors import Temperature
@@ -39,9 +40,23 @@ def omni_generate(model: OmniModel, batch: dict, *, max_new_tokens: int, tempera
     ``positions``, ``mask``, ``video``, ``audio``). ``embeds``: precomputed input embeddings
     (e.g. compressed by OmniSIFT, with ``batch`` describing the kept tokens)."""
     tok = model.tokenizer
+    if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive int")
+    max_new_tokens = int(max_new_tokens)
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.number)) \
+            or not 0 <= temperature < np.inf:
+        raise ValueError(f"temperature={temperature!r} is invalid: must be a finite number >= 0 (0 = greedy)")
     if stop_tokens is None:
         stop_tokens = default_stop_tokens(tok)
     tokens = jnp.asarray(batch["tokens"])
+    limit = model.config.lm.max_seq_len
+    if tokens.shape[-1] + max_new_tokens > limit:
+        raise ValueError(f"prompt width {tokens.shape[-1]} + max_new_tokens {max_new_tokens} = "
+                         f"{tokens.shape[-1] + max_new_tokens} exceeds ModelConfig.max_seq_len={limit}")
+    bad = [int(t) for t in stop_tokens if not 0 <= int(t) < model.config.lm.vocab_size]
+    if bad:
+        raise ValueError(f"stop_tokens {bad} are outside [0, vocab_size={model.config.lm.vocab_size})")
     if embeds is None:
         embeds = omni_inputs_embeds(model, batch["tokens"], batch.get("video"), batch.get("audio"))
     if isinstance(rng, int):

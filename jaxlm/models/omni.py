@@ -64,8 +64,11 @@ class OmniConfig:
                 raise ValueError(f"OmniConfig.{name}={v!r} must be an int > 0")
         for name in ("video_token_id", "audio_token_id"):
             v = getattr(self, name)
-            if not isinstance(v, int) or not 0 <= v < self.lm.vocab_size:
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):  # True read as id 1
+                raise ValueError(f"OmniConfig.{name}={v!r} must be an int token id")
+            if not 0 <= v < self.lm.vocab_size:
                 raise ValueError(f"OmniConfig.{name}={v!r} must be a token id in [0, {self.lm.vocab_size})")
+            object.__setattr__(self, name, int(v))  # numpy ints stored as Python ints (JSON metadata)
         if self.video_token_id == self.audio_token_id:
             raise ValueError("OmniConfig.video_token_id and audio_token_id must differ")
 

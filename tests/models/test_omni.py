@@ -198,6 +198,28 @@ def test_bad_pieces_and_config():
         AudioVisual(np.zeros((2, 2, 2, 12)), np.zeros((5, 6)), frames_per_chunk=0)
     with pytest.raises(ValueError, match="audio_token_id"):
         OmniConfig(lm=cfg.lm, patch_dim=4, audio_dim=4, video_token_id=VID, audio_token_id=999)
+    with pytest.raises(ValueError, match="OmniConfig.video_token_id=True must be an int token id"):  # was id 1
+        OmniConfig(lm=cfg.lm, patch_dim=4, audio_dim=4, video_token_id=True, audio_token_id=AUD)
+    numpy_ids = OmniConfig(lm=cfg.lm, patch_dim=4, audio_dim=4, video_token_id=np.int64(VID),
+                           audio_token_id=np.int32(AUD))  # refused as "not in [0, 261)" before
+    assert (numpy_ids.video_token_id, numpy_ids.audio_token_id) == (VID, AUD)
+    assert type(numpy_ids.video_token_id) is int
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_new_tokens=0), r"max_new_tokens=0 is invalid: must be a positive int"),  # IndexError before
+    (dict(max_new_tokens=2.5), r"max_new_tokens=2.5 is invalid"),
+    (dict(max_new_tokens=True), r"max_new_tokens=True is invalid"),
+    (dict(max_new_tokens=250), r"prompt width 7 \+ max_new_tokens 250 = 257 exceeds ModelConfig.max_seq_len=256"),
+    (dict(max_new_tokens=2, temperature=float("nan")), r"temperature=nan is invalid"),
+    (dict(max_new_tokens=2, stop_tokens=[999]), r"stop_tokens \[999\] are outside"),
+])
+def test_bad_generation_settings_are_named(model, kw, match):
+    seq = build_sequence([[TOK.bos_id], Video(np.zeros((1, 2, 2, 12))), "AB"], TOK, model.config)
+    assert len(seq.tokens) == 7  # BOS, four patches, two bytes
+    batch = batch_sequences([seq], TOK.pad_id)
+    with pytest.raises(ValueError, match=match):
+        omni_generate(model, batch, **kw)
 
 
 def test_checkpoint_round_trip_is_exact(model, tmp_path):

@@ -144,6 +144,10 @@ def test_config_errors(tmp_path):
         dataclasses.replace(TASK, noise=float("nan"))
     with pytest.raises(ValueError, match="must differ"):
         OmniTrainConfig(video_token_id=259, audio_token_id=259)
+    with pytest.raises(ValueError, match=r"data.batch_size=4 is not divisible by trainer.grad_accum=3"):
+        # accepted before; the first step failed with a bare reshape error
+        dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=4),
+                            trainer=dataclasses.replace(cfg.trainer, grad_accum=3))
     small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=260))
     with pytest.raises(ConfigError, match="does not fit model.vocab_size=260"):
         train(small)
