@@ -78,6 +78,8 @@ def lowrank_w4a16_matmul(
     if r < 1:
         raise ValueError(f"rank r={r} (P {P.shape}): the low-rank branch needs r >= 1; without one use "
                          "kernels_pallas.w4a16.w4a16_matmul")
+    if M == 0:  # no rows: a zero-size grid has nothing to run
+        return jnp.zeros((0, codes.shape[1]), out_dtype or x.dtype)
     bm = bm or w4a16.default_bm(M)
     xp, cp, sp, (M, N) = w4a16.pad_operands(x, codes, scales, block=block, bm=bm, bn=bn, bk=bk)
     Mp, Kp = xp.shape

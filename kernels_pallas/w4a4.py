@@ -83,6 +83,8 @@ def _w4a4(xc, xs, xg, wc, ws, wg, *, x_fmt, w_fmt, alpha, bm, bn, bk, interpret,
                          f"({K // 2}, N), activation scales ({M}, {K // xb}), weight scales ({K // wb}, {N})")
     if bk % xb or bk % wb:
         raise ValueError(f"bk={bk} must be a multiple of both blocks")
+    if M == 0:  # no rows: a zero-size grid has nothing to run
+        return jnp.zeros((0, N), out_dtype)
     bm = bm or w4a16.default_bm(M)
     Mp, Np, Kp = (-(-M // bm) * bm), (-(-N // bn) * bn), (-(-K // bk) * bk)
     xc = jnp.pad(xc, ((0, Mp - M), (0, (Kp - K) // 2)))

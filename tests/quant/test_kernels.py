@@ -165,6 +165,13 @@ def test_no_rows_give_empty_outputs():
     assert out.shape == (0, 8)
     codes, scales = block_quant.transform_quantize(jnp.zeros((0, 64), jnp.float32), interpret=True)
     assert codes.shape == (0, 32) and scales.shape == (0, 2)
+    fmt = dict(element="e2m1", block=32, scale_kind="e8m0")
+    out = w4a4.w4a4_matmul(codes, scales, 1.0, q.codes, q.scales, 1.0, x_fmt=fmt, w_fmt=fmt, interpret=True)
+    assert out.shape == (0, 8) and out.dtype == jnp.float32
+    out = lowrank_w4a16.lowrank_w4a16_matmul(jnp.zeros((0, 64), jnp.bfloat16), q.codes, q.scales,
+                                             q.global_scale.reshape(()), jnp.ones((64, 2)), jnp.ones((2, 8)),
+                                             **_kw(q.fmt), interpret=True)
+    assert out.shape == (0, 8) and out.dtype == jnp.bfloat16
 
 
 def test_w4a4_operands_for_another_k_are_refused():
