@@ -47,9 +47,10 @@ def quantize_params(params, recipe: QuantRecipe = QuantRecipe()):
         name = _name(path)
         if isinstance(leaf, QArray) or not inc.search(name) or (exc and exc.search(name)):
             return leaf
-        # the model reads only projection kernels ([in, out] matmul weights) as QArrays: the
-        # embedding is gathered by row, norms and biases are vectors
-        if name.split(".")[-1] == "embed" or np.ndim(leaf) < 2:
+        # the model reads only projection kernels ([in, out] matmul weights, through `linear`) as
+        # QArrays: the embedding is gathered by row, norms and biases are vectors, and other
+        # matrices (an affine-scaled attention's scale_proj) are indexed directly
+        if name.split(".")[-1] != "kernel" or np.ndim(leaf) < 2:
             raise ValueError(f"QuantRecipe(include={recipe.include!r}) selects {name!r} {tuple(np.shape(leaf))}, "
                              "which the model cannot run quantized: select projection kernels only "
                              f"(the default include is {QuantRecipe.include!r})")

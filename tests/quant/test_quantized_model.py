@@ -142,6 +142,14 @@ def test_recipes_refuse_what_the_model_cannot_run_quantized(model):
         Q.quantize_params(params, Q.QuantRecipe("mxfp4", include=r"^embed$"))
     with pytest.raises(ValueError, match=r"selects 'final_norm.scale' \(128,\)"):
         Q.quantize_params(params, Q.QuantRecipe("mxfp4", include=r"norm\.scale$"))
+    # a matrix the model indexes directly (affine-scaled attention's [D, H] projections): it was
+    # quantized, then the first forward failed with "'QArray' object is not subscriptable"
+    affine = jaxlm.build_model(model.config.replace(attention="affine_scaled"), seed=0)
+    affine_params = nnx.to_pure_dict(nnx.split(affine)[1])
+    with pytest.raises(ValueError, match=r"selects 'layers.0.attn.(scale|bias)_proj' \(128, \d+\)"):
+        Q.quantize_params(affine_params, Q.QuantRecipe("nvfp4", include=r"\.attn\."))
+    quantized = Q.quantize_model(affine, Q.QuantRecipe("nvfp4", include=r"\.attn\..*kernel"))
+    assert np.isfinite(np.asarray(quantized(jnp.asarray([[1, 5, 9, 2]])).logits)).all()
     qat = jaxlm.build_model(model.config.replace(qat_format="nvfp4"), seed=0)
     with pytest.raises(ValueError, match="qat_format='nvfp4': export it with jaxlm.quant.export_qat"):
         Q.quantize_model(qat, Q.QuantRecipe("nvfp4"))
