@@ -133,6 +133,9 @@ def gptq_transform_quantize(H, W, fmt: str | QFormat | None, method: str = "wush
     if method not in TRANSFORMS:
         raise ValueError(f"method={method!r} is invalid: must be one of {TRANSFORMS}")
     fmt = None if fmt is None else get_format(fmt)
+    if fmt is not None and block is not None and block != fmt.block:  # it was ignored silently
+        raise ValueError(f"block={block!r} contradicts the {fmt.name} block {fmt.block}: the format fixes the "
+                         "block (pass block only with fmt=None)")
     B = fmt.block if fmt is not None else block
     if B is None:
         raise ValueError("pass fmt or block")

@@ -97,6 +97,9 @@ def qfit_calibrate(model, batches: Iterable[tuple[np.ndarray, np.ndarray]], *, f
                    causal: bool = True) -> QFitResult:
     """Q-FIT's scales, shifts and alphas per layer from right-padded ``(tokens, valid)``
     calibration batches (concatenated; keep the calibration set small)."""
+    if isinstance(grid, (bool, np.bool_)) or not isinstance(grid, (int, np.integer)) or grid < 1:
+        raise ValueError(f"grid={grid!r} is invalid: must be a positive int (alphas 0, 1/grid, ..., (grid-1)/grid)")
+    grid = int(grid)
     fmt = get_format(fmt)
     c = model.config
     if c.qk_head_dim != c.head_dim or c.v_head_dim != c.head_dim:

@@ -181,6 +181,8 @@ def test_gptq_mode_without_rounding_preserves_the_product():
             gptq_transform_quantize(np.eye(256), W, None, "hadamard", block=16, damp=damp)
     with pytest.raises(ValueError, match="block=0 is invalid"):
         gptq_transform_quantize(np.eye(256), W, None, "hadamard", block=0)
+    with pytest.raises(ValueError, match="block=16 contradicts the mxfp4 block 32"):  # ignored silently before
+        gptq_transform_quantize(np.eye(256), W, "mxfp4", "rtn", block=16)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))

@@ -80,6 +80,9 @@ def test_qfit_errors():
     np.testing.assert_array_equal(np.asarray(with_targets.alpha_s), np.asarray(res.alpha_s))
     with pytest.raises(ValueError, match="no calibration batches"):
         qfit_calibrate(model, [])
+    for grid in (0, -3, 2.5, True):  # an argmin over nothing, or an indexing TypeError, before
+        with pytest.raises(ValueError, match=f"grid={grid!r} is invalid: must be a positive int"):
+            qfit_calibrate(model, [ones], grid=grid)
     with pytest.raises(ValueError, match="no valid tokens"):
         qfit_calibrate(model, [(ones[0], np.zeros((1, 4), bool))])
     from jaxlm.compress.metrics import mean_token_nll
