@@ -86,8 +86,12 @@ class GradientEditConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}={v!r} is invalid: must be a positive int")
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr!r} is invalid: must be > 0")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < float("inf"):
+            raise ValueError(f"lr={self.lr!r} is invalid: must be a finite number > 0")
+        # a negative decay pushes the edited kernels away from zero; NaN only failed as a divergence
+        wd = self.weight_decay
+        if isinstance(wd, bool) or not isinstance(wd, (int, float)) or not 0 <= wd < float("inf"):
+            raise ValueError(f"weight_decay={wd!r} is invalid: must be a finite number >= 0")
         # any other project value would run plain fine-tuning without a word
         if self.project not in ("gradient", "update"):
             raise ValueError(f"project={self.project!r} is invalid: must be 'gradient' or 'update'")

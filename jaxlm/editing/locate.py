@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -94,6 +95,14 @@ class LocateEditConfig:
         for name in ("lam_memit", "lam_alphaedit", "nullspace_tau", "v_lr", "clamp_norm_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be > 0")
+        # v_steps <= 0 optimised nothing: the "edited" model came back unchanged, with no error
+        for name in ("v_steps", "batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name}={v!r} is invalid: must be an int >= 1")
+        v = self.v_weight_decay
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.number)) or not 0 <= v < np.inf:
+            raise ValueError(f"v_weight_decay={v!r} is invalid: must be a finite number >= 0")
         layers = tuple(self.layers)
         if list(layers) != sorted(set(layers)):  # the residual is spread from the first layer on
             raise ValueError(f"layers={layers!r} is invalid: MEMIT/AlphaEdit edit the layers in ascending order "

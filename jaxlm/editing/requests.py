@@ -50,6 +50,8 @@ def encode_pairs(
     sets ``key_position`` to its last token; otherwise the prompt's last token."""
     if len(prompts) != len(targets):
         raise ValueError(f"{len(prompts)} prompts but {len(targets)} targets")
+    if subjects is not None and len(subjects) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(subjects)} subjects (one per prompt, or None)")
     if not prompts:
         raise ValueError("no prompts to encode")
     rows = []

@@ -117,9 +117,25 @@ def test_requests_file_round_trip_and_errors(tmp_path):
     for kwargs, match in [(dict(project="updates"), "project='updates' is invalid"),
                           (dict(merge_weight="rows"), "merge_weight='rows' is invalid"),
                           (dict(stop_loss=-1.0), "stop_loss=-1.0 is invalid"),
-                          (dict(recompute_threshold=float("nan")), "recompute_threshold=nan is invalid")]:
+                          (dict(recompute_threshold=float("nan")), "recompute_threshold=nan is invalid"),
+                          # a negative decay pushed kernels away from zero; NaN / inf only failed as a divergence
+                          (dict(weight_decay=-5.0), "weight_decay=-5.0 is invalid"),
+                          (dict(weight_decay=float("nan")), "weight_decay=nan is invalid"),
+                          (dict(lr=float("inf")), "lr=inf is invalid")]:
         with pytest.raises(ValueError, match=match):
             GradientEditConfig(**kwargs)
+    # v_steps <= 0 returned the model unchanged as "edited"; batch_size 0 failed in range()
+    for kwargs, match in [(dict(v_steps=0), "v_steps=0 is invalid: must be an int >= 1"),
+                          (dict(v_steps=-3), "v_steps=-3 is invalid"),
+                          (dict(batch_size=0), "batch_size=0 is invalid"),
+                          (dict(batch_size=2.5), "batch_size=2.5 is invalid"),
+                          (dict(v_weight_decay=-1.0), "v_weight_decay=-1.0 is invalid")]:
+        with pytest.raises(ValueError, match=match):
+            LocateEditConfig(**kwargs)
+    from jaxlm.editing.requests import encode_pairs
+
+    with pytest.raises(ValueError, match="2 prompts but 1 subjects"):  # a bare IndexError before
+        encode_pairs(jaxlm.ByteTokenizer(), ["Bob is", "Ann is"], [" a", " b"], subjects=["Bob"])
     with pytest.raises(ValueError, match="n=500"):
         WORLD.edit_requests(500)
 
