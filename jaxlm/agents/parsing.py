@@ -135,7 +135,11 @@ def _split(text: str) -> tuple[list[ToolCall | str], str]:
         out.append(f"tool call {k}: a {OPEN} is not closed before the next one" if body is None else _one(body, k))
         pieces.append(text[pos:start])
         pos = end
-    rest = "".join(pieces) + text[pos:]
+    rest = ""
+    for piece in pieces + [text[pos:]]:  # "see<tool_call>..</tool_call>below" is "see below", not "seebelow"
+        if rest and piece and not rest[-1].isspace() and not piece[0].isspace():
+            rest += " "
+        rest += piece
     if OPEN in rest:
         out.append(f"a {OPEN} is not closed by {CLOSE}")
         rest = rest[: rest.index(OPEN)]

@@ -89,3 +89,12 @@ def test_json_that_rfc_8259_refuses_is_an_error():
         assert r.calls == () and len(r.errors) == 1 and expected in r.errors[0], (text, r.errors)
     nested = parse_reply('<tool_call>{"name": "s", "arguments": {"a": [{"b": null}, 1.5e-3]}}</tool_call>')
     assert nested.errors == () and nested.calls == (ToolCall("s", {"a": [{"b": None}, 1.5e-3]}),)
+
+
+def test_text_on_both_sides_of_a_call_keeps_a_word_break():
+    """Content written around a call with no space ("see<call>below") read as "seebelow"."""
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert parse_reply(f"see{call}below").content == "see below"
+    assert parse_reply(f"a{call}b{call}c").content == "a b c"
+    assert parse_reply(f"a\n{call}\nb").content == "a\n\nb"  # whitespace already there is kept as written
+    assert parse_reply(f"{call}x").content == "x" and parse_reply(f"x{call}").content == "x"
