@@ -87,7 +87,8 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.schedule={self.schedule!r} is invalid: must be 'cosine' or 'constant'")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"OptimizerConfig.min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
-        if self.clip_norm is not None and not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
+        if self.clip_norm is not None and (isinstance(self.clip_norm, bool) or not isinstance(self.clip_norm, (int, float))
+                                           or not (self.clip_norm > 0 and math.isfinite(self.clip_norm))):
             raise ValueError(f"OptimizerConfig.clip_norm={self.clip_norm!r} must be > 0 or None")
 
 
@@ -194,7 +195,8 @@ class SFTConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
                 raise ValueError(f"algorithm.{name}={v!r} is invalid: must be a finite number >= 0")
-        if not 0 < self.sem_threshold <= 1:
+        if isinstance(self.sem_threshold, bool) or not isinstance(self.sem_threshold, (int, float)) \
+                or not 0 < self.sem_threshold <= 1:
             raise ValueError(f"algorithm.sem_threshold={self.sem_threshold!r} is invalid: must be in (0, 1]")
         for name, kind in (("distill", DistillConfig), ("pear", PEARConfig), ("schedule", ScheduleConfig)):
             v = getattr(self, name)

@@ -63,6 +63,8 @@ class PEARConfig:
             raise ValueError(f"algorithm.pear.clip={self.clip!r} is invalid: must be > 0 (inf: no clipping)")
         if self.target not in ("current", "fixed"):
             raise ValueError(f"algorithm.pear.target={self.target!r} is invalid: must be current | fixed")
+        if not isinstance(self.normalize, bool):  # a truthy string ("no") self-normalised
+            raise ValueError(f"algorithm.pear.normalize={self.normalize!r} is invalid: must be true or false")
 
     @property
     def fields(self) -> tuple[str, ...]:

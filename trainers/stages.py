@@ -34,6 +34,10 @@ from trainers.loop import train
 from trainers.step import make_eval_loss
 
 
+#: the retention report's file name in ``out_dir`` (no stage may take it as its directory)
+REPORT = "retention.json"
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One stage: a name (its directory) and the experiment it runs."""
@@ -94,6 +98,9 @@ def run_stages(stages: Sequence[Stage], out_dir: str | Path, *, domains: Mapping
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise ValueError(f"stage names {names} repeat: each stage needs its own directory")
+    if REPORT in names:  # its directory took the report's path: the report failed after every stage trained
+        raise ValueError(f"a stage named {REPORT!r}: that is the path of the retention report in out_dir; "
+                         "rename the stage")
     omni = [s.config.algorithm.name == "omni" for s in stages]
     if any(a and b for a, b in zip(omni, omni[1:])):
         raise ValueError(f"stages {names}: an omni stage follows an omni stage; a stage starts from the previous "
@@ -123,5 +130,5 @@ def run_stages(stages: Sequence[Stage], out_dir: str | Path, *, domains: Mapping
             model, previous = load_model(saved), saved
         scores = retention(model, domains, n=eval_n, seq_len=eval_seq_len, max_new_tokens=max_new_tokens)
         report.append({"stage": stage.name, "algorithm": cfg.algorithm.name, "steps": result.step, "domains": scores})
-    atomic_write_text(out_dir / "retention.json", json.dumps(report, indent=1))
+    atomic_write_text(out_dir / REPORT, json.dumps(report, indent=1))
     return report

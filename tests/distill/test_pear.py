@@ -82,6 +82,7 @@ def test_weights_clip_and_use_the_shifted_columns():
 @pytest.mark.parametrize("bad, match", [
     (dict(variant="suffix"), "variant"), (dict(gamma=1.5), "gamma"), (dict(block_size=0), "block_size"),
     (dict(clip=0.0), "clip"), (dict(target="teacher"), "target"),
+    (dict(normalize="no"), "normalize='no' is invalid"),  # a truthy string self-normalised
 ])
 def test_bad_config_names_the_field(bad, match):
     with pytest.raises(ValueError, match=f"algorithm.pear.{match}"):

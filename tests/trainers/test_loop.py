@@ -13,7 +13,7 @@ import jaxlm
 from jaxlm.data.pipeline import DataConfig
 from jaxlm.data.tasks import Arithmetic
 from trainers.checkpointing import TrainCheckpointer
-from trainers.config import ConfigError, ExperimentConfig, OptimizerConfig, TrainerConfig
+from trainers.config import ConfigError, ExperimentConfig, OptimizerConfig, SFTConfig, TrainerConfig
 from trainers.recipes import apply_overrides
 from trainers.losses import TOKEN_WEIGHTS
 from trainers.loop import TrainingDiverged, train
@@ -139,6 +139,11 @@ def test_out_dir_must_name_a_directory():
             TrainerConfig(eval_every=bad)
     with pytest.raises(ValueError, match="OptimizerConfig.schedule='Constant' is invalid"):  # ran cosine
         OptimizerConfig(schedule="Constant")
+    for bad in (True, "1.0"):  # True clipped at 1.0; a string failed in a bare comparison
+        with pytest.raises(ValueError, match=rf"OptimizerConfig.clip_norm={bad!r} must be > 0 or None"):
+            OptimizerConfig(clip_norm=bad)
+        with pytest.raises(ValueError, match=rf"algorithm.sem_threshold={bad!r} is invalid"):
+            SFTConfig(sem_threshold=bad)
     from trainers.config import DiffusionConfig
 
     with pytest.raises(ValueError, match="algorithm.objective='pretraining' is invalid"):  # ran the SFT rule

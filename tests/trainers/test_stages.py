@@ -58,6 +58,10 @@ def test_bad_stage_lists_are_refused(tmp_path):
     s = _stage("a", DOMAINS["math"], 1e-3)
     with pytest.raises(ValueError, match="repeat"):
         run_stages([s, dataclasses.replace(s)], tmp_path, domains=DOMAINS)
+    # its directory took the report's path: the report failed after every stage had trained
+    with pytest.raises(ValueError, match="a stage named 'retention.json'"):
+        run_stages([dataclasses.replace(s, name="retention.json")], tmp_path / "r", domains=DOMAINS)
+    assert not (tmp_path / "r").exists()
     with pytest.raises(ValueError, match="Stage.name='a/b'"):
         Stage("a/b", s.config)
     for bad in (".", ".."):  # ".." would write outside out_dir
