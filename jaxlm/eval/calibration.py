@@ -4,7 +4,9 @@ Binary (a confidence against a 0/1 outcome, as a correctness model or the top-1 
 prediction gives): the expected calibration error (Guo et al. 2017) over equal-width bins,
 its signed form (positive = over-confident), the root-mean-square error over the same bins
 (RMSCE), and the adaptive calibration error over equal-mass bins (ACE, Nixon et al. 2019).
-The Generalized Correctness Models paper (Xiao et al. 2025) reports all four with 30 bins.
+The Generalized Correctness Models paper (Xiao et al. 2025) reports these metrics (ECE with
+30 bins); its scripts compute some of them differently (ECE on ``max(p, 1 - p)``, RMSCE over
+adaptive bins of 100 points, class-conditional ACE), so its numbers are not these exactly.
 Multiclass: the "full" ECE over every class's probability (Kull et al. 2019's classwise ECE
 summed over classes, the Full-ECE of the tail-aware distillation paper's summary [INFERRED]).
 """
