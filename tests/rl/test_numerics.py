@@ -170,6 +170,25 @@ def test_ppo_clip_matches_numpy_at_and_around_the_boundaries():
     assert np.all(g[1, ratios < 0.8] == 0) and np.all(g[1, ratios > 0.8] != 0)
 
 
+@pytest.mark.parametrize("eps_low, eps_high", [(0.0, 0.2), (0.2, 0.0), (0.0, 0.0)])
+def test_ppo_clip_on_policy_with_a_zero_clip_width_is_the_policy_gradient(eps_low, eps_high):
+    """On-policy (r = 1) a zero clip width puts r on a bound: differentiating jnp.clip and
+    jnp.maximum split the tie's gradient twice, giving 0.75x the policy gradient ``-A``
+    (PyTorch's clamp, as in verl, passes it whole). Here the loss is -A r on the side r moves
+    for a gradient step, so the gradient is -A; the loss value is unchanged."""
+    logp = jnp.full((2, 3), -1.3, jnp.float32)
+    adv = jnp.asarray([[0.7], [-1.1]], jnp.float32) * jnp.ones((2, 3))
+    mask = jnp.ones((2, 3), bool)
+    loss = lambda lp: POLICY_LOSSES["ppo_clip"](lp, logp, adv, mask, eps_low=eps_low, eps_high=eps_high)[0]  # noqa: E731
+    np.testing.assert_allclose(np.asarray(loss(logp)), -np.asarray(adv), rtol=1e-6)
+    g = np.asarray(jax.grad(lambda lp: loss(lp).sum())(logp))
+    np.testing.assert_allclose(g, -np.asarray(adv), rtol=1e-6)
+    for dual in (None, 3.0):  # dual-clip does not bind at r = 1
+        g2 = jax.grad(lambda lp: POLICY_LOSSES["ppo_clip"](lp, logp, adv, mask, eps_low=eps_low, eps_high=eps_high,
+                                                           dual_clip=dual)[0].sum())(logp)
+        np.testing.assert_allclose(np.asarray(g2), -np.asarray(adv), rtol=1e-6)
+
+
 def test_gspo_uses_the_length_normalised_sequence_ratio():
     rng = np.random.default_rng(2)
     logp = rng.normal(-1, 0.1, (3, 6)).astype(np.float32)

@@ -22,12 +22,18 @@ POLICY_LOSSES: Registry = Registry("policy loss")
 
 
 def _clipped(log_ratio, adv, mask, eps_low, eps_high, dual_clip):
+    """``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` (and dual-clip's ``min(., -A c)`` for
+    ``A < 0``), each branch chosen explicitly: the clipped branch is a constant where it wins,
+    and a tie (``r`` on a bound, e.g. on-policy ``r = 1`` with ``eps_low = 0``) takes the
+    unclipped gradient. Differentiating ``jnp.clip`` / ``jnp.maximum`` splits a tie's gradient
+    in half (0.75x the policy gradient there); PyTorch's clamp passes it whole."""
     ratio = jnp.exp(log_ratio)
     unclipped = -adv * ratio
-    clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = jnp.maximum(unclipped, clipped)
+    clipped = -adv * jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+    loss = jnp.where(clipped > unclipped, clipped, unclipped)
     if dual_clip is not None:
-        loss = jnp.where(adv < 0, jnp.minimum(loss, -adv * dual_clip), loss)
+        floor = -adv * dual_clip
+        loss = jnp.where((adv < 0) & (loss > floor), floor, loss)
     m = mask.astype(jnp.float32)
     clip_frac = jnp.sum(jnp.where(clipped > unclipped, m, 0.0))
     stats = {"clipped_tokens": clip_frac, "ratio_sum": jnp.sum(ratio * m)}
