@@ -131,6 +131,29 @@ def test_eps_zero_gives_zero_for_a_constant_group_and_the_plain_z_score_otherwis
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_a_nan_reward_is_left_out_of_its_group(name):
+    """NaN = no opinion: the rollout is not counted (grpo gave the whole group 0, the others NaN,
+    and a zero advantage passed the trainer's non-finite guard); an infinite reward is refused."""
+    r = np.array([[1.0, 0.0, np.nan, 1.0], [0.7, 0.2, 0.4, 0.9]], np.float32)
+    got = np.asarray(ADVANTAGES[name](r))
+    want = np.asarray(ADVANTAGES[name](np.nan_to_num(r), ~np.isnan(r)))
+    np.testing.assert_array_equal(got, want)
+    assert got[0, 2] == 0 and np.all(got[0, [0, 3]] > 0) and got[0, 1] < 0
+    r[1, 2] = np.inf
+    with pytest.raises(ValueError, match=r"reward \[1, 2\] is inf: rewards must be finite"):
+        ADVANTAGES[name](r)
+
+
+def test_turn_level_leaves_a_nan_turn_out():
+    r = np.zeros((1, 3, 2), np.float32)
+    r[0, :, 0], r[0, :, 1] = [1.0, 0.0, 3.0], [np.nan, 1.0, 0.0]
+    got = np.asarray(ADVANTAGES["turn_level"](r))
+    valid = ~np.isnan(r)
+    np.testing.assert_array_equal(got, np.asarray(ADVANTAGES["turn_level"](np.nan_to_num(r), valid)))
+    assert got[0, 0, 1] == 0 and np.all(got[0, :, 0] != 0)  # turn 0 keeps all three rollouts
+
+
 def test_returns_to_go():
     r = np.array([[1.0, 0.0, 2.0, 5.0]], np.float32)
     valid = np.array([[True, True, True, False]])

@@ -16,6 +16,11 @@ only one rollout reached get advantage 0 (no baseline), as do padded turns. With
 ``gamma`` the per-turn reward is first turned into the return-to-go
 ``R[k] = sum_{k' >= k} gamma^(k'-k) r[k']`` within each episode.
 
+A NaN reward means "no opinion" (as in `trainers.rl.rewards`): that rollout (or turn) is not
+counted, as if ``valid`` were False there (it made the whole group's GRPO advantages 0, or
+NaN for the other estimators). An infinite reward is an error (under ``jit``, where values
+cannot be checked, it is not counted either).
+
 Every estimator first subtracts one counted reward of the group (the first) from all of
 them. The advantages are unchanged in exact arithmetic (each is a function of differences),
 but a group whose counted rewards are all equal then gets exactly 0: float32 sums of
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlm.registry import Registry
 
@@ -65,7 +71,13 @@ def _check(rewards, valid):
         raise ValueError(f"group size G={rewards.shape[1]} is invalid: a group baseline needs G >= 2")
     if valid.shape != rewards.shape:
         raise ValueError(f"valid has shape {valid.shape}; it must match rewards {rewards.shape}")
-    return rewards, valid
+    if not isinstance(rewards, jax.core.Tracer):
+        infinite = np.argwhere(np.isinf(np.asarray(rewards)) & np.asarray(valid))
+        if infinite.size:
+            raise ValueError(f"reward {list(map(int, infinite[0]))} is {float(rewards[tuple(infinite[0])])}: rewards "
+                             f"must be finite (NaN: no opinion, not counted); {len(infinite)} infinite in all")
+    finite = jnp.isfinite(rewards)
+    return jnp.where(finite, rewards, 0.0), valid & finite
 
 
 @ADVANTAGES.register("grpo")
