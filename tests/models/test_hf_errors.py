@@ -188,6 +188,21 @@ def test_save_hf_refuses_what_the_family_cannot_express(tmp_path):
         jaxlm.save_hf(model, tmp_path)
     jaxlm.save_hf(model, tmp_path, family="qwen3")  # the family that has qk-norm
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    # six heads of 16 over width 64: saved as Llama, transformers refused to load the directory
+    # (and the save had replaced whatever was there)
+    odd = jaxlm.build_model(jaxlm.ModelConfig(vocab_size=101, d_model=64, n_layers=1, n_heads=6, n_kv_heads=2,
+                                              head_dim=16, ffn_dim=64, family="llama"), seed=0)
+    with pytest.raises(UnsupportedConfigError, match="d_model=64 is not a multiple of n_heads=6"):
+        jaxlm.save_hf(odd, tmp_path / "odd")
+    assert not (tmp_path / "odd").exists()
+    jaxlm.save_hf(odd, tmp_path / "odd", family="mistral")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "odd", dtype=torch.float32)
+    tokens = np.asarray([[1, 2, 3, 4, 5]], np.int32)
+    with torch.no_grad():
+        ref = back(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(odd(tokens).logits), ref, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -142,6 +142,9 @@ def config_to_hf(config: ModelConfig, family: Family) -> dict[str, Any]:
     for name, default in (("attention", "softmax"), ("mlp", "swiglu"), ("rope", "default")):
         if getattr(config, name) != default:
             problems.append(f"{name}={getattr(config, name)!r} (the family has {default!r})")
+    if family.name == "llama" and config.d_model % config.n_heads:  # LlamaConfig refuses it when loaded
+        problems.append(f"d_model={config.d_model} is not a multiple of n_heads={config.n_heads} (transformers' "
+                        "LlamaConfig refuses it even with head_dim set; family='mistral' stores the same tensors)")
     if config.mode == "diffusion" and family.name != "llama":
         problems.append(f"mode='diffusion' with family={family.name!r} (a diffusion model is saved in the "
                         "Llama-named LLaDA layout: family='llama')")
