@@ -136,6 +136,36 @@ def test_llada_unsupported_options_and_default_mask_id(reference, tmp_path):
         jaxlm.load_hf(tmp_path / "noheads")
 
 
+def test_llada_width_from_mlp_ratio_and_kv_heads_from_multi_query_attention(reference, tmp_path):
+    """OLMo-style configs: no mlp_hidden_size but mlp_ratio (the width is ratio x d_model; it
+    failed asking for an 'intermediate_size' field), and multi_query_attention with n_kv_heads
+    unset (one K/V head; it was read as n_heads and failed on the tensor shapes)."""
+    from jaxlm.models.hf.llada import as_llama
+
+    model, _ = reference
+    tensors = {_llada_name(k): v for k, v in model.state_dict().items() if "rotary" not in k}
+    config = {"architectures": ["LLaDAModelLM"], "d_model": D, "n_layers": LAYERS, "n_heads": HEADS,
+              "n_kv_heads": KV, "multi_query_attention": None, "mlp_hidden_size": None, "mlp_ratio": FFN // D,
+              "vocab_size": V, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "mask_token_id": MASK_ID,
+              "max_sequence_length": 64}
+    _write(tmp_path / "ratio", tensors, config)
+    loaded = jaxlm.load_hf(tmp_path / "ratio", dtype="float32")
+    assert loaded.config.ffn_dim == FFN and loaded.config.n_kv_heads == KV
+    tokens, mask, positions = _batch()
+    ref, _ = _bidirectional(model, tokens, mask, positions)
+    got = np.asarray(loaded(jnp.asarray(tokens), jnp.asarray(positions), mask=jnp.asarray(mask)).logits)
+    np.testing.assert_allclose(got[mask], ref[mask], atol=1e-4, rtol=0)
+    base = {"d_model": 64, "n_layers": 1, "n_heads": 8, "vocab_size": 10, "mlp_hidden_size": 128}
+    assert as_llama({**base, "n_kv_heads": None, "multi_query_attention": True})["num_key_value_heads"] == 1
+    assert as_llama({**base, "n_kv_heads": None, "multi_query_attention": False})["num_key_value_heads"] == 8
+    assert as_llama({**base, "n_kv_heads": 1, "multi_query_attention": True})["num_key_value_heads"] == 1
+    with pytest.raises(UnsupportedConfigError, match="n_kv_heads=2 contradicts multi_query_attention=True"):
+        as_llama({**base, "n_kv_heads": 2, "multi_query_attention": True})
+    assert as_llama({**base, "mlp_hidden_size": None})["intermediate_size"] == 4 * 64  # OLMo's default ratio
+    with pytest.raises(UnsupportedConfigError, match="mlp_ratio=0"):
+        as_llama({**base, "mlp_hidden_size": None, "mlp_ratio": 0})
+
+
 @pytest.mark.parametrize("edit_head", [False, True])
 def test_save_hf_of_a_diffusion_model_round_trips_as_llada(tmp_path, edit_head):
     """A diffusion model is written in the Llama-named LLaDA layout (never as a causal Llama):

@@ -3,7 +3,8 @@
 Two layouts occur:
 
 * **LLaDA's own** (``architectures: ["LLaDAModelLM"]``, remote code derived from OLMo): config
-  fields ``d_model``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``mlp_hidden_size``,
+  fields ``d_model``, ``n_layers``, ``n_heads``, ``n_kv_heads`` / ``multi_query_attention``,
+  ``mlp_hidden_size`` / ``mlp_ratio``,
   ``embedding_size``, ``weight_tying``, ``rope_theta``, ``rms_norm_eps``, ``mask_token_id``;
   tensors under ``model.transformer.`` (``wte``, ``blocks.{i}.q_proj/k_proj/v_proj/attn_out``,
   ``attn_norm``, ``ff_norm``, ``ff_proj`` (gate), ``up_proj``, ``ff_out`` (down), ``ln_f`` and
@@ -68,8 +69,8 @@ def as_llama(hf: dict[str, Any]) -> dict[str, Any]:
         out = {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "hidden_size": hf["d_model"], "num_hidden_layers": hf["n_layers"], "num_attention_heads": n_heads,
-            "num_key_value_heads": hf.get("n_kv_heads") or n_heads,
-            "intermediate_size": hf["mlp_hidden_size"],
+            "num_key_value_heads": _kv_heads(hf, n_heads),
+            "intermediate_size": _mlp_width(hf),
             "vocab_size": hf.get("embedding_size") or hf["vocab_size"],
             "rms_norm_eps": hf.get("rms_norm_eps", 1e-5), "rope_theta": hf.get("rope_theta", 10_000.0),
             "max_position_embeddings": hf.get("max_sequence_length", 4096),
@@ -81,6 +82,29 @@ def as_llama(hf: dict[str, Any]) -> dict[str, Any]:
         if key in hf:
             out[key] = hf[key]
     return out
+
+
+def _kv_heads(hf: dict[str, Any], n_heads: int) -> int:
+    """OLMo's effective K/V heads: ``n_kv_heads``, or with it unset 1 under
+    ``multi_query_attention`` and ``n_heads`` otherwise (the two must agree when both are set)."""
+    n_kv, mqa = hf.get("n_kv_heads"), hf.get("multi_query_attention")
+    if n_kv is None:
+        return 1 if mqa is True else n_heads
+    if mqa is not None and n_kv != (1 if mqa else n_heads):
+        raise UnsupportedConfigError(f"LLaDA config n_kv_heads={n_kv} contradicts multi_query_attention={mqa} "
+                                     f"(which means {1 if mqa else n_heads} K/V heads)")
+    return n_kv
+
+
+def _mlp_width(hf: dict[str, Any]) -> int:
+    """OLMo's MLP width: ``mlp_hidden_size``, else ``mlp_ratio * d_model`` (ratio 4 by default)."""
+    if hf.get("mlp_hidden_size") is not None:
+        return hf["mlp_hidden_size"]
+    ratio = hf.get("mlp_ratio", 4)
+    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
+        raise UnsupportedConfigError(f"LLaDA config has no mlp_hidden_size and mlp_ratio={ratio!r} is not a "
+                                     "positive int")
+    return ratio * hf["d_model"]
 
 
 def tensor_name(name: str) -> str:
