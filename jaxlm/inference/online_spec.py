@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import time
 from typing import Any, Iterable, Sequence
@@ -50,6 +51,8 @@ from flax import nnx
 
 from jaxlm.inference.sampler import _as_token_lists, generate
 from jaxlm.inference.speculative import MedusaHeads
+
+log = logging.getLogger(__name__)
 
 METHODS = ("static", "opt_hydra", "osd", "ensemble")
 OPTIMIZERS = ("sgd", "adam")
@@ -120,8 +123,10 @@ class OnlineSpecConfig:
                              "'running' or 'post_fit'")
         if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)) or not 0 <= self.momentum < 1:
             raise ValueError(f"OnlineSpecConfig.momentum={self.momentum!r} is invalid: must be in [0, 1)")
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or self.temperature < 0:
-            raise ValueError(f"OnlineSpecConfig.temperature={self.temperature!r} is invalid: must be >= 0")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
+                or not 0 <= self.temperature < math.inf:  # NaN passed a plain "< 0"
+            raise ValueError(f"OnlineSpecConfig.temperature={self.temperature!r} is invalid: must be a finite "
+                             "number >= 0")
         if not isinstance(self.persist_optimizer_state, bool):
             raise ValueError(f"OnlineSpecConfig.persist_optimizer_state={self.persist_optimizer_state!r} is "
                              "invalid: must be a bool")
@@ -294,7 +299,9 @@ def fit_draft(draft, target, feedback: Feedback, *, params=None, opt_state=None,
               seed: int = 0):
     """``epochs`` passes of ``optimizer`` over ``feedback`` (shuffled, fixed batch shape);
     starts from ``params`` (default: the draft's) and ``opt_state`` (default: fresh, at
-    ``learning_rate``). Returns ``(params, opt_state, last-epoch mean loss)``."""
+    ``learning_rate``). Returns ``(params, opt_state, last-epoch mean loss)``; the loss is
+    ``inf`` when the parameters came out non-finite (the running loss is measured before
+    each update, so a last update that diverged would still report a finite one)."""
     dg, p0 = nnx.split(draft)
     tg, tp = nnx.split(target)
     params = p0 if params is None else params
@@ -310,16 +317,28 @@ def fit_draft(draft, target, feedback: Feedback, *, params=None, opt_state=None,
             params, opt_state, loss = _update(dg, params, opt_state, tg, tp, tokens, mask, w, opt=opt)
             losses.append(float(loss))
         last = float(np.mean(losses))
+    if not all_finite(params):
+        last = float("inf")
     return params, opt_state, last
 
 
+def all_finite(tree) -> bool:
+    """Whether every floating-point leaf of ``tree`` is finite."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+    return all(bool(jnp.all(jnp.isfinite(x))) for x in leaves)
+
+
 def average_params(trees: Sequence[Any], weights: Sequence[float] | np.ndarray):
-    """``sum_k w_k theta_k`` leaf by leaf (the ensemble's meta draft), in each leaf's dtype."""
+    """``sum_k w_k theta_k`` leaf by leaf (the ensemble's meta draft), in each leaf's dtype.
+    Trees of weight 0 are left out (a diverged learner's NaN times 0 is NaN)."""
     w = np.asarray(weights, np.float64)
     if len(trees) != len(w) or not len(w):
         raise ValueError(f"average_params: {len(trees)} trees and {len(w)} weights")
-    return jax.tree.map(lambda *xs: sum(float(wk) * x.astype(jnp.float32) for wk, x in zip(w, xs)).astype(xs[0].dtype),
-                        *trees)
+    if not (np.all(np.isfinite(w)) and np.all(w >= 0) and w.sum() > 0):
+        raise ValueError(f"average_params: weights {w.tolist()} must be finite, >= 0 and not all 0")
+    kept = [(float(wk), t) for wk, t in zip(w, trees) if wk > 0]
+    return jax.tree.map(lambda *xs: sum(wk * x.astype(jnp.float32) for (wk, _), x in zip(kept, xs)).astype(xs[0].dtype),
+                        *[t for _, t in kept])
 
 
 def ensemble_weights(losses: Sequence[float], temperature: float) -> np.ndarray:
@@ -478,16 +497,26 @@ def serve_stream(target, draft, chunks: Iterable[Sequence[Any]], config: OnlineS
                         loss_k = feedback_loss(current, target, fb, params=p_k, batch_size=config.train_batch_size)
                     learners.append(p_k)
                     losses.append(loss_k)
-                w = ensemble_weights(losses, config.ensemble_temperature)
-                params = average_params(learners, w)
+                losses = [loss if all_finite(p_k) else float("inf") for p_k, loss in zip(learners, losses)]
+                if np.isfinite(losses).any():
+                    w = ensemble_weights(losses, config.ensemble_temperature)
+                    params = average_params(learners, w)
+                    report.train_loss = float(np.sum(w * np.where(np.isfinite(losses), losses, 0.0)))
+                else:  # every learner diverged: the draft keeps its parameters
+                    w = np.zeros(len(losses))
+                    report.train_loss = float("inf")
+                    log.warning("online spec chunk %d: every ensemble learner diverged; the draft is unchanged", t)
                 report.ensemble_weights = [float(x) for x in w]
-                report.train_loss = float(np.sum(w * np.where(np.isfinite(losses), losses, 0.0)))
             else:
-                params, new_state, report.train_loss = fit_draft(
+                new_params, new_state, report.train_loss = fit_draft(
                     current, target, fb, params=params, opt_state=opt_state, optimizer=config.optimizer,
                     learning_rate=config.learning_rate, momentum=config.momentum, epochs=config.epochs,
                     batch_size=config.train_batch_size, seed=seed)
-                opt_state = new_state if config.persist_optimizer_state else None
+                if np.isfinite(report.train_loss):
+                    params = new_params
+                    opt_state = new_state if config.persist_optimizer_state else None
+                else:  # a diverged update would serve a NaN draft from now on: keep the last good one
+                    log.warning("online spec chunk %d: the draft's update diverged; the draft is unchanged", t)
             jax.block_until_ready(params)
             report.adapt_seconds = time.perf_counter() - start
         reports.append(report)

@@ -230,9 +230,35 @@ def test_ensemble_meta_draft_is_the_weighted_average_of_its_learners(models):
         np.testing.assert_allclose(got, sum(wk * np.asarray(p) for wk, p in zip(w, ps)), rtol=1e-4, atol=1e-6)
 
 
+def test_a_diverged_learner_does_not_poison_the_draft(models):
+    """A learner whose update blew up: weight 0 times NaN parameters made the meta draft NaN
+    (and a running loss measured before the last update still read finite). The meta draft is
+    the other learners'; a plain draft whose update diverged keeps its last parameters."""
+    target, draft, _ = models
+    a = {"w": jnp.asarray([1.0, 2.0])}
+    np.testing.assert_array_equal(average_params([a, {"w": jnp.asarray([np.nan, np.inf])}], [1.0, 0.0])["w"], [1, 2])
+    with pytest.raises(ValueError, match="must be finite, >= 0 and not all 0"):
+        average_params([a, a], [0.0, 0.0])
+    prompts = [[3, 4, 5], [7, 8], [1, 2, 9, 10], [11]]
+    cfg = OnlineSpecConfig(method="ensemble", chunk_size=4, batch_size=4, max_new_tokens=6, num_draft_tokens=2,
+                           ensemble_learning_rates=(1e-3, 1e10), ensemble_epochs=2)
+    rep = serve_stream(target, draft, [prompts], cfg, stop_tokens=(), warmup=False)
+    assert rep.chunks[0].ensemble_weights == [1.0, 0.0] and np.isfinite(rep.chunks[0].train_loss)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.split(rep.draft)[1]))
+    for method in ("ensemble", "opt_hydra"):
+        kw = dict(ensemble_learning_rates=(1e10, 1e12)) if method == "ensemble" else dict(learning_rate=1e12)
+        cfg = OnlineSpecConfig(method=method, chunk_size=4, batch_size=4, max_new_tokens=6, num_draft_tokens=2,
+                               epochs=2, ensemble_epochs=2, **kw)
+        rep = serve_stream(target, draft, [prompts], cfg, stop_tokens=(), warmup=False)
+        assert rep.chunks[0].train_loss == np.inf
+        for got, want in zip(jax.tree.leaves(nnx.split(rep.draft)[1]), jax.tree.leaves(nnx.split(draft)[1])):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("field,value", [
     ("method", "hedge"), ("chunk_size", 0), ("batch_size", 2.5), ("epochs", True), ("optimizer", "rmsprop"),
     ("learning_rate", 0.0), ("learning_rate", float("nan")), ("momentum", 1.0), ("temperature", -1.0),
+    ("temperature", float("nan")), ("temperature", float("inf")),
     ("ensemble_learning_rates", ()), ("ensemble_learning_rates", [1e-3]), ("ensemble_learning_rates", (1e-3, -1.0)),
     ("ensemble_temperature", 0.0), ("ensemble_loss", "final"), ("persist_optimizer_state", 1),
 ])
