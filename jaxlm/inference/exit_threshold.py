@@ -70,6 +70,8 @@ def calibrate_threshold_by_decoding(model, prompts, window: ExitWindow, *, max_n
     prompts = list(prompts)
     if not prompts:
         raise ValueError("prompts is empty: need at least one calibration prompt")
+    if isinstance(batch_size, (bool, np.bool_)) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} is invalid: must be an int >= 1")
     grid = sorted({float(t) for t in thresholds})
     if not grid:
         raise ValueError("thresholds is empty")

@@ -98,6 +98,9 @@ def segment_ends(max_new_tokens: int, segments: int) -> tuple[int, ...]:
     into equal parts (the last one ends at ``max_new_tokens``), e.g. ``(32, 64, 96, 128)``."""
     if isinstance(segments, (bool, np.bool_)) or not isinstance(segments, (int, np.integer)) or segments < 1:
         raise ValueError(f"decode_segments={segments!r} is invalid: must be a positive int or None (automatic)")
+    if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 1:  # no segment at all: generate_tokens failed on ends[0]
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive int")
     segments = min(int(segments), max_new_tokens)
     return tuple(-(-max_new_tokens * (j + 1) // segments) for j in range(segments))
 

@@ -92,6 +92,9 @@ def test_segment_ends_and_their_errors():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="decode_segments=.* is invalid: must be a positive int or None"):
             segment_ends(8, bad)
+        # generate_tokens (public) failed on ends[0] of an empty tuple
+        with pytest.raises(ValueError, match=f"max_new_tokens={bad!r} is invalid: must be a positive int"):
+            segment_ends(bad, 2)
 
 
 def test_auto_segments_split_only_large_caches():

@@ -252,3 +252,6 @@ def test_threshold_by_decoding_reproduces_its_agreement(model):
         calibrate_threshold_by_decoding(model, PROMPTS, window, max_new_tokens=N, level="tokens")
     with pytest.raises(ValueError, match="temperature= is set by the calibration"):
         calibrate_threshold_by_decoding(model, PROMPTS, window, max_new_tokens=N, temperature=1.0)
+    for bad in (0, -1, 2.5, True):  # range() / IndexError / TypeError naming nothing before
+        with pytest.raises(ValueError, match=f"batch_size={bad!r} is invalid: must be an int >= 1"):
+            calibrate_threshold_by_decoding(model, PROMPTS, window, max_new_tokens=N, batch_size=bad)
