@@ -115,12 +115,19 @@ def prompt_steered_completions(model, tokens, mask, make_interventions, *, max_n
 
 def polarity_direction(model, task: Polarity, *, n_groups: int, site: str = "hidden") -> jax.Array:
     """``v_pos [L, D]`` at ``site`` from ``n_groups`` train skeletons, each rendered once per
-    class (groups = skeletons), read at the last prompt token."""
+    class (groups = skeletons), read at the last prompt token. A skeleton whose other-class
+    rendering is a held-out prompt is skipped: the direction reads train prompts only."""
     prompts, labels, groups = [], [], []
-    for g in range(n_groups):
-        ex = task.example(g, "train")
-        for label, text in enumerate(ex["variants"]):
-            prompts.append(text)
+    index = 0
+    while len(set(groups)) < n_groups:
+        ex = task.example(index, "train")
+        index += 1
+        renders = [{"prompt": text, "completion": task.labels[label]} for label, text in enumerate(ex["variants"])]
+        if any(task.split_of(r) != "train" for r in renders):
+            continue
+        g = len(set(groups))
+        for label, r in enumerate(renders):
+            prompts.append(r["prompt"])
             labels.append(label)
             groups.append(g)
     tokens, mask = encode_prompts(model.tokenizer, prompts)

@@ -56,9 +56,9 @@ def test_steering_along_v_pos_flips_negative_prompts(result):
     assert result.chosen_dose is not None and result.chosen_dose <= 24  # measured 16, 24, 12
     i = result.doses.index(result.chosen_dose)
     assert result.flip["none"][i] >= 0.9  # the chosen dose's definition
-    assert result.argmax_flip[i] >= 0.85  # "p" is the full-vocabulary argmax: measured 0.866-1.000
+    assert result.argmax_flip[i] >= 0.85  # "p" is the full-vocabulary argmax: measured 0.955-1.000
     starts, exact = result.generated["prompt_only"]
-    assert exact >= 0.85  # the greedy completion is exactly "pos": measured 0.866-0.973
+    assert exact >= 0.85  # the greedy completion is exactly "pos": measured 0.955-0.973
 
 
 @pytest.mark.slow
