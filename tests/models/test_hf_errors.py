@@ -305,6 +305,30 @@ def test_qwen_config_edges_read_as_the_config_classes_read_them():
     assert cfg.sliding_window is None
     with pytest.raises(UnsupportedConfigError, match="use_sliding_window=True"):
         config_from_hf({**base, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1})
+    # refused before though transformers runs them with full attention in every layer: no window
+    # (null), the class's max_window_layers (28) covering both layers, explicit all-full layer_types
+    for arch, cls in (("Qwen2ForCausalLM", transformers.Qwen2Config), ("Qwen3ForCausalLM", transformers.Qwen3Config)):
+        for extra in ({"use_sliding_window": True, "sliding_window": None, "max_window_layers": 1},
+                      {"use_sliding_window": True, "sliding_window": 8},
+                      {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
+                       "layer_types": ["full_attention"] * 2}):
+            edited = {**base, "architectures": [arch], **extra}
+            assert set(cls(**{k: v for k, v in edited.items() if k != "architectures"}).layer_types) == {"full_attention"}
+            assert config_from_hf(edited).sliding_window is None
+        with pytest.raises(UnsupportedConfigError, match="per-layer sliding windows"):
+            config_from_hf({**base, "architectures": [arch], "layer_types": ["full_attention", "sliding_attention"]})
+    # options the class does not read: Mistral has no biases, only Llama has MLP biases, Llama
+    # has no layer_types (transformers builds each without them)
+    mistral = {**base, "architectures": ["MistralForCausalLM"]}
+    for extra in ({"attention_bias": True}, {"mlp_bias": True}):
+        assert config_from_hf({**mistral, **extra}) == config_from_hf(mistral)
+        assert config_from_hf({**base, "mlp_bias": True}) == config_from_hf(base)  # Qwen2
+    llama = {**base, "architectures": ["LlamaForCausalLM"]}
+    assert config_from_hf({**llama, "layer_types": ["sliding_attention"] * 2}) == config_from_hf(llama)
+    with pytest.raises(UnsupportedConfigError, match="mlp_bias=True"):
+        config_from_hf({**llama, "mlp_bias": True})
+    with pytest.raises(UnsupportedConfigError, match="attention_bias=True"):
+        config_from_hf({**base, "architectures": ["Qwen3ForCausalLM"], "attention_bias": True})
 
 
 def test_save_hf_keeps_the_loaded_checkpoints_generation_settings(good_dir, tmp_path):

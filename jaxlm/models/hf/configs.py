@@ -67,23 +67,27 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any):
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # the same function in transformers' ACT2FN
         raise UnsupportedConfigError(f"hidden_act={act!r} is not supported; jaxlm implements 'silu'")
-    if hf.get("mlp_bias"):
+    # the options each transformers class reads (the others are ignored there, so here too):
+    # Llama has MLP biases and q/k/v/o biases, Qwen3 q/k/v/o biases (Qwen2's q/k/v bias is
+    # the family's own); Mistral's layers have no bias at all
+    if fam.name == "llama" and hf.get("mlp_bias"):
         raise UnsupportedConfigError("mlp_bias=True is not supported")
-    if fam.name in ("llama", "mistral", "qwen3") and hf.get("attention_bias"):
+    if fam.name in ("llama", "qwen3") and hf.get("attention_bias"):
         raise UnsupportedConfigError(
             f"attention_bias=True ({fam.architecture}: biases on q/k/v and o) is not supported"
         )
-    layers = hf.get("num_hidden_layers")
-    window_layers = hf.get("max_window_layers")
-    # transformers slides layers i >= max_window_layers: none when it covers every layer
-    none_slide = isinstance(layers, int) and isinstance(window_layers, int) and window_layers >= layers
-    if hf.get("use_sliding_window") and not none_slide:
-        raise UnsupportedConfigError(
-            f"use_sliding_window=True on {fam.architecture} (per-layer windows) is not supported"
-        )
-    layer_types = hf.get("layer_types")
-    if layer_types and any(t != "full_attention" for t in layer_types) and not fam.sliding_window:
-        raise UnsupportedConfigError(f"layer_types={sorted(set(layer_types))} is not supported")
+    if fam.name in ("qwen2", "qwen3"):
+        # as the config classes resolve it: layer_types when given, else layers i >=
+        # max_window_layers slide when use_sliding_window is set and sliding_window is not null
+        layer_types = hf.get("layer_types")
+        if layer_types is None and hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
+            layers = _field(hf, "num_hidden_layers")
+            first = _field(hf, "max_window_layers", fam.hf_default("max_window_layers"))
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise UnsupportedConfigError(
+                f"per-layer sliding windows on {fam.architecture} (use_sliding_window={hf.get('use_sliding_window')}, "
+                f"layer_types={sorted(set(layer_types))}) are not supported")
     theta, scaling = _rope_from_hf(hf)
     n_heads = _field(hf, "num_attention_heads")
     d_model = _field(hf, "hidden_size")

@@ -103,9 +103,10 @@ FAMILIES: dict[str, Family] = {  # keyed by `jaxlm.models.config.HF_FAMILIES`
     "mistral": Family("mistral", "MistralForCausalLM", "mistral", _LLAMA_ROWS, False, False, True,
                       (("num_key_value_heads", 8), ("sliding_window", 4096), ("max_position_embeddings", 131072))),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", "qwen2", _LLAMA_ROWS + _QKV_BIAS_ROWS, True, False, False,
-                    (("num_key_value_heads", 32), ("max_position_embeddings", 32768))),
+                    (("num_key_value_heads", 32), ("max_position_embeddings", 32768), ("max_window_layers", 28))),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", "qwen3", _LLAMA_ROWS + _QK_NORM_ROWS, False, True, False,
-                    (("num_key_value_heads", 32), ("head_dim", 128), ("max_position_embeddings", 32768))),
+                    (("num_key_value_heads", 32), ("head_dim", 128), ("max_position_embeddings", 32768),
+                     ("max_window_layers", 28))),
 }
 ARCHITECTURES: dict[str, str] = {f.architecture: f.name for f in FAMILIES.values()}
 if sorted(FAMILIES) != sorted(HF_FAMILIES):
