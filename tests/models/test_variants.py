@@ -89,6 +89,16 @@ def test_meta_swiglu_beta_zero_is_the_base_model(base):
     other = _logits(gated, condition=COND[::-1])
     assert np.abs(np.asarray(out.logits)[np.asarray(MASK)] - ref).max() > 1e-3
     assert np.abs(other - np.asarray(out.logits)[np.asarray(MASK)]).max() > 1e-4  # the condition matters
+    # a row whose condition is empty (all masked) is the base model whatever its padding ids
+    # are (the softmax spread evenly over the masked ids: its logits moved by up to 0.7)
+    cmask = jnp.asarray([[True] * 5, [False] * 5, [True, True, False, False, False]])
+    ids_b = COND.at[1].set(jnp.asarray([9, 17, 200, 3, 5]))
+    a = np.asarray(gated(TOKENS, mask=MASK, condition=(COND, cmask)).logits)
+    b = np.asarray(gated(TOKENS, mask=MASK, condition=(ids_b, cmask)).logits)
+    plain = np.asarray(gated(TOKENS, mask=MASK).logits)
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_allclose(a[1], plain[1], rtol=1e-6, atol=1e-6)
+    assert np.abs(a[2] - plain[2]).max() > 1e-4  # a row with part of its condition visible is conditioned
 
 
 def test_graph_rope_with_equal_coordinates_is_rope(base):

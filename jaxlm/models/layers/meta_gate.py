@@ -49,13 +49,16 @@ class MetaGate(nnx.Module):
 
 
 def meta_beta(meta: dict, h: jax.Array, layer: jax.Array) -> jax.Array:
-    """``beta [B, T, d_ff]`` for MLP input ``h [B, T, D]`` at layer ``layer``."""
+    """``beta [B, T, d_ff]`` for MLP input ``h [B, T, D]`` at layer ``layer``. A row whose
+    condition is empty (every condition token masked) gets ``beta = 0``, the base SwiGLU, as
+    with no condition at all (its softmax spread evenly over the masked padding ids)."""
     q = h.astype(jnp.float32) @ meta["wq"]  # [B, T, r]
     scores = jnp.einsum("btr,bcr->btc", q, meta["k"]) / jnp.sqrt(jnp.float32(q.shape[-1]))
     scores = jnp.where(meta["mask"][:, None, :], scores, jnp.finfo(jnp.float32).min)
     style = jnp.einsum("btc,bcr->btr", jax.nn.softmax(scores, axis=-1), meta["v"])
     style = style + meta["layer_emb"][layer]
-    return 0.5 * jnp.tanh(style @ meta["w_beta"])
+    beta = 0.5 * jnp.tanh(style @ meta["w_beta"])
+    return jnp.where(jnp.any(meta["mask"], axis=-1)[:, None, None], beta, 0.0)
 
 
 @MLP.register("meta_swiglu")
