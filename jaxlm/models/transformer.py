@@ -170,6 +170,12 @@ class Transformer(nnx.Module):
                 chex.assert_shape(mask, (B, T))
                 token_mask = mask.astype(bool)
             elif mask.ndim in (3, 4):
+                if jnp.issubdtype(mask.dtype, jnp.floating):  # an additive mask (0 / -inf) would read inverted
+                    raise TypeError(f"a full mask must be bool (True = may attend) or 0/1 integers, got dtype "
+                                    f"{mask.dtype}: an additive float mask (0 = keep, -inf = drop) reads inverted")
+                if mask.ndim == 4 and mask.shape[1] not in (1, c.n_heads):
+                    raise ValueError(f"mask [B, 1|N, T, S] has {mask.shape[1]} heads; the model has "
+                                     f"n_heads={c.n_heads} (or pass 1 for every head)")
                 full_mask = mask.astype(bool)
             else:
                 raise ValueError(

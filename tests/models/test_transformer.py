@@ -116,6 +116,14 @@ def test_explicit_full_mask_is_used_as_given(model):
     # the sliding window only applies to the implicit causal mask, so compare the first 6 tokens
     np.testing.assert_allclose(explicit_causal[:, :6], causal[:, :6], atol=1e-5)
     assert np.abs(np.asarray(bidir[:, 0] - causal[:, 0])).max() > 1e-4
+    # 0/1 integers read as bool; an additive float mask (HF's 0 / -inf) read inverted, silently
+    as_int = model(tokens, mask=jnp.tril(jnp.ones((1, 1, 8, 8), jnp.int32))).logits
+    np.testing.assert_array_equal(np.asarray(as_int), np.asarray(explicit_causal))
+    additive = jnp.where(jnp.tril(jnp.ones((1, 1, 8, 8), bool)), 0.0, -jnp.inf)
+    with pytest.raises(TypeError, match="a full mask must be bool .* an additive float mask"):
+        model(tokens, mask=additive)
+    with pytest.raises(ValueError, match=f"mask \\[B, 1\\|N, T, S\\] has 3 heads; the model has n_heads={CFG.n_heads}"):
+        model(tokens, mask=jnp.ones((1, 3, 8, 8), bool))  # a bare reshape error, or read per K/V head
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])
