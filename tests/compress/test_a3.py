@@ -648,6 +648,42 @@ def test_per_layer_dims_errors_name_the_field():
         a3_compress({}, tiny(**MIXED), None, A3Config())
 
 
+def test_widths_keep_the_quantization_blocks_the_model_needs():
+    """Global allocation moved widths in steps of 16 whatever kv_quant's block was, and ignored
+    qat_format: MXFP4 keys (block 32) got a width of 16 and NVFP4 QAT an ffn_dim of 54, refused by
+    ModelConfig only after the whole calibration. A model that already has per-layer widths (what
+    global allocation writes) failed inside the statistics with an AttributeError."""
+    from jaxlm.compress.a3.config import a3_steps, a3_widths
+
+    tiny = jaxlm.ModelConfig.tiny
+    steps = a3_steps(tiny(kv_quant="mxfp4", d_model=128, n_heads=2, n_kv_heads=1))
+    assert steps["qk_head_dim"][0] == 32 and steps["v_head_dim"][0] == 32 and steps["ffn_dim"][0] == 1
+    steps = a3_steps(tiny(qat_format="nvfp4", n_heads=4, n_kv_heads=2))
+    assert (steps["qk_head_dim"][0], steps["v_head_dim"][0], steps["ffn_dim"][0]) == (2, 4, 16)  # 4 heads x 4 = 16
+    with pytest.raises(ValueError, match="A3Config.ffn_dim=40 is invalid: .*qat_format='nvfp4'"):
+        a3_widths(tiny(qat_format="nvfp4"), A3Config(components=("mlp",), ffn_dim=40))
+    rng = np.random.RandomState(0)
+    cal = [(rng.randint(0, 259, (4, 12)).astype(np.int32), np.arange(12)[None] < rng.randint(6, 13, (4, 1)))
+           for _ in range(2)]
+    for cfg, components in ((tiny(d_model=128, n_heads=2, n_kv_heads=1, init_std=0.3, kv_quant="mxfp4", rope="none"),
+                             ("qk", "ov")),
+                            (tiny(init_std=0.3, qat_format="nvfp4", rope="none"), ("mlp",))):
+        flat = {k: np.asarray(v) for k, v in flat_params(jaxlm.build_model(cfg, seed=0)).items()}
+        for k in flat:  # layer 0 nearly off: global allocation moves width to layer 1
+            if k.startswith("layers.0.") and k.endswith("kernel") and ("attn" in k or "down_proj" in k):
+                flat[k] = flat[k] * 0.05
+        out = compress_model(model_from_flat(cfg, flat), cal, A3Config(budget=0.5, components=components,
+                                                                      allocation="global"))
+        c = out.config
+        for name, (step, _) in a3_steps(cfg).items():
+            widths = getattr(c, {"qk_head_dim": "layer_qk_head_dims", "v_head_dim": "layer_v_head_dims",
+                                 "ffn_dim": "layer_ffn_dims"}[name]) or (getattr(c, name),)
+            assert all(w % step == 0 for w in widths), (name, widths)
+        assert c.per_layer_dims
+        with pytest.raises(ValueError, match="already has per-layer widths"):
+            compress_model(out, cal, A3Config(budget=0.5, components=components))
+
+
 def test_allocate_widths_is_optimal_on_convex_curves_and_never_worse_than_uniform():
     import itertools
 

@@ -20,7 +20,7 @@ from typing import Mapping
 
 import numpy as np
 
-from jaxlm.compress.a3.config import _WIDTHS, A3Config, a3_widths
+from jaxlm.compress.a3.config import _WIDTHS, A3Config, a3_steps, a3_widths
 from jaxlm.compress.a3.mlp import mlp_error_curve
 from jaxlm.compress.a3.ov import ov_factors
 from jaxlm.compress.a3.qk import qk_factors, qk_pair_scores
@@ -101,11 +101,9 @@ def _plan(params: Mapping[str, object], config, stats: A3Statistics, a3: A3Confi
     if a3.allocation == "global":
         curves = a3_error_curves(params, config, stats, a3)
         layer_widths = {name: [widths[name]] * L for name in widths}
+        steps = a3_steps(config)  # RoPE pairs, kv_quant / qat_format blocks
         for name, c in curves.items():
-            step = 1 if name != "qk_head_dim" or config.rope == "none" else 2
-            if config.kv_quant is not None and name != "ffn_dim":
-                step = np.lcm(step, 16)  # a low-bit KV cache quantizes blocks of 16
-            layer_widths[name] = allocate_widths(c, L * widths[name], int(step))
+            layer_widths[name] = allocate_widths(c, L * widths[name], steps[name][0])
         new_config = config.replace(scan_layers=False, **{
             _WIDTHS[name][1]: tuple(int(w) for w in layer_widths[name]) for name in curves})
     else:

@@ -8,6 +8,7 @@ import math
 import numbers
 
 from jaxlm.compress.calibrate import QK_REFIT_WEIGHTS, A3Statistics, check_components
+from jaxlm.models.config import QUANT_BLOCKS
 
 QK_SCORES = ("score_energy", "norm_product")
 OV_GROUPS = ("average", "average_refit")
@@ -104,10 +105,39 @@ def _real(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-def a3_widths(config, a3: A3Config) -> dict[str, int]:
-    """Target ``{qk_head_dim, v_head_dim, ffn_dim}`` (unchanged for components not compressed)."""
+def a3_steps(config) -> dict[str, tuple[int, str]]:
+    """``{field: (step, why)}``: the multiple each compressed width must be so the model stays
+    valid: RoPE keeps whole pairs (even ``qk_head_dim``), a low-bit KV cache quantizes head
+    widths in blocks (``kv_quant``), and QAT quantizes each projection's input in blocks
+    (``qat_format``: ``ffn_dim`` and ``n_heads * v_head_dim``)."""
+    steps = {"qk_head_dim": (1, []), "v_head_dim": (1, []), "ffn_dim": (1, [])}
 
-    def pick(name, current, component, step):
+    def need(name, step, why):
+        old, whys = steps[name]
+        steps[name] = (math.lcm(old, int(step)), whys + [why])
+
+    if config.rope != "none":
+        need("qk_head_dim", 2, "even (RoPE pairs)")
+    if config.kv_quant is not None:
+        block = QUANT_BLOCKS[config.kv_quant]
+        need("qk_head_dim", block, f"a multiple of kv_quant={config.kv_quant!r}'s block {block}")
+        need("v_head_dim", block, f"a multiple of kv_quant={config.kv_quant!r}'s block {block}")
+    if config.qat_format is not None:
+        block = QUANT_BLOCKS[config.qat_format]
+        need("ffn_dim", block, f"a multiple of qat_format={config.qat_format!r}'s block {block}")
+        per_head = block // math.gcd(block, config.n_heads)
+        need("v_head_dim", per_head, f"such that n_heads x v_head_dim is a multiple of qat_format="
+             f"{config.qat_format!r}'s block {block}")
+    return {name: (step, " and ".join(whys)) for name, (step, whys) in steps.items()}
+
+
+def a3_widths(config, a3: A3Config) -> dict[str, int]:
+    """Target ``{qk_head_dim, v_head_dim, ffn_dim}`` (unchanged for components not compressed),
+    each a multiple of its `a3_steps` step (a budget rounds to the nearest one)."""
+    steps = a3_steps(config)
+
+    def pick(name, current, component):
+        step, why = steps[name]
         explicit = getattr(a3, name)
         if component not in a3.components:
             return current
@@ -119,19 +149,21 @@ def a3_widths(config, a3: A3Config) -> dict[str, int]:
             width = max(step, step * int(round(a3.budget * current / step)))
         if width > current or width % step:
             raise ValueError(f"A3Config.{name}={width} is invalid: must be <= the current {current}"
-                             + (" and even (RoPE pairs)" if step == 2 else ""))
+                             + (f" and {why}" if why else ""))
         return width
 
-    qk_step = 1 if config.rope == "none" else 2
     return {
-        "qk_head_dim": pick("qk_head_dim", config.qk_head_dim, "qk", qk_step),
-        "v_head_dim": pick("v_head_dim", config.v_head_dim, "ov", 1),
-        "ffn_dim": pick("ffn_dim", config.ffn_dim, "mlp", 1),
+        "qk_head_dim": pick("qk_head_dim", config.qk_head_dim, "qk"),
+        "v_head_dim": pick("v_head_dim", config.v_head_dim, "ov"),
+        "ffn_dim": pick("ffn_dim", config.ffn_dim, "mlp"),
     }
 
 
 def check_compressible(config, components) -> None:
     """Clear errors for the variants a component's closed form does not cover."""
+    if config.per_layer_dims:  # its statistics come back per layer: caught here, before calibrating
+        raise ValueError("a3_compress: the model already has per-layer widths (ModelConfig.layer_*_dims); "
+                         "compress the uncompressed model instead")
     if "qk" in components:
         if config.qk_norm:
             raise ValueError(
@@ -153,9 +185,6 @@ def check_compressible(config, components) -> None:
 
 def _check_inputs(config, stats: A3Statistics, a3: A3Config) -> None:
     check_compressible(config, a3.components)
-    if config.per_layer_dims:
-        raise ValueError("a3_compress: the model already has per-layer widths (ModelConfig.layer_*_dims); "
-                         "compress the uncompressed model instead")
     need = {"qk": "attn_in" if config.rope == "none" else
             ("pair_score_energy" if a3.qk_score == "score_energy" else "q_pair_energy"),
             "ov": "attn_z", "mlp": "mlp_act"}
