@@ -284,9 +284,12 @@ class ChatTemplate:
                 prompt = self.render(messages[:i], add_generation_prompt=True, **kw)
             except ChatTemplateError:
                 prompt = None  # e.g. a template that reads messages[0] renders no empty conversation
-            if prompt is None or not upto.startswith(prompt):
+            if prompt is None or not upto.startswith(prompt) or prompt == self._render_or_none(messages[:i], kw):
                 # an opening assistant turn: the template writes its header (BOS, a default system
-                # prompt) only once a first message exists; find the content's start instead
+                # prompt) only once a first message exists; or a generation prompt that adds
+                # nothing (Zephyr-style templates write it only inside the message loop, so an
+                # empty conversation renders "" and the span took the role header): find the
+                # content's start instead
                 found = self._before_content(messages, i, kw, upto)
                 prompt = found if found is not None else prompt
             if prompt is None:
@@ -332,6 +335,12 @@ class ChatTemplate:
                 return None
             k -= len(token)
         return k
+
+    def _render_or_none(self, messages, kw: dict) -> str | None:
+        try:
+            return self.render(messages, **kw)
+        except ChatTemplateError:
+            return None
 
     def _before_content(self, messages, i: int, kw: dict, upto: str) -> str | None:
         """What the template writes before assistant message ``i``'s content, found by rendering

@@ -368,6 +368,39 @@ def test_template_closing_the_conversation_with_eos_trains_every_turn(family_dir
         assert ours.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) == trained
 
 
+ZEPHYR_STYLE = (  # the generation prompt is written inside the message loop (on loop.last)
+    "{% for message in messages %}{% if message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + eos_token }}"
+    "{% elif message['role'] == 'system' %}{{ '<|system|>\n' + message['content'] + eos_token }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\n' + message['content'] + eos_token }}{% endif %}"
+    "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}{% endfor %}"
+)
+
+
+def test_an_opening_assistant_turn_of_a_zephyr_style_template_trains_only_its_reply(family_dirs, tmp_path):
+    """A template whose generation prompt lives inside the message loop renders an empty
+    conversation as "", a prefix of anything: an opening assistant turn's span began at 0 and
+    trained its "<|assistant|>" header. The mask now equals transformers' {% generation %} mask."""
+    import shutil
+
+    d = tmp_path / "zephyr"
+    shutil.copytree(family_dirs["chatml"], d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>",
+                                                         "chat_template": ZEPHYR_STYLE}))
+    ours, hf = load_pair(d)
+    tagged = ZEPHYR_STYLE.replace("{{ '<|assistant|>\n' + message['content'] + eos_token }}",
+                                  "{{ '<|assistant|>\n' }}{% generation %}{{ message['content'] + eos_token }}"
+                                  "{% endgeneration %}")
+    opening = [{"role": "assistant", "content": "hi there"}, {"role": "user", "content": "hello"},
+               {"role": "assistant", "content": "fine"}]
+    for chat in (opening, [{"role": "system", "content": "be nice"}] + opening):
+        ids, mask = encode_chat(ours, chat)
+        ref_ids, ref_mask = hf_assistant_mask(hf, chat, tagged)
+        assert ids == ref_ids and mask == ref_mask
+        assert ours.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) == \
+            "hi there<|endoftext|>fine<|endoftext|>"
+
+
 def test_template_that_rewrites_earlier_turns(chatml):
     """Thinking stripped from earlier turns: the prefix method cannot place the first reply and
     says so; with {% generation %} the mask comes from the tags and matches transformers."""
