@@ -71,7 +71,9 @@ def _token_string(special) -> str | None:
 
 def _token_ids(tok, special) -> list[int]:
     """The ids a special-token entry names: an id, a token string, ``{"content": ...}``, or
-    a list of those (``config.json``'s ``eos_token_id`` in Llama 3); unknown strings skipped."""
+    a list of those (``config.json``'s ``eos_token_id`` in Llama 3); unknown strings and
+    negative ids (``pad_token_id: -1``, "none" in some conversions) skipped; an id past the
+    vocabulary is an error (`SpecialTokenIdError`)."""
     if special is None:
         return []
     if isinstance(special, (list, tuple)):
@@ -80,8 +82,23 @@ def _token_ids(tok, special) -> list[int]:
         special = special.get("content")
     if isinstance(special, bool) or not isinstance(special, (int, str)):
         raise TypeError(f"special token {special!r} is neither a token id nor a token string")
-    token_id = special if isinstance(special, int) else tok.token_to_id(special)
+    if isinstance(special, int):
+        if special < 0:
+            return []
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        if special >= vocab:  # it flowed into encoded rows and stop ids unchecked
+            raise SpecialTokenIdError(special, vocab)
+        return [special]
+    token_id = tok.token_to_id(special)
     return [] if token_id is None else [token_id]
+
+
+class SpecialTokenIdError(ValueError):
+    """A special-token id outside the tokenizer's vocabulary."""
+
+    def __init__(self, token_id: int, vocab: int):
+        super().__init__(f"special token id {token_id} is outside the tokenizer's vocabulary [0, {vocab})")
+        self.token_id = token_id
 
 
 def _token_id(tok, special) -> int | None:
@@ -173,6 +190,7 @@ class HFTokenizer:
         eos_lists: dict[str, list] = {}
         strings: dict[str, str | None] = {}
         own_config = None
+        id_fields: list[tuple[str, str, list]] = []  # (file, field, ids) for error messages
         for name in ("config.json", "generation_config.json", "special_tokens_map.json", _CONFIG):
             if (path / name).exists():
                 data = json.loads((path / name).read_text())
@@ -188,6 +206,8 @@ class HFTokenizer:
                             and data.get(f"{key}_token_id") is None:
                         specials[key] = None  # the tokenizer's own file says there is none
                 eos_lists[name] = [data[f] for f in ("eos_token", "eos_token_id") if data.get(f) is not None]
+                id_fields += [(name, f, data[f] if isinstance(data[f], list) else [data[f]])
+                              for f in ("bos_token_id", "eos_token_id", "pad_token_id") if f in data]
                 if name == _CONFIG:
                     own_config = dict(data)
                 if name in ("special_tokens_map.json", _CONFIG):
@@ -195,7 +215,11 @@ class HFTokenizer:
         if specials.get("eos") is not None:  # the primary EOS (the last file's) first, then every other id listed
             listed = [e for name in (_CONFIG, "generation_config.json", "config.json") for e in eos_lists.get(name, [])]
             specials["eos"] = [specials["eos"], *listed]
-        tok = cls.from_file(path / "tokenizer.json", **specials)
+        try:
+            tok = cls.from_file(path / "tokenizer.json", **specials)
+        except SpecialTokenIdError as e:
+            named = [f"{name} {field}" for name, field, value in id_fields if e.token_id in value]
+            raise ValueError(f"{path}: {e} (named by {', '.join(named) or 'a special-token field'})") from None
         tok._source_config = own_config
         # the strings of the BOS / EOS ids in use, then those the files name (a null removes one)
         named = {**{k: v for k, v in tok.special_tokens.items() if k in ("bos_token", "eos_token")}, **strings}

@@ -134,6 +134,20 @@ def test_a_list_of_eos_ids_loads_and_every_one_stops_generation(tmp_path):
         HFTokenizer.from_file(tmp_path / "tokenizer.json", eos=2.5)
 
 
+def test_special_ids_outside_the_vocabulary(tmp_path):
+    """A negative id (``pad_token_id: -1``, "none" in some conversions) crashed in
+    ``id_to_token`` (a bare OverflowError); one past the vocabulary (another model's config)
+    was taken as BOS / EOS and written into encoded rows and the stop ids."""
+    _train_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": -1}))
+    tok = HFTokenizer.from_dir(tmp_path)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.pad_named) == (1, 2, 2, False)  # PAD falls back to EOS
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 128009]}))
+    with pytest.raises(ValueError, match=r"special token id 128009 is outside the tokenizer's vocabulary "
+                                         r"\[0, \d+\) \(named by config.json eos_token_id\)"):
+        HFTokenizer.from_dir(tmp_path)
+
+
 def test_stop_ids_are_the_union_of_every_file_and_survive_a_save(tmp_path):
     """Llama 3.1's layout: ``tokenizer_config.json`` names one EOS string, ``config.json`` and
     ``generation_config.json`` list several ids. The named one is EOS; every listed id stops."""
