@@ -25,6 +25,7 @@ from jaxlm.models.layers.attention import (
     _MASKED,
     ATTENTION,
     Attention,
+    attention_context,
     attention_scores,
     grouped_mask,
     weighted_values,
@@ -32,16 +33,17 @@ from jaxlm.models.layers.attention import (
 from jaxlm.models.layers.linear import param
 
 
-def visible_mean_values(v: jax.Array, mask: jax.Array, n_heads: int) -> tuple[jax.Array, jax.Array]:
-    """Mean of the visible values per query, ``[B, T, N, H]``, and the count ``n_i`` ``[B, T, N]``
-    (the uniform-attention term; a causal running mean when the mask is causal)."""
-    B, K, S, H = v.shape
-    T = mask.shape[-2]
-    m = jnp.broadcast_to(grouped_mask(mask, K), (B, K, n_heads // K, T, S)).astype(jnp.float32)
-    n = m.sum(-1)  # [B, K, G, T]
-    uniform = m / jnp.maximum(n, 1.0)[..., None]
-    mean_v = weighted_values(uniform, v)  # [B, T, N, H]
-    return mean_v, n.reshape(B, n_heads, T).transpose(0, 2, 1)
+def visible_mean_values(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+                        impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+    """Mean of the visible values per query, ``[B, T, N, H]`` (0 for a query that sees no key),
+    and the count ``n_i`` ``[B, T, N]`` (the uniform-attention term; a causal running mean when
+    the mask is causal). The mean is attention with all-zero logits, run by the same ``impl``
+    as the softmax term (`attention_context`), so a chunked or fused path keeps its memory:
+    the weights were a dense ``[B, K, G, T, S]`` float32 array kept for the backward pass."""
+    B, T, N, _ = q.shape
+    n = jnp.broadcast_to(jnp.sum(mask, axis=-1, dtype=jnp.float32), (B, N, T)).transpose(0, 2, 1)
+    mean_v = attention_context(jnp.zeros_like(q), k, v, mask, scale=1.0, impl=impl)
+    return jnp.where((n > 0)[..., None], mean_v, jnp.zeros((), mean_v.dtype)), n
 
 
 @ATTENTION.register("affine_scaled")
@@ -65,7 +67,7 @@ class AffineScaledAttention(Attention):
         c = self.config
         ctx, probs = self.softmax_attention(q, k, v, mask, need_probs=need_probs)
         s, z_b = self.affine_terms(inputs)
-        mean_v, n = visible_mean_values(v, mask, c.n_heads)
+        mean_v, _ = visible_mean_values(q, k, v, mask, impl=c.attention_impl)
         # b_i * sum_j v_j = (n_i b_i) * mean_j v_j; free: n_i b_i = z_b; coupled: 1 - s_i
         total_bias = z_b if c.affine_bias == "free" else 1.0 - s
         out = s[..., None] * ctx.astype(jnp.float32) + total_bias[..., None] * mean_v.astype(jnp.float32)
