@@ -25,6 +25,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -355,10 +356,10 @@ def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str,
             status = "ok"
         elif rc == VIOLATION_EXIT and (stopped or "sandbox violation: " in err):  # not a bare exit(113)
             status = "violation"
-        elif "MemoryError" in err:
+        elif _uncaught(err, r"MemoryError(: .*)?"):  # the traceback's exception, not any mention
             status = "memory"
-        elif "File too large" in err:  # Python ignores SIGXFSZ: the write fails with EFBIG
-            status = "output"
+        elif _uncaught(err, r"OSError: \[Errno \d+\] File too large.*"):
+            status = "output"  # Python ignores SIGXFSZ: the write fails with EFBIG
         elif rc in (-signal.SIGXCPU, -signal.SIGKILL):
             status = "timeout"
         elif rc == -signal.SIGXFSZ:
@@ -368,6 +369,13 @@ def _run(script: str, program: str, stdin: str, limits: Limits, files: dict[str,
         return RunResult(status, rc, out, err)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _uncaught(err: str, pattern: str) -> bool:
+    """Whether the last line of ``err`` (an uncaught exception's ``Type: message``; Python may
+    print it without the traceback when memory ran out) matches ``pattern``."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    return bool(lines) and re.fullmatch(pattern, lines[-1]) is not None
 
 
 _SCRIPT = 'exec(compile(open("program.py").read(), "program.py", "exec"), {"__name__": "__main__"})\n'

@@ -51,6 +51,10 @@ def test_a_well_behaved_program_runs():
     ("try:\n    open('/tmp/jaxlm-sandbox-escape.txt', 'w')\nexcept BaseException:\n    pass\nprint('hid it')",
      "violation"),
     ("raise SystemExit(3)", "error"),
+    # the status is the uncaught exception, not a word the program wrote (this read as "memory")
+    ("import sys\nsys.stderr.write('MemoryError is a word\\n')\nsys.exit(3)", "error"),
+    ("raise ValueError('File too large to parse')", "error"),
+    ("raise MemoryError('made up')", "memory"),
     ("raise SystemExit(113)", "error"),  # the violation status, but no stop by the guard
     # paths relative to a directory descriptor outside the sandbox
     ("import os\nd = os.open('/tmp', os.O_RDONLY)\nos.open('jaxlm-sandbox-escape.txt', os.O_WRONLY | os.O_CREAT, "

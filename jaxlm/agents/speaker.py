@@ -52,10 +52,17 @@ class SpeakerTask:
     system: str = SYSTEM
 
     def __post_init__(self):
+        for name in ("n_characters", "n_utterances"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):  # failed mid-collection, naming nothing
+                raise ValueError(f"SpeakerTask.{name}={v!r} must be an int")
         if not 2 <= self.n_characters <= len(CHARACTERS):
             raise ValueError(f"SpeakerTask.n_characters={self.n_characters} must be in [2, {len(CHARACTERS)}]")
         if self.n_utterances < 1 or not 0 <= self.off_screen <= 1:
             raise ValueError("SpeakerTask.n_utterances must be >= 1 and off_screen in [0, 1]")
+        v = self.pitch_noise_hz
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ValueError(f"SpeakerTask.pitch_noise_hz={v!r} must be a finite number >= 0")
 
     def scene(self, index: int) -> dict[str, Any]:
         rng = np.random.default_rng([self.seed, index, 3])

@@ -84,6 +84,11 @@ def test_exact_match_normalisation():
     assert exact_match("an apple", ["pear", "Apple!"]) == 1.0
     assert exact_match("Oslo city", "Oslo") == 0.0
     assert exact_match("", "Oslo") == 0.0
+    # Unicode forms: a decomposed "Zoë" copied from a tool's output (search reads NFC) scored 0
+    import unicodedata
+
+    assert exact_match(unicodedata.normalize("NFD", "Zoë Corp"), "Zoë Corp") == 1.0
+    assert exact_match("Zoe Corp", "Zoë Corp") == 0.0
 
 
 def test_lakeqa_from_benchmark_files(tmp_path):
@@ -139,6 +144,15 @@ def test_speaker_evidence_settles_every_default_scene(kw):
     scenes = [task.scene(i) for i in range(3000)]
     wrong = [i for i, s in enumerate(scenes) if attribute_from_evidence(s, s["target"]["id"]) != s["target"]["speaker"]]
     assert wrong == []
+
+
+def test_bad_speaker_settings_are_named():
+    """They passed construction and failed mid-collection with numpy's or range()'s error."""
+    for kw, match in ((dict(pitch_noise_hz=-1.0), "pitch_noise_hz=-1.0"), (dict(pitch_noise_hz=float("nan")),
+                      "pitch_noise_hz=nan"), (dict(n_utterances=2.5), "n_utterances=2.5"),
+                      (dict(n_characters=True), "n_characters=True")):
+        with pytest.raises(ValueError, match=f"SpeakerTask.{match}"):
+            SpeakerTask(**kw)
 
 
 def test_speaker_visual_evidence_alone_misses_voice_overs():

@@ -157,6 +157,9 @@ def test_rps_first_to_ends_episodes_early():
     win = MOVES[counter(env.draws["move"])]
     assert env.step(win)[2] is False
     assert env.step(win) == ("+" + win + MOVES[env.draws["move"]], 1.0, True)
+    for bad in (2.5, True, 0, 11):  # 2.5 ended an episode at 3 wins silently
+        with pytest.raises(ValueError, match=f"RPSConfig.first_to={bad!r} must be an int in"):
+            RPSConfig(rounds=10, first_to=bad)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

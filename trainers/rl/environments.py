@@ -113,8 +113,10 @@ class RPSConfig:
                 raise ValueError(f"RPSConfig.{name}={v!r} is invalid: must be a positive int")
         if self.rounds < 2:
             raise ValueError(f"RPSConfig.rounds={self.rounds} must be >= 2 (a memory is used from round 2 on)")
-        if self.first_to is not None and not 1 <= self.first_to <= self.rounds:
-            raise ValueError(f"RPSConfig.first_to={self.first_to!r} must be in [1, rounds={self.rounds}] (or None)")
+        if self.first_to is not None and (isinstance(self.first_to, bool) or not isinstance(self.first_to, int)
+                                          or not 1 <= self.first_to <= self.rounds):  # 2.5 ended at 3 wins
+            raise ValueError(f"RPSConfig.first_to={self.first_to!r} must be an int in [1, rounds={self.rounds}] "
+                             "(or None)")
         if not 1 / 3 <= self.bias <= 1:
             raise ValueError(f"RPSConfig.bias={self.bias!r} must be in [1/3, 1]")
         if self.player not in ("scripted", "lm"):
