@@ -346,18 +346,23 @@ PHI3_STYLE = (
 )
 
 
+def _chatml_with_template(family_dirs, d, template):
+    """The chatml tokenizer copied to ``d`` with EOS ``<|endoftext|>`` and ``template``, loaded
+    by jaxlm and by transformers."""
+    import shutil
+
+    shutil.copytree(family_dirs["chatml"], d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>",
+                                                         "chat_template": template}))
+    return load_pair(d)
+
+
 def test_template_closing_the_conversation_with_eos_trains_every_turn(family_dirs, tmp_path):
     """Each assistant turn is located though rendering the conversation up to it adds an EOS
     that the whole conversation has only at its end (it was refused as a template rewriting
     earlier turns); the ids are transformers'."""
-    import shutil
-
-    d = tmp_path / "phi3"
-    shutil.copytree(family_dirs["chatml"], d)
-    config = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>",
-                                                         "chat_template": PHI3_STYLE}))
-    ours, hf = load_pair(d)
+    ours, hf = _chatml_with_template(family_dirs, tmp_path / "phi3", PHI3_STYLE)
     one = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     two = one + [{"role": "user", "content": "how are you"}, {"role": "assistant", "content": "fine"}]
     user_last = one + [{"role": "user", "content": "thanks"}]
@@ -380,14 +385,7 @@ def test_an_opening_assistant_turn_of_a_zephyr_style_template_trains_only_its_re
     """A template whose generation prompt lives inside the message loop renders an empty
     conversation as "", a prefix of anything: an opening assistant turn's span began at 0 and
     trained its "<|assistant|>" header. The mask now equals transformers' {% generation %} mask."""
-    import shutil
-
-    d = tmp_path / "zephyr"
-    shutil.copytree(family_dirs["chatml"], d)
-    config = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>",
-                                                         "chat_template": ZEPHYR_STYLE}))
-    ours, hf = load_pair(d)
+    ours, hf = _chatml_with_template(family_dirs, tmp_path / "zephyr", ZEPHYR_STYLE)
     tagged = ZEPHYR_STYLE.replace("{{ '<|assistant|>\n' + message['content'] + eos_token }}",
                                   "{{ '<|assistant|>\n' }}{% generation %}{{ message['content'] + eos_token }}"
                                   "{% endgeneration %}")
