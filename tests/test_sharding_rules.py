@@ -5,7 +5,6 @@ take stays free for the next dimension."""
 from types import SimpleNamespace
 
 import pytest
-
 from jax.sharding import PartitionSpec as P
 
 from jaxlm.sharding import LOGICAL_RULES, VOCAB_SPLIT_RULES, logical_to_spec

@@ -33,7 +33,6 @@ from trainers.config import ExperimentConfig
 from trainers.loop import train
 from trainers.step import make_eval_loss
 
-
 #: the retention report's file name in ``out_dir`` (no stage may take it as its directory)
 REPORT = "retention.json"
 
