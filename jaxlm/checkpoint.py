@@ -261,8 +261,11 @@ def load_checkpoint(
     specs = None
     if (path / "quant").exists():
         specs = _read_json_item(path, "quant")
-        single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        target_dict = abstract_targets(target_dict, specs, single)
+        # quantized weights (codes, scales, transforms) are replicated over a mesh: on the first
+        # device alone they met mesh-placed activations and every forward failed
+        where = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
+                 else jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+        target_dict = abstract_targets(target_dict, specs, where)
     if not specs:
         _check_stored_shapes(path, target_dict)
     try:

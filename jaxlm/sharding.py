@@ -50,7 +50,7 @@ def make_mesh(
     devices = list(devices if devices is not None else jax.devices())
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     for name, size in sizes.items():
-        if not isinstance(size, int) or (size <= 0 and size != -1):
+        if isinstance(size, bool) or not isinstance(size, int) or (size <= 0 and size != -1):
             raise ValueError(f"mesh axis {name}={size!r} is invalid: must be a positive int or -1")
     unknown = [n for n, s in sizes.items() if s == -1]
     if len(unknown) > 1:
@@ -121,12 +121,18 @@ def param_sharding(shape, axes, mesh: Mesh, rules: Mapping[str, object] = LOGICA
 
 
 def model_shardings(model: nnx.Module, mesh: Mesh, rules: Mapping[str, object] = LOGICAL_RULES):
-    """An ``nnx.State`` of NamedShardings matching ``nnx.state(model)``."""
+    """An ``nnx.State`` of NamedShardings matching ``nnx.state(model)``. A structured value (a
+    quantized weight: codes, scales and transforms) is replicated, each of its arrays whole
+    on every device."""
     state = nnx.state(model)
+    replicated = NamedSharding(mesh, PartitionSpec())
 
     def one(var):
+        value = var.get_value()
+        if not hasattr(value, "shape"):  # a pytree of arrays (jaxlm.quant.storage types)
+            return var.replace(jax.tree.map(lambda _: replicated, value))
         axes = var.get_metadata().get("out_sharding")
-        return var.replace(param_sharding(var.shape, axes, mesh, rules))
+        return var.replace(param_sharding(value.shape, axes, mesh, rules))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

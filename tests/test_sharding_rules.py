@@ -34,3 +34,17 @@ def test_without_a_shape_the_rules_are_taken_as_written():
 def test_more_logical_axes_than_dimensions_is_named():
     with pytest.raises(ValueError, match=r"name 3 dimensions but the array has shape \(4, 4\)"):
         logical_to_spec(("batch", "embed", "mlp"), LOGICAL_RULES, _mesh(1, 2, 1), (4, 4))
+
+
+def test_mesh_sizes_refuse_bools():
+    """make_mesh(data=True) built a mesh with data = 1 (True is an int)."""
+    from jaxlm.sharding import make_mesh
+    from trainers.config import MeshConfig
+
+    with pytest.raises(ValueError, match="mesh axis data=True is invalid"):
+        make_mesh(data=True)
+    for kw, match in ((dict(data=True), "trainer.mesh.data=True"), (dict(tensor=0), "trainer.mesh.tensor=0"),
+                      (dict(data=-1, fsdp=-1), "at most one axis may be -1")):
+        with pytest.raises(ValueError, match=match):
+            MeshConfig(**kw)
+    assert MeshConfig(data=2, fsdp=-1).fsdp == -1

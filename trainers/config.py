@@ -103,6 +103,14 @@ class MeshConfig:
     tensor: int = 1
     """Tensor parallelism: heads, MLP width and vocabulary sharded."""
 
+    def __post_init__(self):
+        for name in ("data", "fsdp", "tensor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or (v <= 0 and v != -1):  # True read as 1
+                raise ValueError(f"trainer.mesh.{name}={v!r} is invalid: must be a positive int or -1")
+        if [getattr(self, n) for n in ("data", "fsdp", "tensor")].count(-1) > 1:
+            raise ValueError(f"trainer.mesh: at most one axis may be -1, got {self}")
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:

@@ -88,10 +88,33 @@ def main():
             check(f"[scan={scan}] load_hf(rules=VOCAB_SPLIT_RULES) splits the vocabulary {spec}",
                   spec == P(("tensor", "fsdp"), None))
             check(f"[scan={scan}] vocabulary-split forward == single device", close(split(tokens, mask=mask).logits, ref, mask))
+    quantized_checks(mesh, tokens, mask)
     train_checks(mesh)
     omni_checks()
     rl_checks()
     print("ALL PASS")
+
+
+def quantized_checks(mesh, tokens, mask):
+    """A quantized model on a mesh: `shard_model` failed on its structured weights (no .shape)
+    and `load_checkpoint(mesh=)` left them on device 0 beside mesh-placed parameters, so every
+    forward failed. Their arrays are replicated over the mesh."""
+    from jaxlm.quant.apply import quantize_with
+
+    cfg = jaxlm.ModelConfig.tiny(vocab_size=256, init_std=0.2, d_model=64, ffn_dim=128, n_heads=2, n_kv_heads=2)
+    for method in ("rtn", "quarot"):
+        q = quantize_with(jaxlm.build_model(cfg, seed=0), method, "mxfp4", weights_only=True)
+        ref = np.asarray(q(tokens, mask=mask).logits)
+        with tempfile.TemporaryDirectory() as d:
+            save_checkpoint(q, os.path.join(d, "q"))
+            restored = load_checkpoint(os.path.join(d, "q"), mesh=mesh)
+            leaves = jax.tree.leaves(restored.layers[0].attn.q_proj.kernel.get_value())
+            check(f"[{method}] restored quantized weights span the mesh",
+                  all(len(x.sharding.device_set) == 8 for x in leaves))
+            check(f"[{method}] restored quantized model on the mesh == in memory",
+                  close(restored(tokens, mask=mask).logits, ref, mask))
+        shard_model(q, mesh)
+        check(f"[{method}] shard_model of a quantized model == unsharded", close(q(tokens, mask=mask).logits, ref, mask))
 
 
 def train_checks(mesh):
