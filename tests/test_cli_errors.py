@@ -226,6 +226,25 @@ def test_logprobs_writes_only_jsonl(checkpoint, tmp_path, capsys):
     assert not (tmp_path / "scored.parquet").exists()
 
 
+def test_judge_and_logprobs_outputs_are_checked_before_the_work(checkpoint, tmp_path, capsys):
+    """``judge --out`` naming the calibration file replaced the labelled rows with judged ones
+    (exit 0); a directory or a file standing where a parent must be failed after the scoring;
+    ``judge`` wrote JSON lines into any suffix."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"question": "1+1?", "a": "2", "b": "3"}\n')
+    cal = tmp_path / "cal.jsonl"
+    cal.write_text('{"question": "1+1?", "a": "2", "b": "3", "label": 0}\n')
+    base = ["judge", checkpoint, "--pairs", pairs, "--calibration", cal]
+    _fails(base + ["--out", cal, "--overwrite"], capsys, "--out and --calibration name the same path")
+    _fails(base + ["--out", tmp_path / "judged.parquet"], capsys, "`jaxlm judge` writes a .jsonl file")
+    (tmp_path / "file").write_text("x")
+    _fails(base + ["--out", tmp_path / "file" / "j.jsonl"], capsys, "is not a directory")
+    (tmp_path / "dir.jsonl").mkdir()
+    _fails(["logprobs", checkpoint, "--data", pairs, "--out", tmp_path / "dir.jsonl", "--overwrite"], capsys,
+           "is a directory")
+    assert '"label": 0' in cal.read_text() and not (tmp_path / "judged.parquet").exists()
+
+
 def test_dtype_for_a_jaxlm_checkpoint_is_a_usage_error(checkpoint, capsys):
     _fails(["generate", "--model", checkpoint, "--prompt", "1+1=", "--dtype", "bfloat16"], capsys,
            "--dtype applies to HF directories", "jaxlm checkpoint")

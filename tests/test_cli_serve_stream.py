@@ -105,6 +105,14 @@ def test_bad_input_names_the_file_line_argument_or_field(pair, tmp_path, capsys)
     _fails(base + prompts + ["--report", str(tmp_path / "taken")], capsys, "is a directory")
     (tmp_path / "plain").write_text("x")  # an existing file cannot become the draft directory (found at the end)
     _fails(base + prompts + ["--save-draft", str(tmp_path / "plain"), "--overwrite"], capsys, "is a file")
+    # outputs inside the draft's directory: its save replaced the directory and deleted them (exit 0)
+    draft_dir = tmp_path / "out" / "d"
+    _fails(base + prompts + ["--save-draft", str(draft_dir), "--completions", str(draft_dir / "c.jsonl"),
+                             "--overwrite"], capsys, "--completions", "lies inside --save-draft")
+    # a file where a parent directory must be: found after serving, the completions written
+    _fails(base + prompts + ["--completions", str(tmp_path / "c.jsonl"), "--report", str(tmp_path / "plain" / "r.json")],
+           capsys, "--report", "is not a directory")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "c.jsonl").exists()
     assert not (tmp_path / "same.json").exists()
     # a prompt too long for the models is found before any chunk is served (it failed after
     # serving and training on the chunks before it, writing nothing)

@@ -365,6 +365,27 @@ def _load(path: Path, **kwargs):
     return load_model(path, **kwargs)
 
 
+def _file_outputs(inside: tuple[str, Path | None] | None = None, **paths: Path | None) -> None:
+    """Output files can be written: not a directory, no file where a parent directory must
+    be (found only after the work, with part of the outputs written), and not inside the
+    directory output ``inside`` = ``(flag, path)``, which is replaced as a whole."""
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        name = f"--{flag.replace('_', '-')}"
+        path = Path(path)
+        if path.is_dir():
+            raise UsageError(f"{name} {path} is a directory: name the file to write")
+        ancestor = next((a for a in path.absolute().parents if a.exists()), None)
+        if ancestor is not None and not ancestor.is_dir():
+            raise UsageError(f"{name} {path}: {ancestor} is not a directory")
+        if inside is not None and inside[1] is not None:
+            outer = Path(inside[1]).resolve()
+            if outer == path.resolve() or outer in path.resolve().parents:
+                raise UsageError(f"{name} {path} lies inside --{inside[0].replace('_', '-')} {inside[1]}, which is "
+                                 "replaced as a whole when it is saved: write it elsewhere")
+
+
 def _distinct_outputs(**paths: Path | None) -> None:
     """The command's output flags name different files, none of them an input (two outputs
     on one path: the second overwrote the first, which was lost)."""
@@ -558,8 +579,8 @@ def run_edit(args: EditArgs) -> dict:
     if args.report is not None and args.report.exists() and not args.overwrite:
         raise UsageError(f"--report {args.report} exists; {_OVERWRITE_HINT}")
     _distinct_outputs(report=args.report, out=args.out, requests=args.requests)
-    if args.report is not None and args.report.is_dir():  # found only after the edit, the model saved
-        raise UsageError(f"--report {args.report} is a directory: name the JSON file to write")
+    # found only after the edit (the model saved): a directory, or a file where a parent must be
+    _file_outputs(inside=("out", args.out), report=args.report)
     report, runs = edit_checkpoint(
         args.model, args.requests, method=args.method, batches=args.batches, corpus=args.corpus,
         corpus_size=args.corpus_size, capability=args.capability, capability_n=args.capability_n,
@@ -583,10 +604,8 @@ def run_serve_stream(args: ServeStreamArgs):
 
     _distinct_outputs(completions=args.completions, report=args.report, save_draft=args.save_draft,
                       prompts=args.prompts)
-    for flag in ("completions", "report"):
-        path = getattr(args, flag)
-        if path is not None and path.is_dir():
-            raise UsageError(f"--{flag} {path} is a directory: name the file to write")
+    # outputs inside the draft's directory were deleted by its save (exit 0)
+    _file_outputs(inside=("save_draft", args.save_draft), completions=args.completions, report=args.report)
     if args.save_draft is not None and args.save_draft.exists() and not args.save_draft.is_dir():
         raise UsageError(f"--save-draft {args.save_draft} is a file: name a directory for the draft checkpoint")
 
@@ -615,6 +634,8 @@ def run_logprobs(args: LogprobsArgs) -> Path:
 
     if args.out.suffix != ".jsonl":  # before the model is loaded
         raise UsageError(f"--out {args.out}: `jaxlm logprobs` writes a .jsonl file")
+    _distinct_outputs(out=args.out, data=args.data)
+    _file_outputs(out=args.out)
 
     out = annotate_file(_load(args.model), args.data, args.out, as_=args.as_, top_k=args.top_k,
                         batch_size=args.batch_size, overwrite=args.overwrite)
@@ -628,6 +649,11 @@ def run_judge(args: JudgeArgs) -> dict:
 
     if not 0.0 < args.alpha < 1.0:
         raise ValueError(f"--alpha={args.alpha} must be in (0, 1)")
+    if args.out.suffix != ".jsonl":
+        raise UsageError(f"--out {args.out}: `jaxlm judge` writes a .jsonl file")
+    # --out naming an input replaced it with the judged rows, even the labelled calibration set
+    _distinct_outputs(out=args.out, pairs=args.pairs, calibration=args.calibration)
+    _file_outputs(out=args.out)
     template = JudgeTemplate() if args.prompt_format is None else JudgeTemplate(pairwise=args.prompt_format)
     summary = judge_file(_load(args.model), args.pairs, args.out, calibration=args.calibration, alpha=args.alpha,
                          template=template, both_orders=not args.one_order, batch_size=args.batch_size,
