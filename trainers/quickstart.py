@@ -147,11 +147,17 @@ def _quantization_stage(cfg, model_dir: Path, out: Path, console) -> dict[str, f
     held = [task.example(i, "eval") for i in range(cfg.trainer.eval_generate)]
     accs = {}
     for method in ("rtn", "wush"):
+        if not held and method == "rtn":  # trainer.eval_generate=0: loss only, no accuracy to compare
+            continue
         q = quantize_with(model, method, "nvfp4", texts)
-        accs[method] = task_accuracy(q, held, task.verify, tokenizer=model.tokenizer,
-                                     max_new_tokens=cfg.trainer.eval_max_new_tokens).accuracy
+        if held:
+            accs[method] = task_accuracy(q, held, task.verify, tokenizer=model.tokenizer,
+                                         max_new_tokens=cfg.trainer.eval_max_new_tokens).accuracy
         if method == "wush":
             jaxlm.save_checkpoint(q, out / "model_w4a4", overwrite=True)
-    console.print(f"quantization stage (NVFP4 W4A4, {len(held)} held-out problems): "
-                  + ", ".join(f"{m} {a:.1%}" for m, a in accs.items()))
+    if held:
+        console.print(f"quantization stage (NVFP4 W4A4, {len(held)} held-out problems): "
+                      + ", ".join(f"{m} {a:.1%}" for m, a in accs.items()))
+    else:
+        console.print("quantization stage (NVFP4 W4A4 by WUSH): accuracy not measured (trainer.eval_generate=0)")
     return accs

@@ -38,3 +38,20 @@ def test_train_verb_resumes(tmp_path, capsys):
     main(args + ["trainer.stop_after=3"])
     main(args)
     assert "finished at step 4" in capsys.readouterr().out
+
+
+def test_quantization_stage_without_generation_measures_no_accuracy(tmp_path):
+    """``trainer.eval_generate=0`` ("loss only") failed after training: the quantization stage
+    asked for the accuracy of no held-out problems. It saves the W4A4 model and measures none."""
+    import jaxlm
+    from rich.console import Console
+
+    from trainers.quickstart import _quantization_stage
+    from trainers.recipes import load_config
+
+    cfg = load_config("quickstart", ["trainer.eval_generate=0"])
+    jaxlm.save_checkpoint(jaxlm.build_model(jaxlm.ModelConfig.tiny(), seed=0, tokenizer=jaxlm.ByteTokenizer()),
+                          tmp_path / "model")
+    console = Console(record=True)
+    assert _quantization_stage(cfg, tmp_path / "model", tmp_path, console) == {}
+    assert (tmp_path / "model_w4a4").is_dir() and "accuracy not measured" in console.export_text()
