@@ -644,6 +644,11 @@ def test_per_layer_dims_errors_name_the_field():
         tiny(layer_ffn_dims=(0, 8))
     with pytest.raises(ValueError, match="allocation"):
         A3Config(allocation="per_layer")
+    # settings for a part that does not run were ignored (jaxlm compress --components qk --ffn-dim 64)
+    with pytest.raises(ValueError, match=r"A3Config.ffn_dim=64 has no effect: component 'mlp' is not in"):
+        A3Config(components=("qk",), ffn_dim=64)
+    with pytest.raises(ValueError, match=r"A3Config.qk_refit_rank=4 has no effect with qk_rope_refit=False"):
+        A3Config(qk_rope_refit=False, qk_refit_rank=4)
     with pytest.raises(ValueError, match="already has per-layer widths"):
         a3_compress({}, tiny(**MIXED), None, A3Config())
 

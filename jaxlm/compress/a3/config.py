@@ -95,6 +95,13 @@ class A3Config:
         if self.qk_refit_rank is not None and (isinstance(self.qk_refit_rank, bool)
                                                or not isinstance(self.qk_refit_rank, int) or self.qk_refit_rank <= 0):
             raise ValueError(f"A3Config.qk_refit_rank={self.qk_refit_rank!r} is invalid: must be a positive int or None")
+        # a setting for a part that does not run was ignored without a word
+        for name, component in (("qk_head_dim", "qk"), ("v_head_dim", "ov"), ("ffn_dim", "mlp")):
+            if getattr(self, name) is not None and component not in self.components:
+                raise ValueError(f"A3Config.{name}={getattr(self, name)} has no effect: component {component!r} is "
+                                 f"not in components={self.components}")
+        if self.qk_refit_rank is not None and not self.qk_rope_refit:
+            raise ValueError(f"A3Config.qk_refit_rank={self.qk_refit_rank} has no effect with qk_rope_refit=False")
         if self.qk_refit_weight not in QK_REFIT_WEIGHTS:
             raise ValueError(f"A3Config.qk_refit_weight={self.qk_refit_weight!r} is invalid: must be one of "
                              f"{QK_REFIT_WEIGHTS}")
