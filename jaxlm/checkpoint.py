@@ -212,11 +212,18 @@ def _check_stored_shapes(path: Path, target_dict) -> None:
         log.debug("no array metadata in %s: %s", path, e)
         return
     tree = getattr(metadata, "item_metadata", metadata)
-    stored = {_dotted(kp): tuple(leaf.shape) for kp, leaf in jax.tree_util.tree_leaves_with_path(tree)
-              if getattr(leaf, "shape", None) is not None}
-    wanted = {_dotted(kp): tuple(leaf.shape) for kp, leaf in jax.tree_util.tree_leaves_with_path(target_dict)}
+    leaves = [(_dotted(kp), leaf) for kp, leaf in jax.tree_util.tree_leaves_with_path(tree)
+              if getattr(leaf, "shape", None) is not None]
+    stored = {name: tuple(leaf.shape) for name, leaf in leaves}
+    stored_dtypes = {name: np.dtype(leaf.dtype).name for name, leaf in leaves if getattr(leaf, "dtype", None) is not None}
+    targets = list(jax.tree_util.tree_leaves_with_path(target_dict))
+    wanted = {_dotted(kp): tuple(leaf.shape) for kp, leaf in targets}
     bad = [f"{name} is {stored[name]} in params/ but {shape} by config/" for name, shape in wanted.items()
            if name in stored and stored[name] != shape]
+    # an edited param_dtype / dtype: the restore cast every weight silently
+    bad += [f"{name} is {stored_dtypes[name]} in params/ but {np.dtype(leaf.dtype).name} by config/"
+            for name, leaf in ((_dotted(kp), leaf) for kp, leaf in targets)
+            if name in stored_dtypes and stored_dtypes[name] != np.dtype(leaf.dtype).name]
     missing = [f"{name} is missing from params/" for name in wanted if stored and name not in stored]
     extra = [f"params/ holds {name}, which config/ has no place for" for name in stored if name not in wanted]
     problems = bad[:4] + missing[:4] + extra[:4]

@@ -48,6 +48,8 @@ def test_bad_restores(tmp_path):
     ({"n_layers": 1}, r"params/ holds layers\.1\.\S+, which config/ has no place for"),
     ({"tie_embeddings": True}, r"params/ holds lm_head\.kernel, which config/ has no place for"),
     ({"n_layers": 3}, r"layers\.2\.\S+ is missing from params/"),
+    # a dtype edit cast every weight on the way in, silently
+    ({"param_dtype": "bfloat16"}, r"embed is float32 in params/ but bfloat16 by config/"),
 ])
 def test_edited_config_is_named_in_both_directions(tmp_path, edit, match):
     """A stored config that implies fewer (or more) weights than params/ holds is a config
