@@ -288,7 +288,14 @@ def load_checkpoint(
         nnx.replace_by_pure_dict(abstract_state, restored)
         model = nnx.merge(graphdef, abstract_state)
 
-    model.tokenizer = load_tokenizer(path)
+    try:
+        model.tokenizer = load_tokenizer(path)
+    except ValueError as e:  # a damaged tokenizer file: named, as the other items are
+        raise CheckpointError(f"{path}: the tokenizer could not be read: {e}") from None
+    tok_vocab = getattr(model.tokenizer, "vocab_size", None)
+    if tok_vocab is not None and tok_vocab > stored.vocab_size:  # its top ids gave NaN logits
+        raise CheckpointError(f"{path}: the tokenizer has {tok_vocab} ids but ModelConfig.vocab_size="
+                              f"{stored.vocab_size}: ids from {stored.vocab_size} on have no embedding row")
     if (path / GENERATION_CONFIG).is_file():
         try:
             generation = json.loads((path / GENERATION_CONFIG).read_text())

@@ -69,3 +69,17 @@ def test_load_model_refuses_hf_options_for_a_jaxlm_checkpoint(tmp_path):
     save_checkpoint(jaxlm.build_model(jaxlm.ModelConfig.tiny()), tmp_path / "ckpt")
     with pytest.raises(TypeError, match=r"load_model\(\['dtype'\]\): these options apply to HF directories"):
         load_model(tmp_path / "ckpt", dtype="bfloat16")
+
+
+def test_a_damaged_or_oversized_tokenizer_is_named(tmp_path):
+    """A truncated tokenizer_config.json raised a bare JSONDecodeError; a tokenizer with more
+    ids than the embedding has rows loaded, and its top ids gave NaN logits."""
+    save_checkpoint(jaxlm.build_model(jaxlm.ModelConfig.tiny(), tokenizer=jaxlm.ByteTokenizer()), tmp_path / "ok")
+    (tmp_path / "ok" / "tokenizer_config.json").write_text('{"tokenizer_class": ')
+    with pytest.raises(jaxlm.CheckpointError, match=r"tokenizer could not be read: .*tokenizer_config.json could not "
+                                                    r"be read as JSON"):
+        load_checkpoint(tmp_path / "ok")
+    small = jaxlm.build_model(jaxlm.ModelConfig.tiny(vocab_size=200), tokenizer=jaxlm.ByteTokenizer())
+    save_checkpoint(small, tmp_path / "small")
+    with pytest.raises(jaxlm.CheckpointError, match=r"the tokenizer has 259 ids but ModelConfig.vocab_size=200"):
+        load_checkpoint(tmp_path / "small")

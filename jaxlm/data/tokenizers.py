@@ -69,6 +69,18 @@ def _token_string(special) -> str | None:
     return special if isinstance(special, str) else None
 
 
+def _json_object(file: Path) -> dict:
+    """A JSON object file; a `ValueError` naming the file when it is damaged or not an object
+    (a bare JSONDecodeError or AttributeError named nothing)."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{file} could not be read as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
 def _token_ids(tok, special) -> list[int]:
     """The ids a special-token entry names: an id, a token string, ``{"content": ...}``, or
     a list of those (``config.json``'s ``eos_token_id`` in Llama 3); unknown strings and
@@ -193,9 +205,7 @@ class HFTokenizer:
         id_fields: list[tuple[str, str, list]] = []  # (file, field, ids) for error messages
         for name in ("config.json", "generation_config.json", "special_tokens_map.json", _CONFIG):
             if (path / name).exists():
-                data = json.loads((path / name).read_text())
-                if not isinstance(data, dict):
-                    raise ValueError(f"{path / name} holds a JSON {type(data).__name__}, not an object")
+                data = _json_object(path / name)
                 for key in ("bos", "eos", "pad"):
                     if name == "generation_config.json" and key != "eos":
                         continue  # generation settings do not name the tokenizer's BOS / PAD
@@ -324,7 +334,7 @@ def load_tokenizer(path: str | os.PathLike) -> ByteTokenizer | HFTokenizer | Non
     """The tokenizer stored in directory ``path``, or None if it holds none."""
     path = Path(path)
     if (path / _CONFIG).exists():
-        if json.loads((path / _CONFIG).read_text()).get("tokenizer_class") == "ByteTokenizer":
+        if _json_object(path / _CONFIG).get("tokenizer_class") == "ByteTokenizer":
             return ByteTokenizer()
     if (path / "tokenizer.json").exists():
         return HFTokenizer.from_dir(path)
