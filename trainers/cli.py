@@ -508,8 +508,9 @@ def run_eval(args: EvalArgs) -> float:
     result = heldout_accuracy(model, args.source, args.n, max_new_tokens=args.max_new_tokens,
                               batch_size=args.batch_size, desc="eval", progress=True)
     name = type(args.source).__name__.lower()
-    print(f"{name}: exact-match accuracy {result.accuracy:.1%} on {result.n} held-out problems "
-          f"(chance {args.source.chance_accuracy():.2%})")
+    chance = args.source.chance_accuracy()
+    print(f"{name}: exact-match accuracy {result.accuracy:.1%} on {result.n} held-out problems"
+          + (f" (chance {chance:.2%})" if chance == chance else ""))  # NaN: the task has no chance level
     for s in result.samples[:5]:
         print(f"  {s['prompt']!r} -> {s['completion']!r} (reference {s['reference']!r})")
     if args.pass_at:
