@@ -105,6 +105,11 @@ def train(cfg: ExperimentConfig, *, hooks: Sequence[Hook] = (), data_iterator_wr
     if t.multihost:
         initialize_distributed()
     out_dir = Path(t.out_dir)
+    # paths the run reads, checked before the lock creates out_dir (a usage error left it behind)
+    if cfg.init_from and not Path(cfg.init_from).exists():
+        raise ConfigError(f"init_from={cfg.init_from!r} does not exist")
+    if cfg.tokenizer != "byte" and not Path(cfg.tokenizer).exists():
+        raise ConfigError(f"tokenizer={cfg.tokenizer!r} does not exist: 'byte' or a directory holding tokenizer.json")
     lock = DirectoryLock(out_dir, what=f"training run ({cfg.algorithm.name})", process_index=jax.process_index())
     with lock:
         return _run(cfg, out_dir, hooks, data_iterator_wrapper)

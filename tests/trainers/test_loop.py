@@ -114,6 +114,20 @@ def test_a_started_run_without_a_checkpoint_is_resumed_only_by_its_config(tmp_pa
     assert resumed.step == 6
 
 
+def test_missing_input_paths_leave_no_run_directory(tmp_path):
+    """A missing init_from or tokenizer was found after the run's lock had created out_dir and
+    its parents, which a usage error left behind."""
+    from trainers.loop import train
+
+    for field in ("init_from", "tokenizer"):
+        out = tmp_path / field / "a" / "b"
+        cfg = ExperimentConfig(trainer=TrainerConfig(out_dir=str(out), steps=1, progress=False),
+                               **{field: str(tmp_path / "nowhere")})
+        with pytest.raises(ConfigError, match=f"{field}=.*nowhere' does not exist"):
+            train(cfg)
+        assert not (tmp_path / field).exists()
+
+
 def test_out_dir_must_name_a_directory():
     with pytest.raises(ValueError, match="TrainerConfig.out_dir='' is invalid"):
         TrainerConfig(out_dir="")
