@@ -245,6 +245,11 @@ def test_judge_and_logprobs_outputs_are_checked_before_the_work(checkpoint, tmp_
     assert '"label": 0' in cal.read_text() and not (tmp_path / "judged.parquet").exists()
 
 
+def test_generate_without_prompts_fails_before_building_a_model(capsys):
+    """The embedded default's "model: ..." line came first, before the usage error."""
+    _fails(["generate", "--prompt"], capsys, "--prompt is empty")
+
+
 def test_dtype_for_a_jaxlm_checkpoint_is_a_usage_error(checkpoint, capsys):
     _fails(["generate", "--model", checkpoint, "--prompt", "1+1=", "--dtype", "bfloat16"], capsys,
            "--dtype applies to HF directories", "jaxlm checkpoint")

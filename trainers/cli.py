@@ -298,7 +298,7 @@ class ServeStreamArgs:
     save_draft: Annotated[Path | None, tyro.conf.arg(metavar="DIR")] = None
     """Save the adapted draft here (a jaxlm checkpoint)."""
     overwrite: bool = False
-    """Replace --save-draft if it exists."""
+    """Replace the outputs (--completions, --report, --save-draft) if they exist."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,6 +403,8 @@ def _distinct_outputs(**paths: Path | None) -> None:
 def run_generate(args: GenerateArgs) -> list[str]:
     import jaxlm
 
+    if not args.prompt:  # before the model line, so the error is the first line printed
+        raise UsageError("--prompt is empty: pass at least one prompt")
     if args.model is None:
         model = jaxlm.build_model(jaxlm.ModelConfig.tiny(init_std=0.5), tokenizer=jaxlm.ByteTokenizer())
         print("model: embedded default (ModelConfig.tiny, random weights, byte tokenizer)", file=sys.stderr)
@@ -609,6 +611,10 @@ def run_serve_stream(args: ServeStreamArgs):
     _file_outputs(inside=("save_draft", args.save_draft), completions=args.completions, report=args.report)
     if args.save_draft is not None and args.save_draft.exists() and not args.save_draft.is_dir():
         raise UsageError(f"--save-draft {args.save_draft} is a file: name a directory for the draft checkpoint")
+    for flag in ("completions", "report", "save_draft"):  # before the "serving" line: the error comes first
+        path = getattr(args, flag)
+        if path is not None and path.exists() and not args.overwrite:
+            raise UsageError(f"--{flag.replace('_', '-')} {path} exists; {_OVERWRITE_HINT}")
 
     spec = args.spec
     print(f"serving {args.prompts} in chunks of {spec.chunk_size}, draft adapted by {spec.method}; "
