@@ -61,6 +61,12 @@ def test_train_config_help_lists_every_key_with_type_value_and_description(capsy
         assert doc, f"{key} has no description"
     assert "trainer.steps: int = 1000" in text and "optimizer.lr: float = 0.003" in text
     assert "`" not in text
+    # a section's kind is listed but is no KEY=VALUE key (setting it said "unknown key algorithm")
+    kinds = [k for k, *_ in keys if k in ("algorithm", "data.source")]
+    assert sorted(kinds) == ["algorithm", "data.source"]
+    for key, _, _, doc in keys:
+        if key in kinds:
+            assert "not by KEY=VALUE" in doc, key
     # overrides before --help show in the values
     assert "trainer.steps: int = 7" in _help(["train", "quickstart", "trainer.steps=7", "--help"], capsys)
     assert dataclasses.is_dataclass(cfg)

@@ -87,8 +87,10 @@ def config_keys(config: Any, prefix: str = "") -> list[tuple[str, str, str, str]
         key = prefix + f.name
         if dataclasses.is_dataclass(value):
             choices = [a for a in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(a)]
-            if len(choices) > 1:
-                rows.append((key, type_name(hints[f.name]), type(value).__name__, docs.get(f.name, "")))
+            if len(choices) > 1:  # the kind is the config file's choice: not a KEY=VALUE override
+                note = "(the kind is set in the config file, not by KEY=VALUE; its fields follow)"
+                rows.append((key, type_name(hints[f.name]), type(value).__name__,
+                             (docs.get(f.name, "") + " " + note).strip()))
             rows += config_keys(value, key + ".")
         else:
             rows.append((key, type_name(hints[f.name]), _value(value), docs.get(f.name, "")))
@@ -100,7 +102,8 @@ def describe_config(config: Any, name: str) -> str:
     out = [f"usage: jaxlm train {name} [KEY=VALUE ...] [--multihost]", "",
            f"Keys of {name}, set as KEY=VALUE (e.g. trainer.steps=200), each with its type and its",
            "value in this config. A section that can be of several kinds (algorithm, data.source)",
-           "lists the fields of the kind this config uses.", ""]
+           "shows the kind this config uses (chosen in the config file, not settable as KEY=VALUE)",
+           "and lists that kind's fields.", ""]
     width = 100
     for key, tp, value, doc in config_keys(config):
         out.append(f"  {key}: {tp} = {value}")
