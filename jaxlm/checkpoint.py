@@ -202,9 +202,11 @@ def _dotted(key_path) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
 
 
-def _check_stored_shapes(path: Path, target_dict) -> None:
+def _check_stored_shapes(path: Path, target_dict, quantized: tuple[str, ...] = ()) -> None:
     """The stored arrays' shapes (orbax metadata) against those the stored config implies:
-    a `CheckpointError` naming the first parameters that differ (an edited config/)."""
+    a `CheckpointError` naming the first parameters that differ (an edited config/).
+    ``quantized``: dotted names of structured weights (stored as several arrays under the
+    name; checked by `_check_quantized_shapes`), left out here."""
     try:
         with _quiet_item_reads(), ocp.StandardCheckpointer() as ckptr:
             metadata = ckptr.metadata(path / "params")
@@ -212,11 +214,16 @@ def _check_stored_shapes(path: Path, target_dict) -> None:
         log.debug("no array metadata in %s: %s", path, e)
         return
     tree = getattr(metadata, "item_metadata", metadata)
+
+    def structured(name: str) -> bool:
+        return any(name == q or name.startswith(q + ".") for q in quantized)
+
     leaves = [(_dotted(kp), leaf) for kp, leaf in jax.tree_util.tree_leaves_with_path(tree)
-              if getattr(leaf, "shape", None) is not None]
+              if getattr(leaf, "shape", None) is not None and not structured(_dotted(kp))]
     stored = {name: tuple(leaf.shape) for name, leaf in leaves}
     stored_dtypes = {name: np.dtype(leaf.dtype).name for name, leaf in leaves if getattr(leaf, "dtype", None) is not None}
-    targets = list(jax.tree_util.tree_leaves_with_path(target_dict))
+    targets = [(kp, leaf) for kp, leaf in jax.tree_util.tree_leaves_with_path(target_dict)
+               if not structured(_dotted(kp))]
     wanted = {_dotted(kp): tuple(leaf.shape) for kp, leaf in targets}
     bad = [f"{name} is {stored[name]} in params/ but {shape} by config/" for name, shape in wanted.items()
            if name in stored and stored[name] != shape]
@@ -234,6 +241,51 @@ def _check_stored_shapes(path: Path, target_dict) -> None:
             + "; ".join(problems) + (f"; {more} more" if more else "")
             + "): config/ was edited or belongs to another model"
         )
+
+
+def _config_shapes_of(path: Path, target_dict, specs) -> dict[str, tuple[int, ...]]:
+    """``{quant path: the shape config/ gives that parameter}``; a `CheckpointError` for a
+    quantized weight config/ has no place for."""
+    shapes = {}
+    for name in specs:
+        node = target_dict
+        try:
+            for k in name.split("/"):
+                node = node[int(k)] if isinstance(node, list) else node[k if k in node else int(k)]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise CheckpointError(f"{path}: the stored parameters do not match the stored config (params/ holds "
+                                  f"the quantized {name.replace('/', '.')}, which config/ has no place for): "
+                                  "config/ was edited or belongs to another model") from None
+        shapes[name] = tuple(node.shape)
+    return shapes
+
+
+def _logical_shape(obj) -> tuple[int, ...] | None:
+    """The unquantized shape of a structured weight (its `QArray`'s, found through wrappers)."""
+    if hasattr(obj, "shape"):
+        return tuple(obj.shape)
+    for f in dataclasses.fields(obj) if dataclasses.is_dataclass(obj) else ():
+        inner = getattr(obj, f.name)
+        if dataclasses.is_dataclass(inner) and not isinstance(inner, type):
+            found = _logical_shape(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def _check_quantized_shapes(path: Path, restored, wanted: dict[str, tuple[int, ...]]) -> None:
+    bad = []
+    for name, shape in wanted.items():
+        node = restored
+        for k in name.split("/"):
+            node = node[int(k)] if isinstance(node, list) else node[k if k in node else int(k)]
+        got = _logical_shape(node)
+        if got is not None and got != shape:
+            bad.append(f"the quantized {name.replace('/', '.')} is {got} in params/ but {shape} by config/")
+    if bad:
+        raise CheckpointError(f"{path}: the stored parameters do not match the stored config ("
+                              + "; ".join(bad[:4]) + (f"; {len(bad) - 4} more" if len(bad) > 4 else "")
+                              + "): config/ was edited or belongs to another model")
 
 
 def load_checkpoint(
@@ -268,6 +320,10 @@ def load_checkpoint(
     specs = None
     if (path / "quant").exists():
         specs = _read_json_item(path, "quant")
+        # the quantized weights' places and logical shapes by config/ (an edited config loaded
+        # with weights of the old shape, or failed as a KeyError or "damaged")
+        quantized_shapes = _config_shapes_of(path, target_dict, specs)
+        _check_stored_shapes(path, target_dict, tuple(p.replace("/", ".") for p in specs))
         # quantized weights (codes, scales, transforms) are replicated over a mesh: on the first
         # device alone they met mesh-placed activations and every forward failed
         where = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
@@ -283,6 +339,7 @@ def load_checkpoint(
                               "damaged (a truncated or overwritten file); restore it from a copy") from None
     if specs:
         restored = from_storable(restored, specs)
+        _check_quantized_shapes(path, restored, quantized_shapes)
         model = nnx.merge(graphdef, restored)
     else:
         nnx.replace_by_pure_dict(abstract_state, restored)

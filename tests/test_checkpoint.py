@@ -83,3 +83,34 @@ def test_a_damaged_or_oversized_tokenizer_is_named(tmp_path):
     save_checkpoint(small, tmp_path / "small")
     with pytest.raises(jaxlm.CheckpointError, match=r"the tokenizer has 259 ids but ModelConfig.vocab_size=200"):
         load_checkpoint(tmp_path / "small")
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_quantized_checkpoint_checks_its_config_too(tmp_path, scan):
+    """The structure check skipped quantized checkpoints: an edited ffn_dim loaded with the old
+    128-wide weights under a config saying 96, fewer layers gave a bare KeyError, more layers
+    read as file damage."""
+    import json
+    import shutil
+
+    from jaxlm.models.params import flat_params
+    from jaxlm.quant.recipe import QuantRecipe, quantize_model
+
+    model = quantize_model(jaxlm.build_model(jaxlm.ModelConfig.tiny(scan_layers=scan), seed=1),
+                           QuantRecipe(format="nvfp4"))
+    save_checkpoint(model, tmp_path / "q")
+    back = load_checkpoint(tmp_path / "q")  # an unedited one still loads exactly
+    tokens = np.arange(8)[None]
+    np.testing.assert_array_equal(np.asarray(back(tokens).logits), np.asarray(model(tokens).logits))
+    assert sorted(flat_params(back)) == sorted(flat_params(model))
+    edits = [({"ffn_dim": 96}, r"the quantized layers\.\S*down_proj\.kernel is \(.*128.*\) in params/ but")]
+    if not scan:
+        edits += [({"n_layers": 1}, r"params/ holds the quantized layers\.1\.\S+, which config/ has no place for"),
+                  ({"n_layers": 3}, r"layers\.2\.\S+ is missing from params/")]
+    for edit, match in edits:
+        d = tmp_path / f"edited{len(edit)}{list(edit.values())[0]}"
+        shutil.copytree(tmp_path / "q", d)
+        meta = d / "config" / "metadata"
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), **edit}))
+        with pytest.raises(jaxlm.CheckpointError, match=match + ".*config/ was edited or belongs to another model"):
+            load_checkpoint(d)
