@@ -129,7 +129,8 @@ def model_shardings(model: nnx.Module, mesh: Mesh, rules: Mapping[str, object] =
 
     def one(var):
         value = var.get_value()
-        if not hasattr(value, "shape"):  # a pytree of arrays (jaxlm.quant.storage types)
+        leaves = jax.tree.leaves(value)
+        if not (len(leaves) == 1 and leaves[0] is value):  # a pytree of arrays (jaxlm.quant.storage types)
             return var.replace(jax.tree.map(lambda _: replicated, value))
         axes = var.get_metadata().get("out_sharding")
         return var.replace(param_sharding(value.shape, axes, mesh, rules))

@@ -100,10 +100,13 @@ def quantized_checks(mesh, tokens, mask):
     and `load_checkpoint(mesh=)` left them on device 0 beside mesh-placed parameters, so every
     forward failed. Their arrays are replicated over the mesh."""
     from jaxlm.quant.apply import quantize_with
+    from jaxlm.quant.recipe import QuantRecipe, quantize_model
 
     cfg = jaxlm.ModelConfig.tiny(vocab_size=256, init_std=0.2, d_model=64, ffn_dim=128, n_heads=2, n_kv_heads=2)
-    for method in ("rtn", "quarot"):
-        q = quantize_with(jaxlm.build_model(cfg, seed=0), method, "mxfp4", weights_only=True)
+    for method in ("recipe", "rtn", "quarot"):  # QArray weights (a .shape of their own) and transformed ones
+        base = jaxlm.build_model(cfg, seed=0)
+        q = (quantize_model(base, QuantRecipe("nvfp4")) if method == "recipe"
+             else quantize_with(base, method, "mxfp4", weights_only=True))
         ref = np.asarray(q(tokens, mask=mask).logits)
         with tempfile.TemporaryDirectory() as d:
             save_checkpoint(q, os.path.join(d, "q"))
