@@ -659,7 +659,8 @@ def run_judge(args: JudgeArgs) -> dict:
     if args.out.suffix != ".jsonl":
         raise UsageError(f"--out {args.out}: `jaxlm judge` writes a .jsonl file")
     # --out naming an input replaced it with the judged rows, even the labelled calibration set
-    _distinct_outputs(out=args.out, pairs=args.pairs, calibration=args.calibration)
+    _distinct_outputs(out=args.out, pairs=args.pairs)  # (the inputs may be one file: calibrating on the pairs)
+    _distinct_outputs(out=args.out, calibration=args.calibration)
     _file_outputs(out=args.out)
     template = JudgeTemplate() if args.prompt_format is None else JudgeTemplate(pairwise=args.prompt_format)
     summary = judge_file(_load(args.model), args.pairs, args.out, calibration=args.calibration, alpha=args.alpha,
